@@ -30,6 +30,7 @@ bit for bit the weights that transformers' GGUF loader produces.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -95,8 +96,9 @@ def _field_value(reader, key: str):
     return f.contents()
 
 
+@functools.lru_cache(maxsize=4)
 def open_gguf(path: Path) -> GGUFModel:
-    """Open a GGUF file and derive the mlx-lm config from its metadata.
+    """Open a GGUF file (memory-mapped; cached per path) and derive the mlx-lm config.
 
     Raises:
         ModelFormatError: not a GGUF file, truncated (a tensor extends past the end

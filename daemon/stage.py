@@ -266,15 +266,13 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype) -> Stage:
             weights.append((f"{target}.{key}", arr))
     if quant:
         config["quantization"] = {"group_size": gguf_source.GROUP, "bits": 4}
-        nn.quantize(
-            model,
-            class_predicate=lambda p, m: (
-                {"group_size": gguf_source.GROUP, "bits": quant[p]} if p in quant and hasattr(m, "to_quantized") else False
-            ),
-        )
-    if dtype is None:
-        # unquantized tensors (norms) keep float32; match the quantized layers' activations
-        pass
+
+        def predicate(path: str, module: nn.Module) -> dict | bool:
+            if path in quant and hasattr(module, "to_quantized"):
+                return {"group_size": gguf_source.GROUP, "bits": quant[path]}
+            return False
+
+        nn.quantize(model, class_predicate=predicate)
     try:
         model.load_weights(weights, strict=True)
     except ValueError as exc:

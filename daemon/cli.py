@@ -1,0 +1,166 @@
+"""The ``ringlet`` command line.
+
+Subcommands: ``run`` (the daemon), ``generate`` (one process, no network: the
+reference path, same engine), ``chat`` (a client of any node's API), ``demo`` (a
+local N-node cluster on the bundled model), ``plan`` (the planner on a nodes file).
+
+Errors print one ``error: ...`` line and exit with status 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from . import logs
+from .errors import RingletError
+
+DEFAULT_GRPC_PORT = 7100
+DEFAULT_API_PORT = 8000
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model path (MLX/HF directory or .gguf) or short name (default: smollm2-135m)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="dequantize/cast weights to this dtype (default: the model's own precision)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringlet", description="Run a language model across a ring of machines.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines (for services)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the daemon (a node of the cluster)")
+    _add_model_args(run)
+    run.add_argument("--host", default="127.0.0.1", help="gRPC address to bind and advertise (default 127.0.0.1)")
+    run.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")
+    run.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address")
+    run.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port")
+    run.add_argument("--plan", default=None,
+                     help="static plan, ring order: HOST:PORT=START:END,... (half-open layer ranges)")
+    run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
+
+    gen = sub.add_parser("generate", help="generate in this process, without network (reference path)")
+    _add_model_args(gen)
+    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print prompt and completion token ids as JSON")
+
+    chat = sub.add_parser("chat", help="chat with a running cluster through any node's API")
+    chat.add_argument("message", nargs="?", help="one message (omit for an interactive session)")
+    chat.add_argument("--api", default=f"http://127.0.0.1:{DEFAULT_API_PORT}", help="a node's API base URL")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+
+    demo = sub.add_parser("demo", help="start N local daemons on the bundled model, ask one question, stop")
+    demo.add_argument("--nodes", type=int, default=3)
+    demo.add_argument("--question", default="What is the capital of France?")
+    _add_model_args(demo)
+
+    try:
+        from .plan_cli import add_plan_parser
+    except ImportError:  # the planner CLI ships with the partitioning package
+        add_plan_parser = None
+    if add_plan_parser is not None:
+        add_plan_parser(sub)
+    return parser
+
+
+def _generate(args) -> int:
+    from .model_info import load_tokenizer, model_info
+    from .node import Node, NodeConfig
+    from .sampling import SamplingParams
+    from .sources import resolve
+    from .static_plan import StageSpec
+
+    location = resolve(args.model)
+    info = model_info(location)
+    tokenizer = load_tokenizer(location)
+    if args.chat:
+        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                    add_generation_prompt=True))
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    if not 0 <= args.temperature <= 2:
+        raise RingletError("--temperature must be within [0, 2]")
+    config = NodeConfig(host="local", port=0, model=location, dtype=args.dtype,
+                        plan=[StageSpec(address="local:0", start=0, end=info.num_layers)])
+
+    async def run() -> list[int]:
+        node = Node(config)
+        await node.start(serve_grpc=False)
+        tokens: list[int] = []
+        try:
+            sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+            detok = tokenizer.detokenizer
+            async for tok in node.generate(prompt, args.max_tokens, sampling, tokenizer.eos_token_ids):
+                tokens.append(tok)
+                if not args.json and tok not in tokenizer.eos_token_ids:
+                    before = len(detok.text)
+                    detok.add_token(tok)
+                    sys.stdout.write(detok.text[before:])
+                    sys.stdout.flush()
+            if not args.json:
+                before = len(detok.text)
+                detok.finalize()
+                sys.stdout.write(detok.text[before:] + "\n")
+        finally:
+            await node.stop()
+        return tokens
+
+    tokens = asyncio.run(run())
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt, "completion_ids": tokens}))
+    return 0
+
+
+def _chat(args) -> int:
+    from .client import chat_loop
+
+    return chat_loop(args.api, args.message, args.max_tokens, args.temperature)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ringlet`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logs.setup(args.verbose, args.log_json, quiet=args.command in ("generate", "chat", "plan"))
+    try:
+        if args.command == "run":
+            from .runner import serve
+
+            return asyncio.run(serve(args))
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.nodes, args.question, args.model, args.dtype)
+        if args.command == "plan":
+            from .plan_cli import run_plan
+
+            return run_plan(args)
+    except KeyboardInterrupt:
+        return 130
+    except (RingletError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``ringlet chat``: a small streaming client of any node's OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import httpx
+
+from .errors import RingletError
+
+
+def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: float):
+    """Yield text deltas of a streamed chat completion from ``api`` (base URL).
+
+    Raises:
+        RingletError: the node is unreachable or answered with an error.
+    """
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    try:
+        with httpx.stream("POST", f"{api.rstrip('/')}/v1/chat/completions", json=body, timeout=300) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                try:
+                    message = resp.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = resp.text[:200]
+                raise RingletError(f"{api} answered {resp.status_code}: {message}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RingletError(event["error"]["message"])
+                for choice in event.get("choices", []):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        yield text
+    except httpx.HTTPError as exc:
+        raise RingletError(f"cannot reach {api}: {exc}") from None
+
+
+def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float) -> int:
+    """One message, or an interactive session (empty line or Ctrl-D ends it)."""
+    history: list[dict] = []
+    while True:
+        if message is None:
+            try:
+                text = input("> ").strip()
+            except EOFError:
+                return 0
+            if not text:
+                return 0
+        else:
+            text = message
+        history.append({"role": "user", "content": text})
+        reply = []
+        for delta in stream_chat(api, history, max_tokens, temperature):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if message is not None:
+            return 0

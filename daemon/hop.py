@@ -1,0 +1,85 @@
+"""Outbound hop: one long-lived gRPC bidi stream from this stage to the next.
+
+A unary call per token would pay connection and call setup every step; one stream
+per hop carries every activation of every request in order. Writes are serialised
+with a lock; a broken stream is reopened once per write before the error is
+reported to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from .rpc import ringlet_pb2 as pb
+from .rpc import ringlet_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+#: gRPC channel/server options shared by every ringlet channel. The 4 MiB default
+#: receive limit is too small for prefill hidden states; keepalive pings notice a
+#: dead peer within seconds (grpc core keepalive doc, GRPC_ARG_KEEPALIVE_TIME_MS).
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel options: message size limits (bytes) and keepalive (ms)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 2000),
+        ("grpc.keepalive_timeout_ms", 2000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class HopLink:
+    """The stream to the next stage at ``address`` (``host:port``)."""
+
+    def __init__(self, address: str, max_message_bytes: int):
+        self.address = address
+        self._options = channel_options(max_message_bytes)
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self._lock = asyncio.Lock()
+        self.sent = 0
+
+    async def _open(self) -> None:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+        stub = pb_grpc.RingStub(self._channel)
+        self._call = stub.Hop()
+
+    async def send(self, message: pb.Activation) -> None:
+        """Write one activation to the next stage.
+
+        Raises:
+            grpc.aio.AioRpcError / ConnectionError: the next stage is unreachable
+                even after reopening the stream.
+        """
+        async with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._call is None or self._call.done():
+                        await self._open()
+                    await self._call.write(message)
+                    self.sent += 1
+                    return
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                    log.debug("hop to %s broke (%s); reopening", self.address, exc)
+                    self._call = None
+                    if attempt == 1:
+                        raise ConnectionError(f"next stage {self.address} is unreachable: {exc}") from None
+
+    async def close(self) -> None:
+        """Half-close the stream and close the channel."""
+        call, self._call = self._call, None
+        if call is not None and not call.done():
+            try:
+                await call.done_writing()
+            except Exception as exc:  # noqa: BLE001 - closing a broken stream
+                log.debug("closing hop to %s: %s", self.address, exc)
+            call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
