@@ -1,0 +1,199 @@
+"""Memory probe: how many bytes this node can give to model weights and KV cache.
+
+Sources:
+- total/available: ``psutil.virtual_memory()`` (bytes).
+- macOS GPU wired limit: ``sysctl iogpu.wired_limit_mb`` (0 = not set, the
+  default). The unit is MiB (2**20 bytes): mlx-lm's wired-limit warning
+  (mlx_lm/generate.py ``wired_limit``) divides byte counts by ``2**20`` when it
+  tells users which ``iogpu.wired_limit_mb`` to set.
+- MLX ``mx.device_info()`` (older mlx: ``mx.metal.device_info()``, which
+  mlx 0.32 still has but marks deprecated): keys ``device_name, architecture, max_buffer_length,
+  max_recommended_working_set_size, memory_size (= sysctl hw.memsize),
+  resource_limit`` (mlx/backend/metal/device_info.cpp, SOURCES.md "How mlx and
+  exo parse"). The old 3-key format (mlx PR #1060) has only
+  ``max_recommended_working_set_size, max_buffer_length, architecture``. The CPU
+  build on Linux returns only ``architecture`` and ``device_name``.
+
+Usable-memory rule (:func:`usable_memory_bytes`), in order:
+1. ``iogpu.wired_limit_mb`` > 0 -> that many MiB (the user raised or lowered
+   the GPU wired limit on purpose);
+2. else ``max_recommended_working_set_size`` -> Metal's recommendation (what
+   mlx-lm wires by default);
+3. else 80 % of total RAM (no GPU working-set limit known: Linux, CPU MLX),
+   leaving room for the OS, page cache and the daemon.
+Always capped at total RAM. ``available`` is deliberately not used: it drops as
+the daemon itself loads weights, so a plan based on it would shrink itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from .common import ProbeParseError, excerpt, parse_int, require_text, run_probe
+
+log = logging.getLogger("ringlet.daemon.probes")
+
+MIB = 1 << 20
+#: Fraction of total RAM considered usable when no GPU limit is known.
+DEFAULT_USABLE_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """``mx.device_info()`` as parsed. Sizes in bytes; any key may be missing (``None``)."""
+
+    device_name: str | None = None
+    architecture: str | None = None
+    max_recommended_working_set_size: int | None = None
+    memory_size: int | None = None
+    max_buffer_length: int | None = None
+    resource_limit: int | None = None
+
+
+@dataclass(frozen=True)
+class WiredLimit:
+    """``sysctl iogpu.wired_limit_mb``: ``mib`` as printed, 0 = default (not set)."""
+
+    mib: int
+
+    @property
+    def bytes(self) -> int | None:
+        """The limit in bytes (MiB * 2**20), or ``None`` when not set (0)."""
+        return self.mib * MIB if self.mib > 0 else None
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """What the daemon advertises about memory (all bytes).
+
+    ``usable_memory_bytes`` follows the rule in the module docstring;
+    ``usable_rule`` names the branch taken.
+    """
+
+    total_bytes: int
+    available_bytes: int
+    usable_memory_bytes: int
+    usable_rule: str
+    wired_limit_bytes: int | None = None
+    max_recommended_working_set_bytes: int | None = None
+    device_memory_bytes: int | None = None
+    device_name: str | None = None
+    architecture: str | None = None
+
+
+_INT_KEYS = ("max_recommended_working_set_size", "memory_size", "max_buffer_length", "resource_limit")
+_STR_KEYS = ("device_name", "architecture")
+
+
+def device_info_from_mapping(d: Any) -> DeviceInfo:
+    """Validate a ``device_info`` dict; ignore unknown keys; wrong types -> ProbeParseError."""
+    if not isinstance(d, dict):
+        raise ProbeParseError("device_info: not a dict")
+    kw: dict[str, Any] = {}
+    for k in _INT_KEYS:
+        v = d.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ProbeParseError(f"device_info: {k} is not a non-negative integer: {excerpt(repr(v))}")
+        kw[k] = v
+    for k in _STR_KEYS:
+        v = d.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            raise ProbeParseError(f"device_info: {k} is not a string")
+        kw[k] = v
+    if not kw:
+        raise ProbeParseError("device_info: none of the known keys")
+    return DeviceInfo(**kw)
+
+
+def parse_device_info(text: str) -> DeviceInfo:
+    """Parse a printed ``mx.device_info()`` dict (Python repr), optionally after ``NAME =``.
+
+    Accepts both fixtures: the 3-key ``{'max_recommended_working_set_size': ...}``
+    (mlx PR #1060) and the 6-key pasted ``DEVICE_INFO = {...}`` (ember-ml).
+    Uses ``ast.literal_eval`` (no code runs).
+    """
+    text = require_text(text, "device_info")
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        raise ProbeParseError("device_info: no {...} dict")
+    try:
+        with warnings.catch_warnings():  # junk escapes ("\\p") warn while compiling
+            warnings.simplefilter("ignore")
+            value = ast.literal_eval(text[start : end + 1])
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
+        raise ProbeParseError(f"device_info: not a Python dict literal ({type(e).__name__})") from None
+    return device_info_from_mapping(value)
+
+
+_SYSCTL_WIRED_RE = re.compile(r"^\s*(?:iogpu\.wired_limit_mb\s*[:=]\s*)?(\d+)\s*$")
+
+
+def parse_sysctl_wired_limit(text: str) -> WiredLimit:
+    """``sysctl iogpu.wired_limit_mb`` ("iogpu.wired_limit_mb: 0") or with ``-n`` ("0")."""
+    text = require_text(text, "iogpu.wired_limit_mb")
+    m = _SYSCTL_WIRED_RE.match(text.strip())
+    if not m:
+        raise ProbeParseError(f"iogpu.wired_limit_mb: unexpected output {excerpt(text)}")
+    return WiredLimit(parse_int(m.group(1), "iogpu.wired_limit_mb"))
+
+
+def usable_memory_bytes(
+    total_bytes: int, wired_limit_bytes: int | None, max_recommended_working_set_bytes: int | None
+) -> tuple[int, str]:
+    """Apply the usable-memory rule (module docstring). Returns ``(bytes, rule name)``."""
+    if wired_limit_bytes:
+        return min(wired_limit_bytes, total_bytes), "iogpu.wired_limit_mb"
+    if max_recommended_working_set_bytes:
+        return min(max_recommended_working_set_bytes, total_bytes), "max_recommended_working_set_size"
+    return int(total_bytes * DEFAULT_USABLE_FRACTION), f"{DEFAULT_USABLE_FRACTION:.0%} of total"
+
+
+def mlx_device_info() -> DeviceInfo | None:
+    """``mx.device_info()`` (older mlx: ``mx.metal.device_info()``); ``None`` + one log line."""
+    try:
+        import mlx.core as mx
+
+        fn = getattr(mx, "device_info", None)
+        if fn is None:  # older mlx
+            fn = mx.metal.device_info
+        return device_info_from_mapping(dict(fn()))
+    except Exception as e:  # no mlx, no Metal, odd dict: the daemon keeps running
+        log.warning("probe mx.device_info: unavailable (%s): %s", type(e).__name__, excerpt(str(e)))
+        return None
+
+
+def probe_memory(platform: str | None = None) -> MemoryInfo:
+    """Measure memory now. On macOS also the wired limit and Metal's working set."""
+    platform = platform or sys.platform
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    wired: int | None = None
+    if platform == "darwin":
+        wl = run_probe(["sysctl", "iogpu.wired_limit_mb"], parse_sysctl_wired_limit, timeout=5.0)
+        wired = wl.bytes if wl else None
+    info = mlx_device_info()
+    max_rec = info.max_recommended_working_set_size if info else None
+    usable, rule = usable_memory_bytes(total, wired, max_rec)
+    return MemoryInfo(
+        total_bytes=total,
+        available_bytes=available,
+        usable_memory_bytes=usable,
+        usable_rule=rule,
+        wired_limit_bytes=wired,
+        max_recommended_working_set_bytes=max_rec,
+        device_memory_bytes=info.memory_size if info else None,
+        device_name=info.device_name if info else None,
+        architecture=info.architecture if info else None,
+    )
