@@ -79,6 +79,7 @@ from .identity import (
     INCARNATION_RE,
     NODE_ID_RE,
     PROTOCOL_VERSION,
+    NodeIdentity,
     cluster_id,
     new_incarnation,
     should_yield,
@@ -636,10 +637,11 @@ class Discovery:
 
     Everything runs on the asyncio loop that calls :meth:`start` (zeroconf
     uses that loop; no thread of its own); call every method from it.
-    Callbacks run on that loop, from zeroconf's callbacks; they must not block. A callback may return an
-    awaitable, which is run as a task. Exceptions from callbacks are logged,
-    never propagated. Adverts that are ignored (other cluster, incompatible
-    version, bad signature, malformed, oversized) are logged once per
+    Callbacks run on that loop, from zeroconf's callbacks; they must not
+    block. A callback may return an awaitable, which is run as a task owned
+    by this object (:meth:`stop` cancels it). Exceptions from callbacks are
+    logged, never propagated. Adverts that are ignored (other cluster,
+    incompatible version, bad signature, malformed, oversized) are logged once per
     (instance name, reason); the node's own advert is ignored silently.
     """
 
@@ -701,6 +703,25 @@ class Discovery:
         self._running = False
         #: Seconds the last service registration took (for benchmarks and logs).
         self.registration_s: float | None = None
+
+    @classmethod
+    def for_identity(
+        cls, identity: NodeIdentity, cluster_name: str, grpc_port: int, api_port: int, **kwargs: Any
+    ) -> Discovery:
+        """Build a Discovery for ``identity``: its node id, start time and incarnation.
+
+        Other arguments as for the constructor (``interfaces``, ``secret``,
+        ``on_peer``, ``on_goodbye``, ``on_conflict``, ...), by keyword.
+        """
+        return cls(
+            identity.node_id,
+            cluster_name,
+            grpc_port,
+            api_port,
+            started_at_ms=identity.started_at_ms,
+            incarnation=identity.incarnation,
+            **kwargs,
+        )
 
     # -- public state ------------------------------------------------------------
 

@@ -285,9 +285,7 @@ class NodeIdentity:
                     raise ValueError("history is not a list")
             except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
                 aside = path.with_name(f"{NODE_FILE}.corrupt-{int(started)}")
-                log.warning(
-                    "%s is unusable (%s); moved it to %s and creating a fresh node id", path, e, aside
-                )
+                log.warning("%s is unusable (%s); moved it to %s and creating a fresh node id", path, e, aside)
                 with contextlib.suppress(OSError):
                     os.replace(path, aside)
             else:
@@ -300,9 +298,7 @@ class NodeIdentity:
                     history=history,
                     lock_fd=lock_fd,
                 )
-        ident = cls(
-            new_node_id(), started, directory, started_at=started, incarnation=incarnation, lock_fd=lock_fd
-        )
+        ident = cls(new_node_id(), started, directory, started_at=started, incarnation=incarnation, lock_fd=lock_fd)
         ident.save()
         log.info("created node id %s in %s", ident.node_id, path)
         return ident
@@ -346,9 +342,7 @@ class NodeIdentity:
         """
         when = time.time() if now is None else float(now)
         old = self.node_id
-        self.history.append(
-            {"node_id": old, "created_at": self.created_at, "replaced_at": when, "reason": str(reason)}
-        )
+        self.history.append({"node_id": old, "created_at": self.created_at, "replaced_at": when, "reason": str(reason)})
         del self.history[:-_MAX_HISTORY]
         new = new_node_id()
         while new == old:  # pragma: no cover - 2**-64
@@ -375,6 +369,5 @@ class NodeIdentity:
 
     def __repr__(self) -> str:
         return (
-            f"NodeIdentity(node_id={self.node_id!r}, incarnation={self.incarnation!r}, "
-            f"data_dir={str(self.data_dir)!r})"
+            f"NodeIdentity(node_id={self.node_id!r}, incarnation={self.incarnation!r}, data_dir={str(self.data_dir)!r})"
         )

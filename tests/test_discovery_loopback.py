@@ -381,8 +381,10 @@ def test_clone_newer_node_regenerates_and_both_stay_visible(tmp_path: Path) -> N
             assert json.loads((tmp_path / "clone" / "node.json").read_text())["node_id"] == clone_id.node_id
             # the observer ends up with both, under distinct ids; the original keeps its id
             await until(
-                lambda: set(observer.peers) == {orig_id.node_id, clone_id.node_id}
-                and observer.peers[orig_id.node_id].incarnation == orig_id.incarnation,
+                lambda: (
+                    set(observer.peers) == {orig_id.node_id, clone_id.node_id}
+                    and observer.peers[orig_id.node_id].incarnation == orig_id.incarnation
+                ),
                 4.0,
             )
             assert orig_id.node_id not in observer.goodbyes  # the clone's goodbye did not drop the original
@@ -404,9 +406,8 @@ CHILD = textwrap.dedent(
     async def main():
         ident = NodeIdentity.load_or_create(sys.argv[1])
         conflicts = []
-        d = Discovery(ident.node_id, sys.argv[2], int(sys.argv[3]), int(sys.argv[3]) + 1000, ["127.0.0.1"],
-                      on_conflict=conflicts.append, started_at_ms=ident.started_at_ms,
-                      incarnation=ident.incarnation)
+        d = Discovery.for_identity(ident, sys.argv[2], int(sys.argv[3]), int(sys.argv[3]) + 1000,
+                                   interfaces=["127.0.0.1"], on_conflict=conflicts.append)
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await d.start()

@@ -201,9 +201,7 @@ VALUES = st.one_of(
 )
 ANY_TXT = st.one_of(
     st.dictionaries(st.one_of(KEYS, st.binary(max_size=12)), VALUES, max_size=20),
-    st.dictionaries(
-        st.one_of(st.text(max_size=5), st.integers()), st.one_of(VALUES, st.integers()), max_size=4
-    ),
+    st.dictionaries(st.one_of(st.text(max_size=5), st.integers()), st.one_of(VALUES, st.integers()), max_size=4),
     st.lists(st.binary(), max_size=3),
     st.none(),
     st.integers(),
