@@ -73,6 +73,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
+    return_token_ids: bool = False  # extension (as in vLLM): the completion's token ids
 
     @field_validator("stop")
     @classmethod
@@ -195,8 +196,10 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
     def _sampling(body: _Common) -> SamplingParams:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
 
-    async def _run(prompt_ids: list[int], body: _Common) -> AsyncIterator[tuple[str, str | None, int]]:
-        """Yield ``(text delta, finish_reason or None, completion tokens so far)``."""
+    async def _run(prompt_ids: list[int], body: _Common,
+                   ids: list[int] | None = None) -> AsyncIterator[tuple[str, str | None, int]]:
+        """Yield ``(text delta, finish_reason or None, completion tokens so far)``; token
+        ids are appended to ``ids`` when given."""
         max_tokens = _budget(len(prompt_ids), body)
         detok = tokenizer.detokenizer
         matcher = _StopMatcher(body.stop or [])
@@ -204,6 +207,8 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
         finish = "length"
         async for token in node.generate(prompt_ids, max_tokens, _sampling(body), eos_ids):
             count += 1
+            if ids is not None:
+                ids.append(token)
             if token in eos_ids:
                 finish = "stop"
                 break
@@ -248,9 +253,9 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
         obj = "chat.completion" if kind == "chat" else "text_completion"
 
         if not body.stream:
-            text, finish, count = [], "length", 0
+            text, finish, count, ids = [], "length", 0, []
             try:
-                async for delta, reason, so_far in _run(prompt_ids, body):
+                async for delta, reason, so_far in _run(prompt_ids, body, ids):
                     count = so_far
                     text.append(delta)
                     if reason:
@@ -265,6 +270,9 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
                           "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = ids
             return {"id": rid, "object": obj, "created": created, "model": model_name,
                     "choices": [choice], "usage": usage}
 

@@ -82,10 +82,16 @@ class StageEngine:
         self.tokens_processed = 0
         self.busy_s = 0.0
 
+    @staticmethod
+    def new_executor() -> concurrent.futures.ThreadPoolExecutor:
+        """The single MLX worker thread of a node."""
+        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+
     @classmethod
-    async def create(cls, loader: Callable[[], Stage], **kwargs: Any) -> StageEngine:
-        """Load a stage on a fresh worker thread and wrap it."""
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+    async def create(cls, loader: Callable[[], Stage],
+                     executor: concurrent.futures.ThreadPoolExecutor | None = None, **kwargs: Any) -> StageEngine:
+        """Load a stage on the worker thread (a fresh one unless given) and wrap it."""
+        executor = executor or cls.new_executor()
         stage = await asyncio.get_running_loop().run_in_executor(executor, loader)
         return cls(stage, executor, **kwargs)
 

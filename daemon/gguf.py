@@ -159,12 +159,22 @@ def open_gguf(path: Path) -> GGUFModel:
 # --- quantized block repacking -------------------------------------------------------------
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Pack unsigned ``bits``-wide values (rows, n) into uint32 words (rows, n * bits / 32),
-    element i of a word at bit ``bits * i`` (MLX affine layout)."""
-    per = 32 // bits
-    q = q.reshape(q.shape[0], -1, per).astype(np.uint32)
-    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
-    return np.bitwise_or.reduce(q << shifts, axis=-1)
+    """Pack unsigned ``bits``-wide values (rows, n), ``uint8``, into uint32 words
+    (rows, n * bits / 32), element i of a word at bit ``bits * i`` (MLX affine layout).
+
+    Little-endian words make this byte packing: 8-bit values are the bytes
+    themselves; 4-bit values pair up as ``low | high << 4``. Only ``uint8``
+    temporaries are made, so a large embedding repacks without a 4x blow-up.
+    """
+    rows = q.shape[0]
+    if bits == 8:
+        packed = np.ascontiguousarray(q, dtype=np.uint8)
+    elif bits == 4:
+        q = q.reshape(rows, -1, 2)
+        packed = np.ascontiguousarray(q[..., 0] | (q[..., 1] << 4), dtype=np.uint8)
+    else:
+        raise ValueError(f"cannot pack {bits}-bit values")
+    return packed.reshape(rows, -1).view("<u4")
 
 
 def repack(raw: np.ndarray, type_name: str, rows: int, cols: int):
@@ -196,12 +206,25 @@ def repack(raw: np.ndarray, type_name: str, rows: int, cols: int):
     if type_name == "Q8_0":
         blocks = raw.reshape(rows, nb, 34)
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-        qs = blocks[..., 2:34].copy().view(np.int8).astype(np.int16) + 128
-        return _pack(qs.astype(np.uint8).reshape(rows, cols), 8), d, (d * np.float16(-128)).astype(np.float16), 8
+        # int8 -> offset binary: q + 128 == q ^ 0x80 on the two's-complement byte
+        qs = blocks[..., 2:34] ^ np.uint8(0x80)
+        return _pack(qs.reshape(rows, cols), 8), d, (d * np.float16(-128)).astype(np.float16), 8
     raise ValueError(f"no MLX affine layout for {type_name}")
 
 
 AFFINE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _read(path: Path, tensor) -> np.ndarray:
+    """Read one tensor's bytes with a plain file read (not through the memory map), so
+    the file pages do not stay in this process's resident set after the tensor is
+    converted; returned with the reader's dtype and shape."""
+    with open(path, "rb") as fh:
+        fh.seek(tensor.data_offset)
+        buf = fh.read(tensor.n_bytes)
+    if len(buf) != tensor.n_bytes:
+        raise ModelFormatError(f"{path}: truncated GGUF file: tensor {tensor.name} is cut short")
+    return np.frombuffer(buf, dtype=tensor.data.dtype).reshape(tensor.data.shape)
 
 
 def _unpermute(a: mx.array, n_head: int) -> mx.array:
@@ -228,22 +251,22 @@ def load_tensor(model: GGUFModel, name: str, dtype: mx.Dtype | None) -> dict[str
     t = model.tensors[name]
     type_name = t.tensor_type.name
     shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-    raw = np.asarray(t.data)
+    raw = _read(model.path, t)
     if type_name in AFFINE_TYPES and len(shape) == 2:
         w, s, b, bits = repack(raw, type_name, shape[0], shape[1])
         w, s, b = mx.array(w), mx.array(s), mx.array(b)
         if dtype is None:
             return {"weight": w, "scales": s, "biases": b, "_bits": bits}
         full = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=GROUP, bits=bits)
-        return {"weight": full.astype(dtype)}
+        return {"weight": full if dtype == mx.float32 else full.astype(dtype)}
     if type_name in ("F32", "F16"):
         arr = mx.array(raw.reshape(shape))
     elif type_name == "BF16":
         arr = mx.array(raw.view(np.uint16).reshape(shape)).view(mx.bfloat16)
     else:
         arr = mx.array(gguf.quants.dequantize(raw, t.tensor_type).reshape(shape).astype(np.float32))
-    target = dtype or (mx.float32 if arr.dtype == mx.float32 else arr.dtype)
-    return {"weight": arr.astype(target)}
+    target = dtype or arr.dtype
+    return {"weight": arr if arr.dtype == target else arr.astype(target)}
 
 
 def stage_tensor_names(model: GGUFModel, start: int, end: int, first: bool, last: bool) -> list[str]:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import statistics
+import sys
 import time
 import uuid
 from collections import deque
@@ -26,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import psutil
 
 from . import codec
 from .engine import RequestError, StageEngine, sampling_from_pb, sampling_to_pb
@@ -103,6 +106,7 @@ class Node:
         self._generations: dict[str, _Generation] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.hop_latency_s: deque[float] = deque(maxlen=512)
+        self.memory: dict[str, int] = {}
         self.recent: deque[dict] = deque(maxlen=32)
 
     def _own_index(self) -> int:
@@ -136,10 +140,17 @@ class Node:
             if bound == 0:
                 raise OSError(f"cannot bind gRPC port {self.config.address}")
             await self._server.start()
+        executor = StageEngine.new_executor()
+        # An empty daemon: server up, MLX worker started, no weights. Its RSS is the
+        # baseline the memory figures in info() are read against.
+        await asyncio.get_running_loop().run_in_executor(executor, _warm_up_mlx)
+        self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
         self.engine = await StageEngine.create(
             lambda: load_stage(self.config.model, spec.start, spec.end, self.config.dtype),
-            max_tensor_bytes=self.config.max_message_bytes,
+            executor=executor, max_tensor_bytes=self.config.max_message_bytes,
         )
+        self.memory["stage_param_bytes"] = self.engine.stage.nbytes()
+        self.memory["mlx_active_after_load_bytes"] = await self.engine.run(_mlx_active_bytes)
         if len(self.config.plan) > 1:
             successor = self.config.plan[(self.index + 1) % len(self.config.plan)]
             self._next = HopLink(successor.address, self.config.max_message_bytes)
@@ -246,7 +257,9 @@ class Node:
         offset = 0 if step == 0 else len(gen.prompt) + len(gen.tokens) - 1
         try:
             out = await self.engine.run(self.engine.step, gen.request_id, step, offset, payload, gen.sampling)
-        except (RequestError, codec.TensorDecodeError, ValueError) as exc:
+        except Exception as exc:  # fail this request only
+            if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
+                log.exception("stage 0 failed request %s", gen.request_id)
             self._finish(gen, GenerationError(f"stage 0: {exc}"))
             return
         if isinstance(out, int):
@@ -325,7 +338,9 @@ class Node:
             raise codec.TensorDecodeError("activation carries no hidden states")
         try:
             out = await self.engine.run(self.engine.step, rid, message.step, message.offset, payload, sampling)
-        except (RequestError, codec.TensorDecodeError) as exc:
+        except Exception as exc:  # any failure fails this request only; the node keeps serving
+            if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
+                log.exception("stage %d failed request %s", self.index, rid)
             await self._forward(pb.Activation(request_id=rid, epoch=self.epoch,
                                               error=f"stage {self.index} ({self.config.address}): {exc}"))
             if isinstance(exc, codec.TensorDecodeError):
@@ -337,6 +352,8 @@ class Node:
             nxt.token = out
         else:
             nxt.hidden.CopyFrom(out)
+            if message.HasField("sampling"):
+                nxt.sampling.CopyFrom(message.sampling)
         await self._forward(nxt)
 
     async def _forward(self, message: pb.Activation) -> None:
@@ -363,8 +380,31 @@ class Node:
             "requests_in_flight": len(self._generations),
             "kv_caches": self.engine.active_requests if self.engine else [],
             "hop_latency_median_s": statistics.median(lat) if lat else None,
+            "memory": {**self.memory, "rss_bytes": psutil.Process().memory_info().rss,
+                       "peak_rss_bytes": _peak_rss_bytes()},
             "recent_requests": list(self.recent),
         }
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process, bytes (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _warm_up_mlx() -> None:
+    """First MLX use on the worker thread (stream and allocator set-up)."""
+    import mlx.core as mx
+    import mlx_lm.models.cache  # noqa: F401 - imported by every stage
+
+    mx.eval(mx.zeros((8, 8)) @ mx.zeros((8, 8)))
+
+
+def _mlx_active_bytes() -> int:
+    import mlx.core as mx
+
+    mx.clear_cache()
+    return int(mx.get_active_memory())
 
 
 class _RingServicer(pb_grpc.RingServicer):

@@ -8,6 +8,7 @@ import logging
 import uvicorn
 
 from .api import create_app
+from .memory_tuning import tune_allocator
 from .model_info import load_tokenizer, model_info
 from .node import Node, NodeConfig
 from .sources import resolve
@@ -40,12 +41,13 @@ def build_config(args) -> tuple[NodeConfig, int]:
 
 async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
+    tune_allocator()
     config, context = build_config(args)
     node = Node(config)
-    loop = asyncio.get_running_loop()
-    tokenizer_task = loop.run_in_executor(None, load_tokenizer, config.model)
+    # The tokenizer first, so the memory figure taken before the stage loads
+    # (node.memory["rss_before_load_bytes"]) is that of a daemon holding no weights.
+    tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
     await node.start()
-    tokenizer = await tokenizer_task
     app = create_app(node, tokenizer, config.model.name, context)
     server = uvicorn.Server(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
                                            lifespan="off", access_log=False))

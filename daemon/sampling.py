@@ -1,9 +1,9 @@
 """Token sampling on the last stage: greedy, temperature, top-p, top-k, seeded.
 
-The sampler chain is mlx-lm's (``mlx_lm.sample_utils.make_sampler``). Each request
-has its own random key, so a seeded request samples the same tokens whatever else
-the node is serving: the global MLX key is swapped in around the sampler call
-(all MLX work of a node runs on its one worker thread, so the swap is race-free).
+The filters are mlx-lm's (``apply_top_p``, ``apply_top_k`` from
+``mlx_lm.sample_utils``, in the order ``make_sampler`` chains them); the final draw
+is ``mx.random.categorical`` with an explicit per-request key, split once per token,
+so a seeded request samples the same tokens whatever else the node is serving.
 """
 
 from __future__ import annotations
@@ -34,12 +34,15 @@ class RequestSampler:
     """Samples one request's tokens from last-stage logits ``(vocab,)``."""
 
     def __init__(self, params: SamplingParams):
-        from mlx_lm.sample_utils import make_sampler
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
         self.params = params
         self._greedy = params.temperature == 0
-        top_p = params.top_p if 0 < params.top_p < 1 else 0.0
-        self._sampler = make_sampler(temp=params.temperature, top_p=top_p, top_k=params.top_k)
+        self._filters = []
+        if 0 < params.top_p < 1:
+            self._filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.top_k > 0:
+            self._filters.append(lambda x: apply_top_k(x, params.top_k))
         seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(seed)
 
@@ -47,13 +50,9 @@ class RequestSampler:
         """Pick the next token id from float logits of shape ``(vocab,)``."""
         if self._greedy:
             return int(mx.argmax(logits, axis=-1).item())
-        logprobs = logits.astype(mx.float32)
+        logprobs = logits.astype(mx.float32)[None]
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        saved = mx.random.state[0]
-        mx.random.state[0] = self._key
-        try:
-            token = int(self._sampler(logprobs[None])[0].item())
-            self._key = mx.random.state[0]
-        finally:
-            mx.random.state[0] = saved
-        return token
+        for keep in self._filters:
+            logprobs = keep(logprobs)
+        self._key, draw = mx.random.split(self._key)
+        return int(mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=draw)[0].item())

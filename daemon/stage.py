@@ -75,9 +75,10 @@ def validate_range(start: int, end: int, num_layers: int) -> None:
 
 def _inner(model: nn.Module) -> nn.Module:
     """The sub-module that owns the decoder layer list (``model.model`` in mlx-lm)."""
-    layers = model.layers
+    layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
     for _, module in model.named_modules():
-        if module is not model and getattr(module, "layers", None) is layers:
+        owned = getattr(module, "layers", None)
+        if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
             return module
     raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
 
@@ -264,6 +265,7 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype) -> Stage:
         for key, arr in arrays.items():
             mx.eval(arr)
             weights.append((f"{target}.{key}", arr))
+        mx.clear_cache()  # return intermediates (packed words, fp32 scales) before the next tensor
     if quant:
         config["quantization"] = {"group_size": gguf_source.GROUP, "bits": 4}
 

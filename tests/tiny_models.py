@@ -1,0 +1,65 @@
+"""Tiny random-weight mlx-lm models of several architectures, saved as MLX directories.
+
+Each config is small (4 decoder layers, hidden size 64) but exercises the
+architecture's real code: grouped-query attention, q/k norms (qwen3), mixture of
+experts (qwen3_moe, deepseek_v3), multi-head latent attention and a dense first
+layer (deepseek_v3), tied and untied heads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+NUM_LAYERS = 4
+
+CONFIGS: dict[str, dict] = {
+    "llama": {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": NUM_LAYERS, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 160,
+        "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
+    "qwen3": {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": NUM_LAYERS, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "vocab_size": 160, "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": NUM_LAYERS, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [0], "moe_intermediate_size": 32,
+        "rms_norm_eps": 1e-6, "vocab_size": 160, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "max_position_embeddings": 256, "norm_topk_prob": True,
+    },
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4, "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_nope_head_dim": 16,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 2,
+        "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    },
+}
+
+
+def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
+    """Build ``arch`` with random float32 weights and save ``config.json`` + ``model.safetensors``."""
+    from mlx_lm.utils import _get_classes
+
+    config = CONFIGS[arch]
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    # Random init leaves some biases/norms at constants; perturb everything so a
+    # misrouted tensor cannot go unnoticed.
+    params = {k: (v + 0.02 * mx.random.normal(v.shape)).astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
+              else v for k, v in params.items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), params)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
