@@ -11,10 +11,10 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from tiny_models import CONFIGS, NUM_LAYERS, make_tiny_model
-
+from mlx.utils import tree_flatten
 from ringlet.daemon.sources import resolve
 from ringlet.daemon.stage import load_stage
+from tiny_models import CONFIGS, NUM_LAYERS, make_tiny_model
 
 PROMPT = [3, 17, 42, 99, 5, 150, 8]
 DECODE_STEPS = 5
@@ -58,7 +58,7 @@ def split_logits(stages):
     caches = [s.make_cache() for s in stages]
     out = []
     x = mx.array([PROMPT])
-    for step in range(DECODE_STEPS + 1):
+    for _ in range(DECODE_STEPS + 1):
         h = x
         for stage, cache in zip(stages, caches, strict=True):
             h = stage(h, cache)
@@ -89,7 +89,7 @@ def test_a_stage_holds_only_its_layers(arch, tmp_path):
     path = make_tiny_model(arch, tmp_path / arch)
     location = resolve(str(path))
     middle = load_stage(location, 1, 3)
-    names = {k for k, _ in __import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(middle.model.parameters())}
+    names = {k for k, _ in tree_flatten(middle.model.parameters())}
     assert names, "the stage holds nothing"
     assert all(n.startswith("model.layers.0.") or n.startswith("model.layers.1.") for n in names), sorted(names)[:5]
     assert len(middle.model.layers) == 2
