@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from . import logs
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # transformers (used for tokenizers only) prints advisories on stderr; keep errors.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logs.setup(args.verbose, args.log_json, quiet=args.command in ("generate", "chat", "plan"))
     try:
         if args.command == "run":

@@ -31,6 +31,15 @@ def model_info(location: ModelLocation) -> ModelInfo:
         config = gguf_source.open_gguf(location.path).config
     else:
         config = read_config(location)
+        from mlx_lm.utils import _get_classes
+
+        try:
+            _get_classes(config)
+        except (ValueError, KeyError):
+            raise ModelFormatError(
+                f"{location.path}: unsupported architecture {config.get('model_type')!r} "
+                "(mlx-lm has no model class for it)"
+            ) from None
     text = config.get("text_config", config)
     try:
         layers = int(text["num_hidden_layers"])

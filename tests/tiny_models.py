@@ -46,8 +46,27 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+def save_char_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A character-level tokenizer (``tokenizers`` WordLevel) over printable ASCII, with
+    ``<unk>``, ``<s>``, ``</s>`` and a minimal chat template, so tiny models run end to end."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>", *chars])}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(directory / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+        "eos_token": "</s>", "chat_template": template}))
+
+
 def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
-    """Build ``arch`` with random float32 weights and save ``config.json`` + ``model.safetensors``."""
+    """Build ``arch`` with random float32 weights and save ``config.json``,
+    ``model.safetensors`` and a character-level tokenizer."""
     from mlx_lm.utils import _get_classes
 
     config = CONFIGS[arch]
@@ -62,4 +81,5 @@ def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"), params)
     (directory / "config.json").write_text(json.dumps(config))
+    save_char_tokenizer(directory, config["vocab_size"])
     return directory
