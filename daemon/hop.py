@@ -15,30 +15,16 @@ import grpc
 
 from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
+from .transport import TransportConfig, make_channel
 
 log = logging.getLogger(__name__)
-
-#: gRPC channel/server options shared by every ringlet channel. The 4 MiB default
-#: receive limit is too small for prefill hidden states; keepalive pings notice a
-#: dead peer within seconds (grpc core keepalive doc, GRPC_ARG_KEEPALIVE_TIME_MS).
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel options: message size limits (bytes) and keepalive (ms)."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 2000),
-        ("grpc.keepalive_timeout_ms", 2000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
-
 
 class HopLink:
     """The stream to the next stage at ``address`` (``host:port``)."""
 
-    def __init__(self, address: str, max_message_bytes: int):
+    def __init__(self, address: str, transport: TransportConfig):
         self.address = address
-        self._options = channel_options(max_message_bytes)
+        self._transport = transport
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._lock = asyncio.Lock()
@@ -46,7 +32,7 @@ class HopLink:
 
     async def _open(self) -> None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._channel = make_channel(self._transport, self.address)
         stub = pb_grpc.RingStub(self._channel)
         self._call = stub.Hop()
 

@@ -32,13 +32,14 @@ import psutil
 
 from . import codec
 from .engine import RequestError, StageEngine, sampling_from_pb, sampling_to_pb
-from .hop import HopLink, channel_options
+from .hop import HopLink
 from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
 from .sampling import SamplingParams
 from .sources import ModelLocation
 from .stage import load_stage
 from .static_plan import StageSpec
+from .transport import TransportConfig, make_channel, make_server
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class NodeConfig:
         model: the resolved model.
         dtype: ``None`` (model precision) or float16 / bfloat16 / float32.
         plan: stages in ring order; this node is the stage whose address is ``host:port``.
-        max_message_bytes: largest gRPC message (and tensor payload), bytes.
+        transport: gRPC settings (message limit, keepalive, secret).
         step_timeout_s: seconds stage 0 waits for a token before failing the request.
     """
 
@@ -69,7 +70,7 @@ class NodeConfig:
     plan: list[StageSpec]
     dtype: str | None = None
     node_id: str = ""
-    max_message_bytes: int = 512 * 1024 * 1024
+    transport: TransportConfig = field(default_factory=TransportConfig)
     step_timeout_s: float = 60.0
 
     @property
@@ -134,11 +135,8 @@ class Node:
         spec = self.stage_spec
         self.state = "loading"
         if serve_grpc:
-            self._server = grpc.aio.server(options=channel_options(self.config.max_message_bytes))
+            self._server = make_server(self.config.transport, self.config.address)
             pb_grpc.add_RingServicer_to_server(_RingServicer(self), self._server)
-            bound = self._server.add_insecure_port(self.config.address)
-            if bound == 0:
-                raise OSError(f"cannot bind gRPC port {self.config.address}")
             await self._server.start()
         executor = StageEngine.new_executor()
         # An empty daemon: server up, MLX worker started, no weights. Its RSS is the
@@ -147,13 +145,14 @@ class Node:
         self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
         self.engine = await StageEngine.create(
             lambda: load_stage(self.config.model, spec.start, spec.end, self.config.dtype),
-            executor=executor, max_tensor_bytes=self.config.max_message_bytes,
+            executor=executor, max_tensor_bytes=self.config.transport.max_message_bytes,
         )
         self.memory["stage_param_bytes"] = self.engine.stage.nbytes()
         self.memory["mlx_active_after_load_bytes"] = await self.engine.run(_mlx_active_bytes)
+        self.memory["peak_rss_after_load_bytes"] = _peak_rss_bytes()
         if len(self.config.plan) > 1:
             successor = self.config.plan[(self.index + 1) % len(self.config.plan)]
-            self._next = HopLink(successor.address, self.config.max_message_bytes)
+            self._next = HopLink(successor.address, self.config.transport)
         self.state = "ready"
         log.info("stage %d [%d, %d) ready on %s", self.index, spec.start, spec.end, self.config.address)
 
@@ -208,7 +207,7 @@ class Node:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=channel_options(self.config.max_message_bytes))
+            ch = make_channel(self.config.transport, address)
             self._channels[address] = ch
         return ch
 
