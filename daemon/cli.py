@@ -66,13 +66,27 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--question", default="What is the capital of France?")
     _add_model_args(demo)
 
-    try:
-        from .plan_cli import add_plan_parser
-    except ImportError:  # the planner CLI ships with the partitioning package
-        add_plan_parser = None
-    if add_plan_parser is not None:
-        add_plan_parser(sub)
+    for module in _extensions():
+        module.add_parsers(sub)
     return parser
+
+
+#: Modules that contribute subcommands. Each exposes ``COMMANDS`` (names),
+#: ``add_parsers(subparsers)`` and ``run(args) -> int``.
+EXTENSIONS = ("plan_cli", "ops_cli", "secret_cli")
+
+
+def _extensions() -> list:
+    import importlib
+
+    found = []
+    for name in EXTENSIONS:
+        try:
+            found.append(importlib.import_module(f"{__package__}.{name}"))
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.{name}":
+                raise
+    return found
 
 
 def _generate(args) -> int:
@@ -153,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args.nodes, args.question, args.model, args.dtype)
-        if args.command == "plan":
-            from .plan_cli import run_plan
-
-            return run_plan(args)
+        for module in _extensions():
+            if args.command in module.COMMANDS:
+                return module.run(args)
     except KeyboardInterrupt:
         return 130
     except (RingletError, ValueError, OSError) as exc:
