@@ -316,7 +316,8 @@ def print_plan(plan: Plan, model=None, console=None) -> None:
             x.add_row(e.node_id, e.reason)
         console.print(x)
     tps = plan.throughput_tokens_per_s
-    console.print(f"policy [bold]{plan.policy}[/bold] · ring {' → '.join(plan.ring_order)} → {plan.ring_order[0]}")
+    ring = " → ".join(plan.ring_order + plan.ring_order[:1]) if len(plan.stages) > 1 else f"{plan.ring_order[0]} alone"
+    console.print(f"policy [bold]{plan.policy}[/bold] · ring {ring}")
     one = f" ({1 / plan.latency_s:,.1f} tokens/s)" if plan.latency_s > 0 else ""
     console.print(
         f"per token: slowest stage {_ms(plan.max_stage_time_s)}, one request {_ms(plan.latency_s)}{one}"
@@ -340,3 +341,17 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- the ``ringlet`` CLI extension protocol (see daemon/cli.py) ---------------------------
+COMMANDS = frozenset({"plan"})
+
+
+def add_parsers(subparsers) -> None:
+    """Register ``ringlet plan``."""
+    add_plan_parser(subparsers)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ringlet plan``."""
+    return run_plan(args)

@@ -68,6 +68,16 @@ def test_bandwidth_beats_latency():
     assert plan.ring_order in (("A", "B", "C", "D"), ("D", "C", "B", "A"))
 
 
+def test_tb5_cycle_beats_cycles_through_tb4_chords():
+    # A TB5 4-cycle A-B-C-D-A plus two TB4 chords (A-C, B-D) with lower latency. The Hamiltonian
+    # cycles through a chord use a TB4 link; the planner keeps every hop, the return included, on TB5.
+    links = [LinkSpec(a, b, TB5, 1e-4, "tb5") for a, b in ("AB", "BC", "CD", "DA")]
+    links += [LinkSpec("A", "C", TB4, 1e-6, "tb4"), LinkSpec("B", "D", TB4, 1e-6, "tb4")]
+    plan = make_plan(nodes("ABCD"), links, model())
+    assert [h.bandwidth_bytes_per_s for h in plan.hops] == [TB5] * 4
+    assert all(h.kind == "direct" for h in plan.hops)
+
+
 def test_full_cycle_prefers_direct_return():
     # A 4-cycle of TB5 links: every forward hop and the return are direct.
     links = [LinkSpec(a, b, TB5, 5e-5, "tb5") for a, b in ("AB", "BC", "CD", "DA")]
