@@ -90,12 +90,21 @@ def bench_exact_ring() -> dict:
         if rng.random() < 0.5
     ]
     best, median, order = _timed(lambda: Topology(ids, links, Policy(), 16_384).best_order())
+    # Worst case for the threshold search: a full mesh where every link has its own bandwidth.
+    mesh = [
+        LinkSpec(a, b, rng.uniform(1e9, 1e10), rng.uniform(1e-5, 1e-4))
+        for i, a in enumerate(ids)
+        for b in ids[i + 1:]
+    ]
+    mbest, mmedian, _ = _timed(lambda: Topology(ids, mesh, Policy(), 16_384).best_order())
     nodes = [NodeSpec(i, 128 * 2**30, 546e9, 17e12) for i in ids]
     model = ModelSpec((1_000_000_000,) * 80, 10**9, 10**9, 4096, CONTEXT, 2e9, activation_bytes_per_token=16_384)
     pbest, pmedian, plan = _timed(lambda: make_plan(nodes, links, model))
     return {
         "ring_min_ms": best * 1e3,
         "ring_median_ms": median * 1e3,
+        "mesh_ring_min_ms": mbest * 1e3,
+        "mesh_ring_median_ms": mmedian * 1e3,
         "plan_min_ms": pbest * 1e3,
         "plan_median_ms": pmedian * 1e3,
         "links": len(links),
@@ -148,7 +157,7 @@ def main() -> dict:
     results["goals"] = {
         "plan_64x128_ms<=50": large["uncabled/balanced"]["median_ms"] <= 50
         and large["tb5_ring/balanced"]["median_ms"] <= 50,
-        "exact_ring_10_ms<=1000": ring["ring_median_ms"] <= 1000,
+        "exact_ring_10_ms<=1000": max(ring["ring_median_ms"], ring["mesh_ring_median_ms"]) <= 1000,
     }
     _print(results)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
@@ -169,6 +178,8 @@ def _print(results: dict) -> None:
     r = results["exact_ring_10"]
     t.add_row(f"exact ring order, 10 nodes, {r['links']} links", f"{r['ring_median_ms']:.1f} ms",
               f"{r['ring_min_ms']:.1f} ms", "")
+    t.add_row("exact ring order, 10 nodes, full mesh, 45 distinct links", f"{r['mesh_ring_median_ms']:.1f} ms",
+              f"{r['mesh_ring_min_ms']:.1f} ms", "")
     t.add_row("full plan, 10 nodes x 80 layers", f"{r['plan_median_ms']:.1f} ms", f"{r['plan_min_ms']:.1f} ms", "")
     console.print(t)
     p = Table(title=f"predicted ms per token at {results['context_tokens']} tokens of context "

@@ -53,7 +53,7 @@ Algorithms (details in each module):
   ``greedy_tsp`` + 2-opt beyond;
 * splits (``split``): exact dynamic programmes over ``(L+1) x (L+1)`` cost
   matrices: min-max O(k L^2), lexicographic additive O(k L^2), with hop costs
-  O(k^2 |F| L^2); exo's largest-remainder proportional split;
+  O(k |F| L^2 + k^2 |F| L); exo's largest-remainder proportional split;
 * policies (``policies``): balanced / memory / latency;
 * re-sharding stability (``stability``): with a previous plan, keep the old ring
   (new nodes inserted anywhere) and, among plans within ``tolerance`` of the best,

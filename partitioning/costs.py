@@ -92,6 +92,7 @@ class CostModel:
         self._fit_cache: dict[int, np.ndarray] = {}
         self._feasible_cache: dict[tuple, np.ndarray] = {}
         self._ns_cache: dict[tuple, np.ndarray] = {}
+        self._util_cache: dict[int, np.ndarray] = {}
 
     # --- per node -----------------------------------------------------------------
 
@@ -132,6 +133,14 @@ class CostModel:
                 t = np.where(np.isfinite(f), np.rint(f * 1e9), INF)
             self._ns_cache[node.signature] = t
         return t
+
+    def utilisation(self, node: NodeSpec) -> np.ndarray:
+        """Fraction of ``node``'s memory each range uses (0 for s == e; inf where s > e)."""
+        u = self._util_cache.get(node.memory_bytes)
+        if u is None:
+            u = self.memory / node.memory_bytes
+            self._util_cache[node.memory_bytes] = u
+        return u
 
     def smallest_stage_bytes(self) -> float:
         """The least memory any non-empty stage needs (one layer, with whatever it must hold)."""

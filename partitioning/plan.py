@@ -313,7 +313,8 @@ def _finite_or_none(x: float) -> float | None:
 
 
 class _Reader:
-    """Typed access to a JSON object with error messages naming the path."""
+    """Typed access to a JSON object; each getter raises ValueError naming the path
+    (``plan.stages[2].end``) when the key is missing or has the wrong type."""
 
     def __init__(self, data: Any, where: str) -> None:
         if not isinstance(data, dict):

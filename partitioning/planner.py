@@ -5,8 +5,8 @@ on the order the inputs arrive in):
 
 1. validate: types, duplicate node ids (``ValueError`` naming the field);
 2. leave out nodes that cannot serve: zero memory, bandwidth or compute; too small
-   for any single layer; more nodes than layers (the least memory goes first);
-   not in a pinned ring order -- each with a reason;
+   for any single layer; not in a pinned ring order -- each with a reason (with more
+   nodes than layers, the policy's split leaves the surplus out, also with a reason);
 3. ring order candidates from the links (:mod:`.ring`); with a reusable previous
    plan, the old ring with the new nodes inserted (:mod:`.stability`), kept unless
    re-choosing the ring beats it by more than the tolerance;
@@ -63,8 +63,8 @@ def make_plan(
 
     Complexity: ring order O(2^n n^2) exact for n <= 10 nodes (O(n^2) beyond);
     balanced split O(c k L^2) for c candidate orders, k nodes and L layers;
-    latency split O(c k^3 L^2) up to 10 nodes. 64 nodes x 128 layers plans in
-    tens of milliseconds (see bench/bench_planner.py).
+    latency split O(c (k^2 L^2 + k^3 L)) up to 10 nodes, O(c (k L^2 + k^2 L)) beyond.
+    64 nodes x 128 layers plans in about 15 ms (see bench/bench_planner.py).
     """
     policy = Policy() if policy is None else policy
     nodes = list(nodes)
@@ -86,20 +86,8 @@ def make_plan(
         notes.append(f"ignored {n_unknown} link(s) naming nodes that are not candidates")
 
     cost = CostModel(model)
-    L = model.num_layers
     excluded: dict[str, ExcludedNode] = {}
     capable, usable = _usable_nodes(sorted(by_id.values(), key=lambda n: n.node_id), cost, policy, excluded)
-    if len(usable) > L:
-        # Keep the L largest (memory, then bandwidth, then compute); ties keep the smaller id.
-        ranked = sorted(usable, key=lambda n: (-n.memory_bytes, -n.bandwidth_bytes_per_s, -n.flops, n.node_id))
-        for n in ranked[L:]:
-            excluded[n.node_id] = ExcludedNode(
-                n.node_id,
-                "too_many_nodes",
-                f"more usable nodes ({len(usable)}) than layers ({L}); the nodes with the least memory are left out",
-            )
-        keep = {n.node_id for n in ranked[:L]}
-        usable = [n for n in usable if n.node_id in keep]
     usable_ids = [n.node_id for n in usable]
 
     if not usable:
@@ -200,10 +188,18 @@ def _choose_with_previous(ctx: Context, previous: Plan, top_orders, notes: list[
 def _build_plan(ctx: Context, model: ModelSpec, choice: Choice, excluded: dict, notes: list[str]) -> Plan:
     cost, topo = ctx.cost, ctx.topology
     stages = []
+    k, L = len(ctx.nodes), cost.L
     for node_id, (s, e) in zip(choice.order, choice.split, strict=True):
         node = ctx.nodes[node_id]
         if s == e:
-            excluded[node_id] = ExcludedNode(node_id, "not_needed", _not_needed_reason(ctx.policy.name))
+            if k > L:
+                excluded[node_id] = ExcludedNode(
+                    node_id,
+                    "too_many_nodes",
+                    f"more usable nodes ({k}) than layers ({L}); " + _not_needed_reason(ctx.policy.name),
+                )
+            else:
+                excluded[node_id] = ExcludedNode(node_id, "not_needed", _not_needed_reason(ctx.policy.name))
             continue
         h = ctx.holding(node_id)
         emb, head = cost.needs(s, e)
@@ -261,7 +257,7 @@ def _not_needed_reason(policy: str) -> str:
     if policy == "latency":
         return "left out: one request's time per token is lower without its extra hop"
     if policy == "memory":
-        return "left out by the memory-balanced split: the others hold the model with less of their memory used"
+        return "left out: the nodes with more memory hold the model"
     return "not needed: the largest stage time per token is no lower with it"
 
 

@@ -6,15 +6,17 @@
   over ranges whose time is <= tau* (<= tau* (1 + tolerance) with a previous plan),
   picks lexicographically the fewest bytes to load (with a previous plan), then
   the smallest sum of stage times (one request's latency), then the fewest stages,
-  with :func:`.split.lexicographic` (O(k L^2)).
+  then the smallest sum of memory fractions used (roomier nodes first), with
+  :func:`.split.lexicographic` (O(k L^2)).
 * ``memory`` -- exo parity: on the first candidate order where it fits, layer
   counts proportional to usable memory with largest-remainder rounding, at least
-  one layer per node (:func:`.split.proportional`). If that split overflows some
+  one layer per node (:func:`.split.proportional`; with more nodes than layers,
+  the L nodes with the most memory). If that split overflows some
   node (exo would fail), the memory-balanced split instead: minimise the largest
   fraction of a node's memory used (same min-max DP), noted in the plan.
 * ``latency`` -- minimise one request's time per token: stage times + forward hops
   + the return hop, where leaving a node out saves its hop
-  (:func:`.split.with_hops`, O(k^2 |F| L^2); |F| = k up to the exact-ring limit,
+  (:func:`.split.with_hops`, O(k |F| L^2 + k^2 |F| L); |F| = k up to the exact-ring limit,
   else the first 3 ring positions may start the pipeline).
 
 A policy returns a :class:`Choice`, or None when nothing fits on any order.
@@ -60,15 +62,18 @@ class Context:
     previous: dict[str, Holding] | None  # None: no reusable previous plan
 
     def holding(self, node_id: str) -> Holding:
+        """What ``node_id`` held under the previous plan (nothing if none)."""
         if self.previous is None:
             return NOTHING
         return self.previous.get(node_id, NOTHING)
 
     def load_matrix(self, node_id: str) -> np.ndarray:
+        """Bytes ``node_id`` must load for each range ``[s, e)`` (see :meth:`.CostModel.load_matrix`)."""
         h = self.holding(node_id)
         return self.cost.load_matrix(h.layers, h.embedding, h.head)
 
     def load_of(self, order: Sequence[str], split: Sequence[tuple[int, int]]) -> int:
+        """Bytes all nodes of ``order`` must load to hold ``split``."""
         total = 0
         for n, (s, e) in zip(order, split, strict=True):
             h = self.holding(n)
@@ -101,7 +106,7 @@ def _balanced(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
         keys = []
         ns = [cost.feasible_time_ns(ctx.nodes[n]) for n in order]
         for n, t in zip(order, ns, strict=True):
-            k = [t, cost.stages]
+            k = [t, cost.stages, cost.utilisation(ctx.nodes[n])]
             if ctx.previous is not None:
                 k.insert(0, ctx.load_matrix(n))
             keys.append(k)
@@ -125,14 +130,20 @@ def _memory(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
     fitting = []
     for idx, order in enumerate(orders):
         nodes = [ctx.nodes[n] for n in order]
-        counts = splits.proportional(L, [n.memory_bytes for n in nodes])
+        # exo needs a layer per node: with more nodes than layers, the L with the most memory
+        # take part (in ring order), the others hold nothing.
+        ranked = sorted(nodes, key=lambda n: (-n.memory_bytes, -n.bandwidth_bytes_per_s, -n.flops, n.node_id))
+        members = {n.node_id for n in ranked[:L]}
+        used = [n for n in nodes if n.node_id in members]
+        counts = iter(splits.proportional(L, [n.memory_bytes for n in used]))
         sp, s = [], 0
-        for c in counts:
+        for n in nodes:
+            c = next(counts) if n.node_id in members else 0
             sp.append((s, s + c))
             s += c
         if all(cost.memory[a, b] <= n.memory_bytes for n, (a, b) in zip(nodes, sp, strict=True)):
             load = ctx.load_of(order, sp)
-            objective = max(cost.stage_time(n, a, b) for n, (a, b) in zip(nodes, sp, strict=True))
+            objective = max(cost.stage_time(n, a, b) for n, (a, b) in zip(nodes, sp, strict=True) if a < b)
             rank = (load if ctx.previous is not None else 0, idx)
             fitting.append((rank, Choice(order, tuple(sp), objective, 0, load)))
             if ctx.previous is None:
@@ -150,7 +161,7 @@ def _memory(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
             continue
         keys = []
         for n in nodes:
-            k = [cost.feasible_time_ns(n), cost.stages]
+            k = [cost.feasible_time_ns(n), cost.stages, cost.utilisation(n)]
             if ctx.previous is not None:
                 k.insert(0, ctx.load_matrix(n.node_id))
             keys.append(k)

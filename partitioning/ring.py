@@ -71,9 +71,6 @@ class OrderKey:
     bottleneck_bytes_per_s: float
     total_ns: int
 
-    def better_than(self, other: OrderKey) -> bool:
-        return (-self.bottleneck_bytes_per_s, self.total_ns) < (-other.bottleneck_bytes_per_s, other.total_ns)
-
 
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1e9))

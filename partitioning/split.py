@@ -15,8 +15,9 @@ diagonal ``[s, s]`` means the node holds nothing and is left out of the ring.
   start index, so the answer is deterministic.
 * :func:`with_hops` -- minimise the sum of stage costs plus a cost per hop between
   consecutive *used* nodes plus a return hop from the last used node to the first
-  (the latency policy). State = (last used node, layers covered, first used node):
-  O(k^2 |F| L^2) for |F| candidate first nodes.
+  (the latency policy). State = (last used node, layers covered, first used node);
+  the best predecessor of each state is folded over nodes before the min-plus step
+  with the stage costs: O(k |F| L^2 + k^2 |F| L) for |F| candidate first nodes.
 * :func:`proportional` -- exo's memory-proportional largest-remainder counts.
 
 All are exact for the model they optimise; none allocates more than O(L^2).
@@ -123,7 +124,7 @@ def with_hops(
     Returns:
         (optimal cost, split) or None when nothing fits.
 
-    Complexity: O(k^2 |F| L^2) time, O(k |F| L) memory, F = first_candidates.
+    Complexity: O(k |F| L^2 + k^2 |F| L) time, O(k |F| L + |F| L^2) memory, F = first_candidates.
     """
     k = len(costs)
     L1 = costs[0].shape[0]
@@ -140,19 +141,22 @@ def with_hops(
     parent_end = [np.full((nf, L1), -1, dtype=np.int64) for _ in range(k)]
     for i, f in enumerate(F):
         D[f][i, :] = strict[f][0, :]
-    for j2 in range(k):
-        for j in range(j2):
-            if not np.isfinite(D[j]).any():
-                continue
-            # cand[f, e, e2] = D[j][f, e] + strict[j2][e, e2]
-            cand = D[j][:, :, None] + strict[j2][None, :, :]
-            arg = cand.argmin(axis=1)
-            val = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :] + hop[j, j2]
-            better = val < D[j2]
-            if better.any():
-                D[j2] = np.where(better, val, D[j2])
-                parent_node[j2] = np.where(better, j, parent_node[j2])
-                parent_end[j2] = np.where(better, arg, parent_end[j2])
+    for j2 in range(1, k):
+        # Best predecessor per (first, boundary e): min over j < j2 of D[j][f, e] + hop[j, j2]
+        # (O(k |F| L)); then one min-plus product with j2's stage costs (O(|F| L^2)).
+        via = np.stack([D[j] + hop[j, j2] for j in range(j2)])  # (j2, F, L+1)
+        pj = via.argmin(axis=0)
+        m = np.take_along_axis(via, pj[None], axis=0)[0]
+        if not np.isfinite(m).any():
+            continue
+        cand = m[:, :, None] + strict[j2][None, :, :]  # cand[f, e, e2]
+        arg = cand.argmin(axis=1)
+        val = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+        better = val < D[j2]
+        if better.any():
+            D[j2] = np.where(better, val, D[j2])
+            parent_node[j2] = np.where(better, np.take_along_axis(pj, arg, axis=1), parent_node[j2])
+            parent_end[j2] = np.where(better, arg, parent_end[j2])
     best = INF
     best_at = None
     for i, f in enumerate(F):
