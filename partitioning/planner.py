@@ -166,7 +166,7 @@ def _choose_with_previous(ctx: Context, previous: Plan, top_orders, notes: list[
         return top
     ins = insertion_orders(previous.ring_order, ctx.nodes, ctx.policy.max_insertion_orders)
     if ins is None:
-        notes.append("the ring was re-chosen: too few previous nodes remain, or too many joined, to keep it")
+        notes.append("the ring was re-chosen: no node of the previous ring remains")
         return top
     best_bw = ctx.topology.key(top_orders[0]).bottleneck_bytes_per_s
     admissible = [o for o in ins if ctx.topology.key(o).bottleneck_bytes_per_s >= best_bw]

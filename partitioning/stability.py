@@ -42,23 +42,25 @@ def holdings(previous: Plan | None, fingerprint: str) -> dict[str, Holding] | No
 
 
 def insertion_orders(previous_ring: Iterable[str], usable: Iterable[str], cap: int) -> list[tuple[str, ...]] | None:
-    """Every order that keeps the surviving nodes of ``previous_ring`` in their order and
-    inserts the other ``usable`` nodes at any positions.
+    """Orders that keep the surviving nodes of ``previous_ring`` in their order and insert
+    the other ``usable`` nodes.
 
-    There are ``(k+1)(k+2)...(k+m)`` such orders for k kept and m new nodes.
+    Every interleaving is listed when there are at most ``cap`` of them
+    (``(k+1)(k+2)...(k+m)`` for k kept and m new nodes); beyond that, the new nodes are
+    inserted as one block (in id order) at each of the k+1 positions.
 
     Returns:
-        The orders (kept order first), or None when no node of the old ring survives
-        or there would be more than ``cap`` orders.
+        The orders (the kept order with new nodes first at the front), or None when no
+        node of the old ring survives.
     """
     usable_set = set(usable)
     kept = tuple(n for n in previous_ring if n in usable_set)
     if not kept:
         return None
-    joiners = sorted(usable_set - set(kept))
+    joiners = tuple(sorted(usable_set - set(kept)))
     k, m = len(kept), len(joiners)
     if prod(range(k + 1, k + m + 1)) > cap:
-        return None
+        return [kept[:i] + joiners + kept[i:] for i in range(k + 1)]
     orders = [kept]
     for j in joiners:
         orders = [o[:i] + (j,) + o[i:] for o in orders for i in range(len(o) + 1)]
