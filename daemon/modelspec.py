@@ -392,7 +392,8 @@ def _quantize(model: Any, config: dict, weights: dict | None, nn: Any) -> None:
             from mlx_lm.utils import infer_quant_config
 
             return infer_quant_config(path, module, weights)
-        if module.weight.shape[-1] % group_size != 0:  # the converter's rule
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.shape[-1] % group_size != 0:  # the converter's rule
             return False
         return model_predicate(path, module) if model_predicate is not None else True
 

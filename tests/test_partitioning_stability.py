@@ -224,3 +224,19 @@ def test_brute_force_helper_enumerates_every_split():
     # 3 ranges over 4 layers (empty allowed): C(4 + 2, 2) = 15 splits.
     assert len(list(_bf_splits(3, 4, lambda j, s, e: True))) == 15
     assert sum(1 for _ in itertools.combinations_with_replacement(range(5), 2)) == 15
+
+
+def test_insertion_orders():
+    from ringlet.partitioning.stability import insertion_orders
+
+    # One joiner: every position of the kept ring, front first.
+    assert insertion_orders(("a", "b"), {"a", "b", "x"}, cap=720) == [("x", "a", "b"), ("a", "x", "b"), ("a", "b", "x")]
+    # Two joiners into two kept nodes: 3 x 4 = 12 interleavings, all distinct, kept order preserved.
+    two = insertion_orders(("a", "b"), {"a", "b", "x", "y"}, cap=720)
+    assert len(two) == len(set(two)) == 12
+    assert all([n for n in o if n in "ab"] == ["a", "b"] for o in two)
+    # Over the cap: the joiners move as one block.
+    assert insertion_orders(("a", "b"), {"a", "b", "x", "y"}, cap=11) == [
+        ("x", "y", "a", "b"), ("a", "x", "y", "b"), ("a", "b", "x", "y")]
+    # Nobody left from the old ring.
+    assert insertion_orders(("a",), {"x"}, cap=720) is None
