@@ -169,10 +169,10 @@ def _memory(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
         if sp is None:  # pragma: no cover
             continue
         objective = max(cost.stage_time(n, a, b) for n, (a, b) in zip(nodes, sp, strict=True) if a < b)
-        worst = [n.node_id for n, (a, b) in zip(nodes, sp, strict=True) if a < b]
+        used = [n.node_id for n, (a, b) in zip(nodes, sp, strict=True) if a < b]
         note = (
             "the memory-proportional split (exo) overflows a node's memory; used the split that minimises "
-            f"the largest fraction of memory used instead ({u:.0%} at most, nodes {', '.join(worst)})"
+            f"the largest fraction of memory used instead ({u:.0%} at most, nodes {', '.join(used)})"
         )
         return Choice(order, tuple(sp), objective, objective, ctx.load_of(order, sp), (note,))
     return None
