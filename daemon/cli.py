@@ -42,8 +42,29 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address")
     run.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port")
     run.add_argument("--plan", default=None,
-                     help="static plan, ring order: HOST:PORT=START:END,... (half-open layer ranges)")
+                     help="static plan, ring order: HOST:PORT=START:END,... (half-open layer ranges); "
+                          "without it the cluster forms by discovery and negotiated plans")
+    run.add_argument("--advertise-host", default=None, help="address peers dial (default: --host)")
+    run.add_argument("--cluster", default="ringlet", help="cluster name; nodes of other clusters are ignored")
+    run.add_argument("--data-dir", default=None, help="node id, caches (default: ~/.local/share/ringlet)")
+    run.add_argument("--interface", action="append", default=None,
+                     help="mDNS on this interface or IPv4 address (repeatable; default: every multicast "
+                          "interface; 127.0.0.1 for a cluster on one machine)")
+    run.add_argument("--peers", default=None, help="HOST:PORT,... to dial directly where multicast is blocked")
+    run.add_argument("--no-mdns", action="store_true", help="do not advertise or browse mDNS (use --peers)")
+    run.add_argument("--memory-limit", default=None, help="usable memory to offer the cluster, e.g. 8GB")
+    run.add_argument("--policy", choices=["balanced", "memory", "latency"], default="balanced",
+                     help="planner policy (default balanced)")
+    run.add_argument("--context", type=int, default=None, help="context tokens to size KV caches for")
+    run.add_argument("--heartbeat-s", type=float, default=0.5, help="seconds between heartbeats")
+    run.add_argument("--remove-after-s", type=float, default=2.0,
+                     help="a member silent this long is removed and the cluster re-plans")
+    run.add_argument("--settle-s", type=float, default=0.3, help="membership quiet time before re-planning")
+    run.add_argument("--initial-settle-s", type=float, default=1.0, help="quiet time before the first plan")
     run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
+    from .secret_cli import add_run_arguments
+
+    add_run_arguments(run)  # --secret-file, --api-key-file, limits
 
     gen = sub.add_parser("generate", help="generate in this process, without network (reference path)")
     _add_model_args(gen)
@@ -67,7 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(demo)
 
     for module in _extensions():
-        module.add_parsers(sub)
+        try:
+            module.add_parsers(sub)
+        except Exception as exc:  # a broken extension must not take `ringlet run` down
+            print(f"warning: the {module.__name__} commands are unavailable: {exc}", file=sys.stderr)
     return parser
 
 
@@ -85,7 +109,9 @@ def _extensions() -> list:
             found.append(importlib.import_module(f"{__package__}.{name}"))
         except ModuleNotFoundError as exc:
             if exc.name != f"{__package__}.{name}":
-                raise
+                print(f"warning: the {name} commands are unavailable: {exc}", file=sys.stderr)
+        except Exception as exc:  # a broken extension must not take `ringlet run` down
+            print(f"warning: the {name} commands are unavailable: {exc}", file=sys.stderr)
     return found
 
 
@@ -179,5 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """Console-script entry: run :func:`main`, then leave without running interpreter
+    finalisers. MLX's scheduler threads, once used from a worker thread, can abort the
+    process ("terminate called without an active exception") when C++ static
+    destructors run at exit; the work is done and flushed by then."""
+    import logging
+
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -73,23 +73,14 @@ def encode(array: mx.array) -> pb.Tensor:
     return pb.Tensor(dtype=name, shape=list(array.shape), data=data)
 
 
-def decode(
-    message: pb.Tensor,
-    *,
-    max_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
-    require_finite: bool = False,
-) -> mx.array:
-    """Decode a Tensor message into an MLX array.
+def check(message: pb.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> tuple[mx.Dtype, np.dtype, tuple]:
+    """Validate a Tensor message's framing without allocating: known dtype, rank <= 8,
+    non-negative dims, payload == prod(shape) * itemsize <= ``max_bytes``.
 
-    Args:
-        message: the wire message.
-        max_bytes: the largest payload accepted, in bytes.
-        require_finite: reject NaN or infinite floating-point values (hidden states).
+    Returns ``(mlx dtype, wire numpy dtype, shape)``.
 
     Raises:
-        TensorDecodeError: unknown dtype; rank > 8 or a negative dimension; payload
-            length != prod(shape) * itemsize; payload larger than ``max_bytes``; or
-            non-finite values when ``require_finite``.
+        TensorDecodeError: naming the problem.
     """
     entry = _DTYPES.get(message.dtype)
     if entry is None:
@@ -110,6 +101,28 @@ def decode(
             f"tensor payload is {len(message.data)} bytes, but {message.dtype} x {list(shape)} "
             f"needs {expected}"
         )
+    return mx_dtype, wire_np, shape
+
+
+def decode(
+    message: pb.Tensor,
+    *,
+    max_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    require_finite: bool = False,
+) -> mx.array:
+    """Decode a Tensor message into an MLX array.
+
+    Args:
+        message: the wire message.
+        max_bytes: the largest payload accepted, in bytes.
+        require_finite: reject NaN or infinite floating-point values (hidden states).
+
+    Raises:
+        TensorDecodeError: unknown dtype; rank > 8 or a negative dimension; payload
+            length != prod(shape) * itemsize; payload larger than ``max_bytes``; or
+            non-finite values when ``require_finite``.
+    """
+    mx_dtype, wire_np, shape = check(message, max_bytes=max_bytes)
     host = np.frombuffer(message.data, dtype=wire_np).reshape(shape)
     array = mx.array(host)
     if message.dtype == "bfloat16":

@@ -45,13 +45,15 @@ class LocalCluster:
         model: model path or short name (default model when ``None``).
         dtype: optional ``--dtype``.
         extra_args: more ``ringlet run`` arguments for every node.
+        per_node_args: more ``ringlet run`` arguments for node i (after ``extra_args``).
         ranges: explicit ``[(start, end), ...]`` instead of the even split.
     """
 
     def __init__(self, nodes: int, model: str | None = None, dtype: str | None = None,
                  extra_args: list[str] | None = None, ranges: list[tuple[int, int]] | None = None,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, per_node_args: list[list[str]] | None = None):
         self.n = nodes
+        self.per_node_args = per_node_args or [[] for _ in range(nodes)]
         self.model = model
         self.dtype = dtype
         self.extra_args = extra_args or []
@@ -98,7 +100,7 @@ class LocalCluster:
                 cmd += ["--model", self.model]
             if self.dtype:
                 cmd += ["--dtype", self.dtype]
-            cmd += self.extra_args
+            cmd += self.extra_args + self.per_node_args[i]
             log = open(self.log_path(i), "w")  # noqa: SIM115 - closed with the process
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                start_new_session=True))
@@ -106,8 +108,9 @@ class LocalCluster:
         for i, url in enumerate(self.api_urls):
             while True:
                 if self.procs[i].poll() is not None:
+                    code, tail = self.procs[i].returncode, self.tail(i)
                     self.stop()
-                    raise RingletError(f"node {i} exited with {self.procs[i].returncode}:\n{self.tail(i)}")
+                    raise RingletError(f"node {i} exited with {code}:\n{tail}")
                 try:
                     if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                         break

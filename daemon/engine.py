@@ -50,6 +50,7 @@ def sampling_from_pb(message: pb.Sampling | None) -> SamplingParams:
         top_p=message.top_p or 1.0,
         top_k=message.top_k,
         seed=message.seed if message.has_seed else None,
+        steps_done=message.steps_done,
     )
 
 
@@ -61,6 +62,7 @@ def sampling_to_pb(params: SamplingParams) -> pb.Sampling:
         top_k=params.top_k,
         has_seed=params.seed is not None,
         seed=params.seed or 0,
+        steps_done=params.steps_done,
     )
 
 
@@ -73,7 +75,7 @@ class StageEngine:
         max_tensor_bytes: the largest incoming hidden-states payload accepted, bytes.
     """
 
-    def __init__(self, stage: Stage, executor: concurrent.futures.ThreadPoolExecutor,
+    def __init__(self, stage: Stage | None, executor: concurrent.futures.ThreadPoolExecutor,
                  max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES):
         self.stage = stage
         self.executor = executor
@@ -106,7 +108,16 @@ class StageEngine:
 
     # --- worker-thread functions ---------------------------------------------------------
 
+    def swap(self, stage: Stage | None) -> None:
+        """Serve ``stage`` from now on (worker thread): every KV cache of the previous
+        stage is dropped (its requests resume on the new plan by re-prefilling)."""
+        self.stage = stage
+        self._requests.clear()
+        mx.clear_cache()
+
     def _state(self, request_id: str, step: int, offset: int, sampling: SamplingParams | None) -> _RequestState:
+        if self.stage is None:
+            raise RequestError("this node holds no stage of the current plan")
         if step == 0:
             if offset != 0:
                 raise RequestError(f"request {request_id}: prefill must start at offset 0, got {offset}")

@@ -306,13 +306,17 @@ def mlx_name(gguf_name: str) -> str:
 
 
 def stage_weights(
-    model: GGUFModel, start: int, end: int, first: bool, last: bool, dtype: mx.Dtype | None
+    model: GGUFModel, start: int, end: int, first: bool, last: bool, dtype: mx.Dtype | None,
+    skip: set[str] | frozenset[str] = frozenset(),
 ):
     """Yield ``(mlx parameter prefix, {"weight"[, "scales", "biases", "_bits"]})`` for every
-    tensor of the stage, reading each from disk only when reached."""
+    tensor of the stage except those named in ``skip``, reading each from disk only
+    when reached."""
     n_head = model.config["num_attention_heads"]
     n_kv = model.config["num_key_value_heads"]
     for name in stage_tensor_names(model, start, end, first, last):
+        if name in skip:
+            continue
         arrays = load_tensor(model, name, dtype)
         if name.endswith("attn_q.weight") or name.endswith("attn_k.weight"):
             heads = n_head if "attn_q" in name else n_kv

@@ -1,4 +1,4 @@
-"""The node: serves one stage of the plan, drives generations it heads, and talks gRPC.
+"""The node: serves its stage of the committed plan, heads generations, talks gRPC.
 
 Data path of one generation (plan with stages 0..n-1 in ring order)::
 
@@ -12,11 +12,18 @@ to the API node and embeds it for the next decode step, until an end-of-sequence
 token or ``max_tokens``. Then a release travels the ring and every stage drops the
 request's KV cache. A stage failing a request sends the error forward; it reaches
 stage 0, which ends that request with the error.
+
+Plans change by epoch (see :mod:`ringlet.daemon.negotiation`): :meth:`Node.prepare`
+loads the new stage in the background (reusing the layers it already holds) while
+the old plan serves; :meth:`Node.commit` switches. The API node owns each request's
+tokens so far: when the plan changes or a stage fails, it resumes the request on
+the new plan by re-prefilling prompt + tokens so far, so the client sees one stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import statistics
@@ -25,7 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import psutil
@@ -37,7 +44,7 @@ from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
 from .sampling import SamplingParams
 from .sources import ModelLocation
-from .stage import load_stage
+from .stage import Stage, load_stage
 from .static_plan import StageSpec
 from .transport import TransportConfig, make_channel, make_server
 
@@ -50,6 +57,39 @@ class GenerationError(Exception):
     """A generation failed on some stage; the message says where and why."""
 
 
+class NoPlanError(GenerationError):
+    """The cluster has no plan that serves the model (yet, or at all); the message says why."""
+
+
+class _PlanChanged(GenerationError):
+    """The committed plan changed under a request (it resumes on the new one)."""
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """A committed plan as the serving path needs it.
+
+    Attributes:
+        epoch: plan epoch (strictly increasing across commits).
+        stages: ring order; each with node id, gRPC address and layer range.
+        plan_id: the planner's stable id (or a digest for static plans).
+        infeasible: when set, no plan can serve the model; the reason for users.
+        detail: the planner's plan as a dict (``Plan.to_dict()``), if any.
+    """
+
+    epoch: int
+    stages: tuple[StageSpec, ...]
+    plan_id: str
+    infeasible: str | None = None
+    detail: dict | None = None
+
+    def index_of(self, node_id: str, address: str) -> int | None:
+        for i, s in enumerate(self.stages):
+            if (s.node_id and s.node_id == node_id) or (not s.node_id and s.address == address):
+                return i
+        return None
+
+
 @dataclass
 class NodeConfig:
     """Settings of one node.
@@ -58,20 +98,25 @@ class NodeConfig:
         host: address the gRPC server binds and peers use (``127.0.0.1`` for loopback).
         port: gRPC port.
         model: the resolved model.
+        plan: a static plan (ring order), or ``None`` to take negotiated plans.
         dtype: ``None`` (model precision) or float16 / bfloat16 / float32.
-        plan: stages in ring order; this node is the stage whose address is ``host:port``.
+        node_id: this node's id.
         transport: gRPC settings (message limit, keepalive, secret).
         step_timeout_s: seconds stage 0 waits for a token before failing the request.
+        plan_wait_s: seconds a request waits for a plan while the cluster forms.
+        resume_attempts: how many times a request is resumed on a new plan.
     """
 
     host: str
     port: int
     model: ModelLocation
-    plan: list[StageSpec]
+    plan: list[StageSpec] | None = None
     dtype: str | None = None
     node_id: str = ""
     transport: TransportConfig = field(default_factory=TransportConfig)
-    step_timeout_s: float = 60.0
+    step_timeout_s: float = 30.0
+    plan_wait_s: float = 30.0
+    resume_attempts: int = 8
 
     @property
     def address(self) -> str:
@@ -85,6 +130,7 @@ class _Generation:
     max_tokens: int
     sampling: SamplingParams
     stop_ids: frozenset[int]
+    epoch: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
@@ -93,47 +139,62 @@ class _Generation:
 
 
 class Node:
-    """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api`)."""
+    """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api`).
+
+    ``cluster`` (set by the runner in negotiated mode) handles membership and
+    negotiation RPCs; see :class:`ringlet.daemon.negotiation.Negotiator`.
+    """
 
     def __init__(self, config: NodeConfig):
         self.config = config
         self.node_id = config.node_id or config.address
-        self.epoch = 1
         self.state = "starting"
         self.engine: StageEngine | None = None
-        self.index = self._own_index()
+        self.plan: ServingPlan | None = None
+        self.index: int | None = None
+        self.cluster = None
+        self.cluster_id = ""
+        self.incarnation = ""
         self._server: grpc.aio.Server | None = None
         self._next: HopLink | None = None
         self._generations: dict[str, _Generation] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prepared: dict[tuple[int, str], Stage | None] = {}
+        self._plan_changed = asyncio.Event()
         self.hop_latency_s: deque[float] = deque(maxlen=512)
         self.memory: dict[str, int] = {}
         self.recent: deque[dict] = deque(maxlen=32)
+        self.tokens_generated_total = 0
+        self.requests_served = 0
+        self.events: deque[dict] = deque(maxlen=100)
 
-    def _own_index(self) -> int:
-        for i, s in enumerate(self.config.plan):
-            if s.address == self.config.address:
-                return i
-        raise ValueError(f"this node ({self.config.address}) is not a stage of the plan")
-
-    @property
-    def stage_spec(self) -> StageSpec:
-        return self.config.plan[self.index]
+    # --- plan views ------------------------------------------------------------------
 
     @property
-    def head_address(self) -> str:
-        return self.config.plan[0].address
+    def epoch(self) -> int:
+        return self.plan.epoch if self.plan else 0
+
+    @property
+    def stage_spec(self) -> StageSpec | None:
+        return self.plan.stages[self.index] if self.plan and self.index is not None else None
 
     @property
     def is_head(self) -> bool:
         return self.index == 0
 
+    @property
+    def is_last(self) -> bool:
+        return self.plan is not None and self.index == len(self.plan.stages) - 1
+
+    def event(self, kind: str, message: str) -> None:
+        """Append to the event log shown by ``/v1/cluster`` and the dashboard."""
+        self.events.append({"ts": time.time(), "kind": kind, "message": message})
+
     # --- lifecycle --------------------------------------------------------------------
 
     async def start(self, serve_grpc: bool = True) -> None:
-        """Load this node's stage and start the gRPC server."""
-        spec = self.stage_spec
-        self.state = "loading"
+        """Start the gRPC server and the MLX worker; with a static plan, load and serve it."""
+        self.state = "starting"
         if serve_grpc:
             self._server = make_server(self.config.transport, self.config.address)
             pb_grpc.add_RingServicer_to_server(_RingServicer(self), self._server)
@@ -143,18 +204,15 @@ class Node:
         # baseline the memory figures in info() are read against.
         await asyncio.get_running_loop().run_in_executor(executor, _warm_up_mlx)
         self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
-        self.engine = await StageEngine.create(
-            lambda: load_stage(self.config.model, spec.start, spec.end, self.config.dtype),
-            executor=executor, max_tensor_bytes=self.config.transport.max_message_bytes,
-        )
-        self.memory["stage_param_bytes"] = self.engine.stage.nbytes()
-        self.memory["mlx_active_after_load_bytes"] = await self.engine.run(_mlx_active_bytes)
-        self.memory["peak_rss_after_load_bytes"] = _peak_rss_bytes()
-        if len(self.config.plan) > 1:
-            successor = self.config.plan[(self.index + 1) % len(self.config.plan)]
-            self._next = HopLink(successor.address, self.config.transport)
-        self.state = "ready"
-        log.info("stage %d [%d, %d) ready on %s", self.index, spec.start, spec.end, self.config.address)
+        self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes)
+        if self.config.plan is not None:
+            stages = tuple(self.config.plan)
+            digest = ",".join(f"{s.address}={s.start}:{s.end}" for s in stages)
+            plan = ServingPlan(epoch=1, stages=stages, plan_id=f"static:{digest}")
+            await self.prepare(plan)
+            await self.commit(plan)
+        else:
+            self.state = "discovering"
 
     async def stop(self) -> None:
         """Stop serving: fail open generations, close streams and the server."""
@@ -170,7 +228,105 @@ class Node:
             self.engine.close()
         self.state = "stopped"
 
-    # --- generation (public) ----------------------------------------------------------
+    # --- plans: prepare, commit ----------------------------------------------------------
+
+    async def prepare(self, plan: ServingPlan) -> int:
+        """Load this node's stage of ``plan`` while the current plan keeps serving.
+
+        Layers this node already holds are reused; only the others are read.
+        Returns the bytes read from disk.
+
+        Raises:
+            ModelFormatError / PlanError / OSError: the stage cannot be loaded.
+        """
+        key = (plan.epoch, plan.plan_id)
+        index = plan.index_of(self.node_id, self.config.address)
+        if plan.infeasible or index is None:
+            self._prepared[key] = None
+            return 0
+        spec = plan.stages[index]
+        current = self.engine.stage
+        if current is not None and (current.start, current.end) == (spec.start, spec.end):
+            self._prepared[key] = current
+            return 0
+        self.state = "loading" if current is None else self.state
+        t0 = time.perf_counter()
+        stage = await self.engine.run(
+            lambda: load_stage(self.config.model, spec.start, spec.end, self.config.dtype, reuse=current))
+        loaded = stage.loaded_bytes()
+        self._prepared[key] = stage
+        log.info("prepared epoch %d: layers [%d, %d), read %.1f MB of %.1f MB in %.2f s", plan.epoch,
+                 spec.start, spec.end, loaded / 1e6, stage.nbytes() / 1e6, time.perf_counter() - t0)
+        if "stage_param_bytes" not in self.memory:
+            self.memory["stage_param_bytes"] = stage.nbytes()
+            self.memory["mlx_active_after_load_bytes"] = await self.engine.run(_mlx_active_bytes)
+            self.memory["peak_rss_after_load_bytes"] = _peak_rss_bytes()
+        return loaded
+
+    async def commit(self, plan: ServingPlan) -> None:
+        """Switch to ``plan`` (prepared before). In-flight requests of the old plan
+        are ended here with a plan-changed error; their API nodes resume them.
+
+        Raises:
+            KeyError: ``plan`` was never prepared.
+        """
+        key = (plan.epoch, plan.plan_id)
+        stage = self._prepared.pop(key)
+        for old in [k for k in self._prepared if k[0] <= plan.epoch]:
+            self._prepared.pop(old, None)
+        old_index_spec = self.stage_spec
+        await self.engine.run(self.engine.swap, stage)
+        self.plan = plan
+        self.index = plan.index_of(self.node_id, self.config.address)
+        for gen in list(self._generations.values()):
+            self._finish(gen, _PlanChanged(f"the plan changed to epoch {plan.epoch}"))
+        successor = None
+        if self.index is not None and len(plan.stages) > 1:
+            successor = plan.stages[(self.index + 1) % len(plan.stages)].address
+        if self._next is not None and (successor is None or self._next.address != successor):
+            await self._next.close()
+            self._next = None
+        if successor is not None and self._next is None:
+            self._next = HopLink(successor, self.config.transport)
+        if plan.infeasible:
+            self.state = "unplanned"
+        elif self.index is None:
+            self.state = "standby"
+        else:
+            self.state = "ready"
+        spec = self.stage_spec
+        where = f"layers [{spec.start}, {spec.end})" if spec else "no stage"
+        log.info("committed epoch %d: %s%s", plan.epoch, where,
+                 f" (was [{old_index_spec.start}, {old_index_spec.end}))" if old_index_spec else "")
+        changed, self._plan_changed = self._plan_changed, asyncio.Event()
+        changed.set()
+
+    # --- generation (public, any node) ---------------------------------------------------
+
+    async def _wait_plan(self, newer_than: int = 0, timeout_s: float | None = None) -> ServingPlan:
+        """The committed plan with epoch > ``newer_than`` (waits for one while the cluster
+        forms or re-plans).
+
+        Raises:
+            NoPlanError: the committed plan cannot serve the model, or none came in time.
+        """
+        deadline = time.monotonic() + (self.config.plan_wait_s if timeout_s is None else timeout_s)
+        while True:
+            plan = self.plan
+            if plan is not None and plan.epoch > newer_than:
+                if plan.infeasible:
+                    raise NoPlanError(plan.infeasible)
+                return plan
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if plan is not None and plan.infeasible:
+                    raise NoPlanError(plan.infeasible)
+                raise NoPlanError("the cluster has no serving plan yet (still forming or re-planning)")
+            waiter = self._plan_changed
+            try:
+                await asyncio.wait_for(waiter.wait(), timeout=remaining)
+            except TimeoutError:
+                pass
 
     async def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                        stop_ids: frozenset[int] | set[int], request_id: str | None = None,
@@ -178,21 +334,88 @@ class Node:
         """Generate up to ``max_tokens`` tokens after ``prompt``; yields token ids as they come.
 
         Stops after a token in ``stop_ids`` (that token is yielded). Works on any node:
-        a node that is not stage 0 forwards the request to stage 0 over gRPC.
+        the request runs on the committed plan's stage 0 (here or over gRPC). If the
+        plan changes or a stage fails mid-stream, the request resumes on the next
+        plan by re-prefilling prompt + tokens so far; the caller sees one stream.
 
         Raises:
-            GenerationError: a stage failed, or no token came within ``step_timeout_s``.
+            NoPlanError: no plan can serve the model (the message says why).
+            GenerationError: the request failed and could not be resumed.
         """
         request_id = request_id or uuid.uuid4().hex
         if not prompt:
             raise GenerationError("the prompt is empty")
-        if self.is_head:
-            async for token in self._generate_local(request_id, prompt, max_tokens, sampling, frozenset(stop_ids)):
+        produced: list[int] = []
+        stop_ids = frozenset(stop_ids)
+        failed_epoch = 0
+        attempts = 0
+        while len(produced) < max_tokens:
+            plan = await self._wait_plan(newer_than=failed_epoch if attempts else 0)
+            resumed = replace(sampling, steps_done=sampling.steps_done + len(produced))
+            try:
+                async for token in self._attempt(plan, request_id, prompt + produced, max_tokens - len(produced),
+                                                 resumed, stop_ids):
+                    produced.append(token)
+                    yield token
+                    if token in stop_ids:
+                        return
+                return
+            except NoPlanError:
+                raise
+            except GenerationError as exc:
+                attempts += 1
+                if attempts > self.config.resume_attempts:
+                    raise
+                log.info("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
+                self.event("resume", f"request {request_id[:8]} resumes after {len(produced)} tokens: {exc}")
+                if self.plan is not None and self.plan.epoch == plan.epoch:
+                    # wait for a new plan (a failure is followed by a re-plan); if none
+                    # comes soon, retry on the same one
+                    try:
+                        await self._wait_plan(newer_than=plan.epoch, timeout_s=self.config.step_timeout_s)
+                    except NoPlanError:
+                        if self.plan is not None and self.plan.infeasible:
+                            raise
+                failed_epoch = 0
+                request_id = f"{request_id.split('~')[0]}~{attempts}"
+
+    async def _attempt(self, plan: ServingPlan, request_id: str, prompt: list[int], max_tokens: int,
+                       sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
+        """One try of a generation on ``plan``; raises :class:`_PlanChanged` as soon as
+        this node commits another plan."""
+        changed = self._plan_changed
+        if plan is not self.plan:
+            raise _PlanChanged("the plan changed before the request started")
+        head = plan.stages[0]
+        if plan.index_of(self.node_id, self.config.address) == 0:
+            source = self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids)
+        else:
+            source = self._generate_remote(head.address, plan.epoch, request_id, prompt, max_tokens, sampling,
+                                           stop_ids)
+        it = source.__aiter__()
+        change = asyncio.ensure_future(changed.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                done, _ = await asyncio.wait({nxt, change}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()
+                    raise _PlanChanged(f"the plan changed to epoch {self.epoch}")
+                try:
+                    token = nxt.result()
+                except StopAsyncIteration:
+                    return
                 yield token
-            return
-        stub = pb_grpc.RingStub(self._channel(self.head_address))
+        finally:
+            change.cancel()
+            await it.aclose()
+
+    async def _generate_remote(self, address: str, epoch: int, request_id: str, prompt: list[int],
+                               max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
+                               ) -> AsyncIterator[int]:
+        stub = pb_grpc.RingStub(self._channel(address))
         call = stub.Generate(pb.GenerateRequest(
-            request_id=request_id, prompt=prompt, max_tokens=max_tokens,
+            request_id=request_id, prompt=prompt, max_tokens=max_tokens, epoch=epoch,
             sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids)))
         try:
             async for event in call:
@@ -200,7 +423,7 @@ class Node:
                     raise GenerationError(event.error)
                 yield event.token
         except grpc.aio.AioRpcError as exc:
-            raise GenerationError(f"stage 0 ({self.head_address}) failed: {exc.details()}") from None
+            raise GenerationError(f"stage 0 ({address}): {exc.code().name}: {exc.details()}") from None
         finally:
             call.cancel()
 
@@ -215,9 +438,11 @@ class Node:
 
     async def _generate_local(self, request_id: str, prompt: list[int], max_tokens: int,
                               sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
+        if not self.is_head:
+            raise GenerationError("this node does not hold stage 0 of the current plan")
         if request_id in self._generations:
             raise GenerationError(f"request id {request_id} is already in flight")
-        gen = _Generation(request_id, list(prompt), max_tokens, sampling, stop_ids)
+        gen = _Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch)
         self._generations[request_id] = gen
         self.state = "serving"
         try:
@@ -242,12 +467,13 @@ class Node:
                 await self._release(request_id)
             self._generations.pop(request_id, None)
             elapsed = time.perf_counter() - gen.started
+            self.requests_served += 1
             self.recent.append({
                 "request_id": request_id, "prompt_tokens": len(prompt), "completion_tokens": len(gen.tokens),
                 "ttft_s": gen.ttft_s, "tokens_per_s": (len(gen.tokens) - 1) / (elapsed - gen.ttft_s)
                 if gen.ttft_s is not None and len(gen.tokens) > 1 and elapsed > gen.ttft_s else None,
             })
-            if not self._generations:
+            if not self._generations and self.state == "serving":
                 self.state = "ready"
 
     async def _advance(self, gen: _Generation, step: int, payload: list[int]) -> None:
@@ -261,17 +487,19 @@ class Node:
                 log.exception("stage 0 failed request %s", gen.request_id)
             self._finish(gen, GenerationError(f"stage 0: {exc}"))
             return
+        if gen.finished:
+            return
         if isinstance(out, int):
             self._on_token(gen, out)
             return
-        message = pb.Activation(request_id=gen.request_id, epoch=self.epoch, step=step, offset=offset,
+        message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
                                 hidden=out, stage=1, sent_at=time.time())
         if step == 0:
             message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
         try:
             await self._next.send(message)
-        except ConnectionError as exc:
-            self._finish(gen, GenerationError(str(exc)))
+        except (ConnectionError, AttributeError) as exc:
+            self._finish(gen, GenerationError(f"next stage unreachable: {exc}"))
 
     def _on_token(self, gen: _Generation, token: int) -> None:
         if gen.finished:
@@ -279,6 +507,7 @@ class Node:
         if gen.ttft_s is None:
             gen.ttft_s = time.perf_counter() - gen.started
         gen.tokens.append(token)
+        self.tokens_generated_total += 1
         gen.queue.put_nowait(token)
         if token in gen.stop_ids or len(gen.tokens) >= gen.max_tokens:
             self._finish(gen, None)
@@ -300,7 +529,7 @@ class Node:
             try:
                 await self._next.send(pb.Activation(request_id=request_id, epoch=self.epoch, release=True))
             except ConnectionError as exc:
-                log.warning("could not send release of %s: %s", request_id, exc)
+                log.debug("could not send release of %s: %s", request_id, exc)
 
     # --- any stage: incoming activations ------------------------------------------------
 
@@ -313,19 +542,27 @@ class Node:
         """
         if message.sent_at:
             self.hop_latency_s.append(max(0.0, time.time() - message.sent_at))
+        if message.WhichOneof("payload") == "hidden":
+            codec.check(message.hidden, max_bytes=self.config.transport.max_message_bytes)
         rid = message.request_id
         if self.is_head:
             gen = self._generations.get(rid)
-            if gen is None:
-                return  # a late token or release for a finished request
+            if gen is None or message.epoch != gen.epoch:
+                return  # a late token or error for a finished request or an old plan
             if message.error:
                 self._finish(gen, GenerationError(message.error))
             elif message.WhichOneof("payload") == "token":
                 self._on_token(gen, message.token)
             return
+        if self.index is None or message.epoch != self.epoch:
+            if message.WhichOneof("payload") == "hidden" and not message.release:
+                await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
+                                                  error=f"stage at {self.config.address} serves epoch "
+                                                        f"{self.epoch}, not {message.epoch}"))
+            return
         if message.release:
             await self.engine.run(self.engine.release, rid)
-            if self.index != len(self.config.plan) - 1:
+            if not self.is_last:
                 await self._forward(message)
             return
         if message.error:
@@ -339,14 +576,14 @@ class Node:
             out = await self.engine.run(self.engine.step, rid, message.step, message.offset, payload, sampling)
         except Exception as exc:  # any failure fails this request only; the node keeps serving
             if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
-                log.exception("stage %d failed request %s", self.index, rid)
-            await self._forward(pb.Activation(request_id=rid, epoch=self.epoch,
+                log.exception("stage %s failed request %s", self.index, rid)
+            await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
                                               error=f"stage {self.index} ({self.config.address}): {exc}"))
             if isinstance(exc, codec.TensorDecodeError):
                 raise
             return
-        nxt = pb.Activation(request_id=rid, epoch=self.epoch, step=message.step, offset=message.offset,
-                            stage=(self.index + 1) % len(self.config.plan), sent_at=time.time())
+        nxt = pb.Activation(request_id=rid, epoch=message.epoch, step=message.step, offset=message.offset,
+                            stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time())
         if isinstance(out, int):
             nxt.token = out
         else:
@@ -356,6 +593,8 @@ class Node:
         await self._forward(nxt)
 
     async def _forward(self, message: pb.Activation) -> None:
+        if self._next is None:
+            return
         try:
             await self._next.send(message)
         except ConnectionError as exc:
@@ -363,26 +602,47 @@ class Node:
 
     # --- introspection -------------------------------------------------------------------
 
+    def plan_json(self) -> str:
+        """The committed plan as JSON (for peers' handshakes)."""
+        if self.plan is None:
+            return ""
+        return json.dumps({"epoch": self.plan.epoch, "plan_id": self.plan.plan_id,
+                           "infeasible": self.plan.infeasible,
+                           "stages": [s.__dict__ for s in self.plan.stages]})
+
     def info(self) -> dict:
         """A JSON-safe summary of this node: stage, plan, state and live figures."""
         lat = list(self.hop_latency_s)
-        return {
+        spec = self.stage_spec
+        stage = self.engine.stage if self.engine else None
+        info = {
             "node_id": self.node_id,
             "address": self.config.address,
             "state": self.state,
             "epoch": self.epoch,
+            "plan_id": self.plan.plan_id if self.plan else None,
+            "infeasible": self.plan.infeasible if self.plan else None,
             "model": self.config.model.name,
-            "num_layers": self.engine.stage.num_layers if self.engine else None,
+            "num_layers": stage.num_layers if stage else None,
             "stage": self.index,
-            "layer_range": [self.stage_spec.start, self.stage_spec.end],
-            "plan": [{"address": s.address, "start": s.start, "end": s.end} for s in self.config.plan],
+            "layer_range": [spec.start, spec.end] if spec else None,
+            "plan": [{"node_id": s.node_id, "address": s.address, "start": s.start, "end": s.end}
+                     for s in (self.plan.stages if self.plan else ())],
+            "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),
             "kv_caches": self.engine.active_requests if self.engine else [],
             "hop_latency_median_s": statistics.median(lat) if lat else None,
+            "tokens_generated_total": self.tokens_generated_total,
+            "requests_served": self.requests_served,
             "memory": {**self.memory, "rss_bytes": psutil.Process().memory_info().rss,
-                       "peak_rss_bytes": _peak_rss_bytes()},
+                       "peak_rss_bytes": _peak_rss_bytes(),
+                       "stage_bytes": stage.nbytes() if stage else 0},
             "recent_requests": list(self.recent),
+            "events": list(self.events),
         }
+        if self.cluster is not None:
+            info.update(self.cluster.info())
+        return info
 
 
 def _peak_rss_bytes() -> int:
@@ -414,39 +674,63 @@ class _RingServicer(pb_grpc.RingServicer):
 
     async def Hop(self, request_iterator, context):  # noqa: N802 - gRPC method name
         received = 0
-        try:
-            async for message in request_iterator:
-                received += 1
-                try:
-                    await self.node.on_activation(message)
-                except codec.TensorDecodeError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {exc}")
-        except asyncio.CancelledError:
-            raise
+        async for message in request_iterator:
+            received += 1
+            try:
+                await self.node.on_activation(message)
+            except codec.TensorDecodeError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {exc}")
         yield pb.HopAck(received=received)
 
     async def Generate(self, request, context):  # noqa: N802
         node = self.node
         if not node.is_head:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node does not hold stage 0")
+        if request.epoch and request.epoch != node.epoch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this node serves epoch {node.epoch}, not {request.epoch}")
         try:
-            async for token in node.generate(list(request.prompt), request.max_tokens,
-                                             sampling_from_pb(request.sampling), frozenset(request.stop_ids),
-                                             request_id=request.request_id or None):
+            async for token in node._generate_local(request.request_id or uuid.uuid4().hex, list(request.prompt),
+                                                    request.max_tokens, sampling_from_pb(request.sampling),
+                                                    frozenset(request.stop_ids)):
                 yield pb.GenerateEvent(token=token)
         except GenerationError as exc:
             yield pb.GenerateEvent(error=str(exc))
 
     async def GetNodeInfo(self, request, context):  # noqa: N802
         node = self.node
+        cluster = node.cluster
+        if cluster is not None and request.caller_address:
+            cluster.membership.consider(request.caller_address, request.caller_id or None)
+        stage = node.engine.stage if node.engine else None
         return pb.NodeInfo(
-            node_id=node.node_id, protocol_version=PROTOCOL_VERSION, grpc_port=node.config.port,
-            model=node.config.model.name,
-            num_layers=node.engine.stage.num_layers if node.engine else 0,
-            plan=[pb.LayerRange(node_id="", start=s.start, end=s.end, grpc_address=s.address)
-                  for s in node.config.plan],
-            epoch=node.epoch, state=node.state,
+            node_id=node.node_id, protocol_version=PROTOCOL_VERSION, cluster_id=node.cluster_id,
+            grpc_port=node.config.port, model=node.config.model.name,
+            num_layers=stage.num_layers if stage else 0,
+            plan=[pb.LayerRange(node_id=s.node_id, start=s.start, end=s.end, grpc_address=s.address)
+                  for s in (node.plan.stages if node.plan else ())],
+            epoch=node.epoch, state=node.state, incarnation=node.incarnation,
+            record_json=json.dumps(cluster.membership.own_record) if cluster else "",
+            record_version=cluster.membership.record_version if cluster else 0,
+            plan_json=node.plan_json(),
         )
 
     async def Echo(self, request, context):  # noqa: N802
-        return pb.Ping(payload=request.payload, sent_at=request.sent_at)
+        if request.echo:
+            return pb.Ping(payload=request.payload, sent_at=request.sent_at)
+        return pb.Ping(sent_at=request.sent_at)
+
+    async def Beat(self, request, context):  # noqa: N802
+        if self.node.cluster is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs a static plan")
+        return self.node.cluster.membership.on_beat(request)
+
+    async def Propose(self, request, context):  # noqa: N802
+        if self.node.cluster is None:
+            return pb.Vote(ok=False, reason="this node runs a static plan", node_id=self.node.node_id)
+        return await self.node.cluster.on_propose(request)
+
+    async def Commit(self, request, context):  # noqa: N802
+        if self.node.cluster is None:
+            return pb.Vote(ok=False, reason="this node runs a static plan", node_id=self.node.node_id)
+        return await self.node.cluster.on_commit(request)

@@ -1,24 +1,62 @@
-"""``ringlet run``: one daemon process — the node, its gRPC server and its HTTP API."""
+"""``ringlet run``: one daemon process — identity, probes, discovery, membership,
+negotiation, the serving node, its gRPC server and its HTTP API.
+
+With ``--plan`` the node serves that static plan (an explicit override). Without
+it the node finds its peers (mDNS, ``--peers``, gossip), and the members agree on
+plans by negotiation (:mod:`ringlet.daemon.negotiation`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import time
+from pathlib import Path
 
 import uvicorn
 
 from .api import create_app
+from .errors import PlanError, RingletError
 from .memory_tuning import tune_allocator
 from .model_info import load_tokenizer, model_info
 from .node import Node, NodeConfig
+from .secret_cli import api_limits, transport_config
 from .sources import resolve
-from .static_plan import StageSpec, parse_plan, validate
+from .static_plan import parse_plan, validate
 
 log = logging.getLogger(__name__)
 
+LINK_REFRESH_S = 30.0
+
+
+def parse_size(text: str | None) -> int | None:
+    """``"4GB"``, ``"512MiB"``, ``"1e9"`` -> bytes.
+
+    Raises:
+        RingletError: not a size.
+    """
+    if text is None:
+        return None
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise RingletError(f"--memory-limit: {text!r} is not a size (e.g. 8GB, 512MiB)") from None
+    if value <= 0:
+        raise RingletError("--memory-limit must be positive")
+    return int(value)
+
 
 def build_config(args) -> tuple[NodeConfig, int]:
-    """Resolve the model and the plan from CLI arguments; returns (config, context tokens).
+    """Resolve the model and the (optional) static plan from CLI arguments.
+
+    Returns ``(config, context tokens)``.
 
     Raises:
         ModelNotFound, ModelFormatError, PlanError: with a message naming the problem.
@@ -26,17 +64,154 @@ def build_config(args) -> tuple[NodeConfig, int]:
     location = resolve(args.model)
     info = model_info(location)
     address = f"{args.host}:{args.port}"
+    plan = None
     if args.plan:
         plan = parse_plan(args.plan)
-    else:
-        plan = [StageSpec(address=address, start=0, end=info.num_layers)]
-    validate(plan, info.num_layers)
-    if address not in {s.address for s in plan}:
-        from .errors import PlanError
-
-        raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
+        validate(plan, info.num_layers)
+        if address not in {s.address for s in plan}:
+            raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
     return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=args.dtype,
-                      node_id=getattr(args, "node_id", "") or ""), info.context_tokens
+                      node_id=getattr(args, "node_id", "") or "",
+                      transport=transport_config(args, getattr(args, "node_id", "") or address)), \
+        info.context_tokens
+
+
+async def _measure_links(node: Node, membership, probe) -> None:
+    """Measure every member's link now and every LINK_REFRESH_S; publish in our record."""
+    from .linkprobe import link_kind, measure
+
+    tb_ifaces = {p.interface for p in getattr(probe, "thunderbolt", ()) if getattr(p, "interface", None)}
+    try:
+        from .probes.interfaces import interface_for_peer
+    except ImportError:  # pragma: no cover
+        interface_for_peer = None
+    links: dict[str, dict] = {}
+    while True:
+        for member in list(membership.members.values()):
+            host = member.address.rsplit(":", 1)[0]
+            try:
+                m = await measure(membership.stub(member.address), link_kind(host, tb_ifaces, interface_for_peer))
+                links[member.node_id] = m.to_dict()
+            except Exception as exc:  # noqa: BLE001 - a failed measurement keeps the old figure
+                log.debug("link to %s not measured: %s", member.node_id, exc)
+        for gone in set(links) - set(membership.members):
+            links.pop(gone)
+        record = dict(membership.own_record)
+        record["links"] = {k: dict(v) for k, v in sorted(links.items())}
+        membership.set_record(record)
+        try:
+            await asyncio.wait_for(membership.links_wanted.wait(), timeout=LINK_REFRESH_S)
+        except TimeoutError:
+            pass
+        membership.links_wanted.clear()
+
+
+async def _start_cluster(args, node: Node, context_tokens: int):
+    """Identity, probes, membership, negotiation and discovery for a negotiated node."""
+    from ringlet.partitioning import Policy
+
+    from .discovery import Discovery, parse_peers
+    from .identity import NodeIdentity, cluster_id
+    from .membership import Membership
+    from .modelspec import model_spec_from_model
+    from .negotiation import Negotiator
+    from .probes import probe_local
+    from .stage import build_lazy_model
+
+    loop = asyncio.get_running_loop()
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
+    identity = NodeIdentity.load_or_create(data_dir)
+    node.node_id = identity.node_id
+    node.cluster_id = cluster_id(args.cluster)
+    node.incarnation = identity.incarnation
+    probe = await loop.run_in_executor(None, lambda: probe_local(identity.path.parent))
+    memory = probe.memory
+    usable = memory.usable_memory_bytes
+    limit = parse_size(args.memory_limit)
+    if limit is not None:
+        usable = min(usable, limit)
+    speed = probe.speed
+    api_host = args.host if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
+    record = {
+        "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
+        "memory_total_bytes": memory.total_bytes, "usable_memory_bytes": usable,
+        "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
+        "flops": speed.matmul_flops if speed else None,
+        "api_url": f"http://{api_host}:{args.api_port}", "links": {},
+    }
+    model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
+    spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
+                                 name=node.config.model.name, config=config)
+    num_layers = len(spec.layer_bytes)
+
+    advertise = f"{args.advertise_host or args.host}:{args.port}"
+    membership = Membership(
+        identity.node_id, advertise, node.cluster_id, identity.incarnation, node.config.transport,
+        heartbeat_s=args.heartbeat_s, suspect_after_s=2 * args.heartbeat_s, remove_after_s=args.remove_after_s,
+        on_event=node.event, epoch_fn=lambda: (node.epoch, node.plan.plan_id if node.plan else ""))
+    membership.set_record(record)
+    negotiator = Negotiator(node, membership, spec, node.config.model.name, num_layers,
+                            Policy(name=args.policy), settle_s=args.settle_s,
+                            initial_settle_s=args.initial_settle_s)
+
+    def on_change() -> None:
+        negotiator.membership_changed()
+        membership.links_wanted.set()
+
+    membership.on_change = on_change
+    node.cluster = negotiator
+    await membership.start()
+    await negotiator.start()
+    tasks = [asyncio.create_task(_measure_links(node, membership, probe), name="links")]
+
+    discovery = None
+    if not args.no_mdns:
+        async def on_conflict(other) -> None:
+            new = identity.regenerate(f"another live node at {list(other.addresses)} holds id {other.node_id} "
+                                      "and started earlier (cloned disk?)")
+            node.node_id = new
+            membership.node_id = new
+            node.event("identity", f"took a fresh id {new}: another live node had ours")
+            await discovery.set_node_id(new)
+
+        def on_peer(advert) -> None:
+            for host in advert.addresses:
+                membership.consider(f"{host}:{advert.grpc_port}", advert.node_id)
+
+        def on_goodbye(node_id: str) -> None:
+            membership.suspect(node_id, "mDNS goodbye")
+
+        interfaces = args.interface or None
+        discovery = Discovery.for_identity(identity, args.cluster, args.port, args.api_port, interfaces=interfaces,
+                                           on_peer=on_peer, on_goodbye=on_goodbye, on_conflict=on_conflict,
+                                           secret=node.config.transport.secret)
+        await discovery.start()
+    for host, port in parse_peers(args.peers) if args.peers else []:
+        membership.consider(f"{host}:{port}")
+
+    async def redial() -> None:
+        """Keep dialing --peers and re-querying mDNS when alone: a peer that comes back
+        after a cut link is found again (mDNS alone would take ~19 min)."""
+        while True:
+            await asyncio.sleep(2.0)
+            for host, port in parse_peers(args.peers) if args.peers else []:
+                membership.consider(f"{host}:{port}")
+            if discovery is not None and any(m.state == "suspect" for m in membership.members.values()):
+                await discovery.refresh(timeout=0.5)
+
+    tasks.append(asyncio.create_task(redial(), name="redial"))
+
+    async def stop() -> None:
+        for t in tasks:
+            t.cancel()
+        await negotiator.stop()
+        if discovery is not None:
+            with contextlib.suppress(Exception):
+                await discovery.stop()
+        await membership.stop()
+        identity.close()
+
+    return stop
 
 
 async def serve(args) -> int:
@@ -48,14 +223,20 @@ async def serve(args) -> int:
     # (node.memory["rss_before_load_bytes"]) is that of a daemon holding no weights.
     tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
     await node.start()
-    app = create_app(node, tokenizer, config.model.name, context)
+    stop_cluster = None
+    if config.plan is None:
+        stop_cluster = await _start_cluster(args, node, context)
+    app = create_app(node, tokenizer, config.model.name, context, limits=api_limits(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
                                            lifespan="off", access_log=False))
-    spec = node.stage_spec
-    log.info("serving %s layers [%d, %d) as stage %d of %d; API on http://%s:%d", config.model.name,
-             spec.start, spec.end, node.index, len(config.plan), args.api_host, args.api_port)
+    log.info("node %s: gRPC %s, API http://%s:%d, %s", node.node_id, config.address, args.api_host, args.api_port,
+             "static plan" if config.plan is not None else f"cluster {args.cluster!r}")
+    started = time.monotonic()
     try:
         await server.serve()
     finally:
+        if stop_cluster is not None:
+            await stop_cluster()
         await node.stop()
+    log.info("stopped after %.0f s", time.monotonic() - started)
     return 0

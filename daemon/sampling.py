@@ -22,12 +22,16 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 0 or 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         seed: seeds this request's random key; ``None`` draws one from the node's RNG.
+        steps_done: tokens already sampled for this request elsewhere (a request
+            resumed on a new plan): the key skips ahead so a seeded stream continues
+            as it would have.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    steps_done: int = 0
 
 
 class RequestSampler:
@@ -45,6 +49,8 @@ class RequestSampler:
             self._filters.append(lambda x: apply_top_k(x, params.top_k))
         seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(seed)
+        for _ in range(params.steps_done):
+            self._key, _ = mx.random.split(self._key)
 
     def __call__(self, logits: mx.array) -> int:
         """Pick the next token id from float logits of shape ``(vocab,)``."""

@@ -124,6 +124,7 @@ class Stage:
         start, end: the half-open layer range ``[start, end)``.
         num_layers: layers in the whole model.
         config: the model config (mlx-lm ``config.json`` form).
+        reused_prefixes: parameter prefixes taken from a previous stage, not read.
     """
 
     model: nn.Module
@@ -131,6 +132,7 @@ class Stage:
     end: int
     num_layers: int
     config: dict
+    reused_prefixes: frozenset[str] = frozenset()
 
     @property
     def first(self) -> bool:
@@ -168,6 +170,11 @@ class Stage:
         """Bytes of the parameters this stage holds."""
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
+    def loaded_bytes(self) -> int:
+        """Bytes this stage read from disk (its parameters minus the reused ones)."""
+        return sum(v.nbytes for name, v in tree_flatten(self.model.parameters())
+                   if not any(name.startswith(p) for p in self.reused_prefixes))
+
 
 def _model_classes(config: dict):
     from mlx_lm.utils import _get_classes
@@ -191,7 +198,75 @@ def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
     model.apply_to_modules(cast)
 
 
-def load_stage(location: ModelLocation, start: int, end: int | None = None, dtype: str | None = None) -> Stage:
+def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage | None) -> set[str]:
+    """Move the already-materialised modules of ``reuse`` that the new stage
+    ``[start, end)`` also needs into ``model``. Returns the model-relative prefixes
+    that were reused (their tensors must not be read again)."""
+    if reuse is None:
+        return set()
+    inner, old_inner = _inner(model), _inner(reuse.model)
+    done: set[str] = set()
+    for g in range(max(start, reuse.start), min(end, reuse.end)):
+        inner.layers[g - start] = old_inner.layers[g - reuse.start]
+        done.add(f"model.layers.{g - start}.")
+    new_embed, old_embed = inner.embed_tokens, old_inner.embed_tokens
+    if "real" in new_embed and isinstance(old_embed, _StageEmbedding) and "real" in old_embed:
+        new_embed.real = old_embed.real
+        done.add("model.embed_tokens.")
+    if reuse.last and end == num_layers:
+        inner.norm = old_inner.norm
+        done.add("model.norm.")
+        if hasattr(model, "lm_head") and hasattr(reuse.model, "lm_head"):
+            model.lm_head = reuse.model.lm_head
+            done.add("lm_head.")
+    return done
+
+
+def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple[nn.Module, dict]:
+    """The whole model, built but never evaluated (MLX allocates nothing), with the
+    same quantization and dtype :func:`load_stage` would give it: for sizing plans
+    (``modelspec.model_spec_from_model``) without reading weights.
+
+    Raises:
+        ModelFormatError: unreadable or unsupported model.
+    """
+    mx_dtype = DTYPES.get(dtype) if dtype else None
+    if location.kind == "gguf":
+        g = gguf_source.open_gguf(location.path)
+        config = dict(g.config)
+        model_class, args_class = _model_classes(config)
+        model = model_class(args_class.from_dict(config))
+        bits = {}
+        for name, tensor in g.tensors.items():
+            width = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(tensor.tensor_type.name)
+            if width and mx_dtype is None and len(tensor.shape) == 2:
+                bits[gguf_source.mlx_name(name)] = width
+        if mx_dtype is not None:
+            _cast(model, mx_dtype)
+
+        def predicate(path: str, module: nn.Module) -> dict | bool:
+            if path in bits and hasattr(module, "to_quantized"):
+                return {"group_size": gguf_source.GROUP, "bits": bits[path]}
+            return False
+
+        if bits:
+            nn.quantize(model, class_predicate=predicate)
+        return model, config
+    from mlx_lm.utils import load_model
+
+    config = read_config(location)
+    _model_classes(config)
+    try:
+        model, config = load_model(Path(location.path), lazy=True, strict=False)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise ModelFormatError(f"{location.path}: cannot build the model: {exc}") from None
+    if mx_dtype is not None:
+        _cast(model, mx_dtype)
+    return model, config
+
+
+def load_stage(location: ModelLocation, start: int, end: int | None = None, dtype: str | None = None,
+               reuse: Stage | None = None) -> Stage:
     """Load the stage ``[start, end)`` of a model, reading only that stage's tensors.
 
     Args:
@@ -199,6 +274,9 @@ def load_stage(location: ModelLocation, start: int, end: int | None = None, dtyp
         start, end: half-open layer range; ``end=None`` means the last layer.
         dtype: ``None`` keeps the model's own precision (GGUF Q4_0/Q4_1/Q8_0 stay
             quantized); ``"float16"``, ``"bfloat16"`` or ``"float32"`` dequantize/cast.
+        reuse: a loaded stage of the same model and dtype; the layers (and embedding,
+            norm, head) both stages need are taken from it instead of being read
+            again, so re-sharding reads only the layers that moved.
 
     Raises:
         ModelFormatError: unreadable, truncated or unsupported model files.
@@ -209,11 +287,11 @@ def load_stage(location: ModelLocation, start: int, end: int | None = None, dtyp
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     mx_dtype = DTYPES.get(dtype) if dtype else None
     if location.kind == "gguf":
-        return _load_gguf_stage(location.path, start, end, mx_dtype)
-    return _load_mlx_stage(location, start, end, mx_dtype)
+        return _load_gguf_stage(location.path, start, end, mx_dtype, reuse)
+    return _load_mlx_stage(location, start, end, mx_dtype, reuse)
 
 
-def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype) -> Stage:
+def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype, reuse: Stage | None) -> Stage:
     from mlx_lm.utils import load_model
 
     config = read_config(location)
@@ -229,14 +307,16 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype)
     prune(model, start, end, config.get("model_type", ""))
     if dtype is not None:
         _cast(model, dtype)
+    reused = _reuse(model, start, end, num_layers, reuse)
     try:
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as exc:
         raise ModelFormatError(f"{location.path}: cannot read the weights: {exc}") from None
-    return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config)
+    return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config,
+                 reused_prefixes=frozenset(reused))
 
 
-def _load_gguf_stage(path: Path, start: int, end: int | None, dtype) -> Stage:
+def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stage | None) -> Stage:
     g = gguf_source.open_gguf(path)
     config = dict(g.config)
     model_class, args_class = _model_classes(config)
@@ -255,9 +335,12 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype) -> Stage:
             return "model.embed_tokens.real"
         return name
 
+    reused = _reuse(model, start, end, num_layers, reuse)
     weights: list[tuple[str, mx.array]] = []
     quant: dict[str, int] = {}
-    for prefix, arrays in gguf_source.stage_weights(g, start, end, first, last, dtype):
+    skip = {name for name in gguf_source.stage_tensor_names(g, start, end, first, last)
+            if any((local(gguf_source.mlx_name(name)) + ".").startswith(p) for p in reused)}
+    for prefix, arrays in gguf_source.stage_weights(g, start, end, first, last, dtype, skip=skip):
         bits = arrays.pop("_bits", None)
         target = local(prefix)
         if bits is not None:
@@ -276,8 +359,15 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype) -> Stage:
 
         nn.quantize(model, class_predicate=predicate)
     try:
-        model.load_weights(weights, strict=True)
+        model.load_weights(weights, strict=not reused)
     except ValueError as exc:
         raise ModelFormatError(f"{path}: weights do not match the architecture: {exc}") from None
+    if reused:  # strict check by hand: every parameter not reused was read
+        loaded = {name for name, _ in weights}
+        missing = [name for name, _ in tree_flatten(model.parameters())
+                   if name not in loaded and not any(name.startswith(p) for p in reused)]
+        if missing:
+            raise ModelFormatError(f"{path}: no tensors for {missing[:3]}")
     mx.eval(model.parameters())
-    return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config)
+    return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config,
+                 reused_prefixes=frozenset(reused))

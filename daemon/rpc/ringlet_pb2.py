@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rringlet.proto\x12\nringlet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"]\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\xf7\x01\n\nActivation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12$\n\x06hidden\x18\x05 \x01(\x0b\x32\x12.ringlet.v1.TensorH\x00\x12\x0f\n\x05token\x18\x06 \x01(\x05H\x00\x12&\n\x08sampling\x18\x07 \x01(\x0b\x32\x14.ringlet.v1.Sampling\x12\x0f\n\x07release\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0f\n\x07sent_at\x18\n \x01(\x01\x12\r\n\x05stage\x18\x0b \x01(\rB\t\n\x07payload\"\x1a\n\x06HopAck\x12\x10\n\x08received\x18\x01 \x01(\x04\"\x83\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12&\n\x08sampling\x18\x04 \x01(\x0b\x32\x14.ringlet.v1.Sampling\x12\x10\n\x08stop_ids\x18\x05 \x03(\x05\"J\n\rGenerateEvent\x12\x0f\n\x05token\x18\x01 \x01(\x05H\x00\x12\x0f\n\x05\x65rror\x18\x02 \x01(\tH\x00\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x42\x07\n\x05\x65vent\"O\n\nLayerRange\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\"\x11\n\x0fNodeInfoRequest\"\x81\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12\x11\n\tgrpc_port\x18\x04 \x01(\r\x12\x10\n\x08\x61pi_port\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12$\n\x04plan\x18\x08 \x03(\x0b\x32\x16.ringlet.v1.LayerRange\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\r\n\x05state\x18\n \x01(\t\x12\x12\n\nprobe_json\x18\x0b \x01(\t\x12\x16\n\x0erecord_version\x18\x0c \x01(\x04\"(\n\x04Ping\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x0f\n\x07sent_at\x18\x02 \x01(\x01\x32\xf1\x01\n\x04Ring\x12\x35\n\x03Hop\x12\x16.ringlet.v1.Activation\x1a\x12.ringlet.v1.HopAck(\x01\x30\x01\x12\x44\n\x08Generate\x12\x1b.ringlet.v1.GenerateRequest\x1a\x19.ringlet.v1.GenerateEvent0\x01\x12@\n\x0bGetNodeInfo\x12\x1b.ringlet.v1.NodeInfoRequest\x1a\x14.ringlet.v1.NodeInfo\x12*\n\x04\x45\x63ho\x12\x10.ringlet.v1.Ping\x1a\x10.ringlet.v1.Pingb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rringlet.proto\x12\nringlet.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"q\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nsteps_done\x18\x06 \x01(\r\"\xf7\x01\n\nActivation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12$\n\x06hidden\x18\x05 \x01(\x0b\x32\x12.ringlet.v1.TensorH\x00\x12\x0f\n\x05token\x18\x06 \x01(\x05H\x00\x12&\n\x08sampling\x18\x07 \x01(\x0b\x32\x14.ringlet.v1.Sampling\x12\x0f\n\x07release\x18\x08 \x01(\x08\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0f\n\x07sent_at\x18\n \x01(\x01\x12\r\n\x05stage\x18\x0b \x01(\rB\t\n\x07payload\"\x1a\n\x06HopAck\x12\x10\n\x08received\x18\x01 \x01(\x04\"\xa6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12&\n\x08sampling\x18\x04 \x01(\x0b\x32\x14.ringlet.v1.Sampling\x12\x10\n\x08stop_ids\x18\x05 \x03(\x05\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nsteps_done\x18\x07 \x01(\r\"J\n\rGenerateEvent\x12\x0f\n\x05token\x18\x01 \x01(\x05H\x00\x12\x0f\n\x05\x65rror\x18\x02 \x01(\tH\x00\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x42\x07\n\x05\x65vent\"O\n\nLayerRange\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\x12\x14\n\x0cgrpc_address\x18\x04 \x01(\t\"<\n\x0fNodeInfoRequest\x12\x11\n\tcaller_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61ller_address\x18\x02 \x01(\t\"\xbe\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12\x11\n\tgrpc_port\x18\x04 \x01(\r\x12\x10\n\x08\x61pi_port\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12$\n\x04plan\x18\x08 \x03(\x0b\x32\x16.ringlet.v1.LayerRange\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\r\n\x05state\x18\n \x01(\t\x12\x12\n\nprobe_json\x18\x0b \x01(\t\x12\x16\n\x0erecord_version\x18\x0c \x01(\x04\x12\x13\n\x0brecord_json\x18\r \x01(\t\x12\x13\n\x0bincarnation\x18\x0e \x01(\t\x12\x11\n\tplan_json\x18\x0f \x01(\t\"M\n\x0cMemberDigest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x16\n\x0erecord_version\x18\x03 \x01(\x04\"\xb6\x01\n\tHeartbeat\x12\x11\n\tsender_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0erecord_version\x18\x03 \x01(\x04\x12)\n\x07members\x18\x04 \x03(\x0b\x32\x18.ringlet.v1.MemberDigest\x12\x17\n\x0f\x63ommitted_epoch\x18\x05 \x01(\x04\x12\x0f\n\x07plan_id\x18\x06 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x07 \x01(\t\"\x96\x01\n\x08Proposal\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bproposer_id\x18\x02 \x01(\t\x12\x19\n\x11membership_digest\x18\x03 \x01(\t\x12\x11\n\tplan_json\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12)\n\taddresses\x18\x06 \x03(\x0b\x32\x16.ringlet.v1.LayerRange\"3\n\x04Vote\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"D\n\rCommitRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x13\n\x0bproposer_id\x18\x02 \x01(\t\x12\x0f\n\x07plan_id\x18\x03 \x01(\t\"6\n\x04Ping\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x0f\n\x07sent_at\x18\x02 \x01(\x01\x12\x0c\n\x04\x65\x63ho\x18\x03 \x01(\x08\x32\x91\x03\n\x04Ring\x12\x35\n\x03Hop\x12\x16.ringlet.v1.Activation\x1a\x12.ringlet.v1.HopAck(\x01\x30\x01\x12\x44\n\x08Generate\x12\x1b.ringlet.v1.GenerateRequest\x1a\x19.ringlet.v1.GenerateEvent0\x01\x12@\n\x0bGetNodeInfo\x12\x1b.ringlet.v1.NodeInfoRequest\x1a\x14.ringlet.v1.NodeInfo\x12*\n\x04\x45\x63ho\x12\x10.ringlet.v1.Ping\x1a\x10.ringlet.v1.Ping\x12\x34\n\x04\x42\x65\x61t\x12\x15.ringlet.v1.Heartbeat\x1a\x15.ringlet.v1.Heartbeat\x12\x31\n\x07Propose\x12\x14.ringlet.v1.Proposal\x1a\x10.ringlet.v1.Vote\x12\x35\n\x06\x43ommit\x12\x19.ringlet.v1.CommitRequest\x1a\x10.ringlet.v1.Voteb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=29
   _globals['_TENSOR']._serialized_end=81
   _globals['_SAMPLING']._serialized_start=83
-  _globals['_SAMPLING']._serialized_end=176
-  _globals['_ACTIVATION']._serialized_start=179
-  _globals['_ACTIVATION']._serialized_end=426
-  _globals['_HOPACK']._serialized_start=428
-  _globals['_HOPACK']._serialized_end=454
-  _globals['_GENERATEREQUEST']._serialized_start=457
-  _globals['_GENERATEREQUEST']._serialized_end=588
-  _globals['_GENERATEEVENT']._serialized_start=590
-  _globals['_GENERATEEVENT']._serialized_end=664
-  _globals['_LAYERRANGE']._serialized_start=666
-  _globals['_LAYERRANGE']._serialized_end=745
-  _globals['_NODEINFOREQUEST']._serialized_start=747
-  _globals['_NODEINFOREQUEST']._serialized_end=764
-  _globals['_NODEINFO']._serialized_start=767
-  _globals['_NODEINFO']._serialized_end=1024
-  _globals['_PING']._serialized_start=1026
-  _globals['_PING']._serialized_end=1066
-  _globals['_RING']._serialized_start=1069
-  _globals['_RING']._serialized_end=1310
+  _globals['_SAMPLING']._serialized_end=196
+  _globals['_ACTIVATION']._serialized_start=199
+  _globals['_ACTIVATION']._serialized_end=446
+  _globals['_HOPACK']._serialized_start=448
+  _globals['_HOPACK']._serialized_end=474
+  _globals['_GENERATEREQUEST']._serialized_start=477
+  _globals['_GENERATEREQUEST']._serialized_end=643
+  _globals['_GENERATEEVENT']._serialized_start=645
+  _globals['_GENERATEEVENT']._serialized_end=719
+  _globals['_LAYERRANGE']._serialized_start=721
+  _globals['_LAYERRANGE']._serialized_end=800
+  _globals['_NODEINFOREQUEST']._serialized_start=802
+  _globals['_NODEINFOREQUEST']._serialized_end=862
+  _globals['_NODEINFO']._serialized_start=865
+  _globals['_NODEINFO']._serialized_end=1183
+  _globals['_MEMBERDIGEST']._serialized_start=1185
+  _globals['_MEMBERDIGEST']._serialized_end=1262
+  _globals['_HEARTBEAT']._serialized_start=1265
+  _globals['_HEARTBEAT']._serialized_end=1447
+  _globals['_PROPOSAL']._serialized_start=1450
+  _globals['_PROPOSAL']._serialized_end=1600
+  _globals['_VOTE']._serialized_start=1602
+  _globals['_VOTE']._serialized_end=1653
+  _globals['_COMMITREQUEST']._serialized_start=1655
+  _globals['_COMMITREQUEST']._serialized_end=1723
+  _globals['_PING']._serialized_start=1725
+  _globals['_PING']._serialized_end=1779
+  _globals['_RING']._serialized_start=1782
+  _globals['_RING']._serialized_end=2183
 # @@protoc_insertion_point(module_scope)

@@ -17,18 +17,20 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "steps_done")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     has_seed: bool
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    steps_done: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class Activation(_message.Message):
     __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage")
@@ -63,18 +65,22 @@ class HopAck(_message.Message):
     def __init__(self, received: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "max_tokens", "sampling", "stop_ids")
+    __slots__ = ("request_id", "prompt", "max_tokens", "sampling", "stop_ids", "epoch", "steps_done")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     sampling: Sampling
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    steps_done: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "error", "ttft_s")
@@ -99,11 +105,15 @@ class LayerRange(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., grpc_address: _Optional[str] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("caller_id", "caller_address")
+    CALLER_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    caller_id: str
+    caller_address: str
+    def __init__(self, caller_id: _Optional[str] = ..., caller_address: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "cluster_id", "grpc_port", "api_port", "model", "num_layers", "plan", "epoch", "state", "probe_json", "record_version")
+    __slots__ = ("node_id", "protocol_version", "cluster_id", "grpc_port", "api_port", "model", "num_layers", "plan", "epoch", "state", "probe_json", "record_version", "record_json", "incarnation", "plan_json")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +126,9 @@ class NodeInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROBE_JSON_FIELD_NUMBER: _ClassVar[int]
     RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     cluster_id: str
@@ -128,12 +141,81 @@ class NodeInfo(_message.Message):
     state: str
     probe_json: str
     record_version: int
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., grpc_port: _Optional[int] = ..., api_port: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., state: _Optional[str] = ..., probe_json: _Optional[str] = ..., record_version: _Optional[int] = ...) -> None: ...
+    record_json: str
+    incarnation: str
+    plan_json: str
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., grpc_port: _Optional[int] = ..., api_port: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., state: _Optional[str] = ..., probe_json: _Optional[str] = ..., record_version: _Optional[int] = ..., record_json: _Optional[str] = ..., incarnation: _Optional[str] = ..., plan_json: _Optional[str] = ...) -> None: ...
+
+class MemberDigest(_message.Message):
+    __slots__ = ("node_id", "grpc_address", "record_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    grpc_address: str
+    record_version: int
+    def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., record_version: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address")
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    sender_id: str
+    incarnation: str
+    record_version: int
+    members: _containers.RepeatedCompositeFieldContainer[MemberDigest]
+    committed_epoch: int
+    plan_id: str
+    grpc_address: str
+    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    proposer_id: str
+    membership_digest: str
+    plan_json: str
+    model: str
+    addresses: _containers.RepeatedCompositeFieldContainer[LayerRange]
+    def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
+
+class Vote(_message.Message):
+    __slots__ = ("ok", "reason", "node_id")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    node_id: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("epoch", "proposer_id", "plan_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    proposer_id: str
+    plan_id: str
+    def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
 class Ping(_message.Message):
-    __slots__ = ("payload", "sent_at")
+    __slots__ = ("payload", "sent_at", "echo")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     sent_at: float
-    def __init__(self, payload: _Optional[bytes] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    echo: bool
+    def __init__(self, payload: _Optional[bytes] = ..., sent_at: _Optional[float] = ..., echo: _Optional[bool] = ...) -> None: ...

@@ -54,6 +54,21 @@ class RingStub:
                 request_serializer=ringlet__pb2.Ping.SerializeToString,
                 response_deserializer=ringlet__pb2.Ping.FromString,
                 _registered_method=True)
+        self.Beat = channel.unary_unary(
+                '/ringlet.v1.Ring/Beat',
+                request_serializer=ringlet__pb2.Heartbeat.SerializeToString,
+                response_deserializer=ringlet__pb2.Heartbeat.FromString,
+                _registered_method=True)
+        self.Propose = channel.unary_unary(
+                '/ringlet.v1.Ring/Propose',
+                request_serializer=ringlet__pb2.Proposal.SerializeToString,
+                response_deserializer=ringlet__pb2.Vote.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/ringlet.v1.Ring/Commit',
+                request_serializer=ringlet__pb2.CommitRequest.SerializeToString,
+                response_deserializer=ringlet__pb2.Vote.FromString,
+                _registered_method=True)
 
 
 class RingServicer:
@@ -85,6 +100,25 @@ class RingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Beat(self, request, context):
+        """Membership and negotiation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Propose(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +141,21 @@ def add_RingServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=ringlet__pb2.Ping.FromString,
                     response_serializer=ringlet__pb2.Ping.SerializeToString,
+            ),
+            'Beat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Beat,
+                    request_deserializer=ringlet__pb2.Heartbeat.FromString,
+                    response_serializer=ringlet__pb2.Heartbeat.SerializeToString,
+            ),
+            'Propose': grpc.unary_unary_rpc_method_handler(
+                    servicer.Propose,
+                    request_deserializer=ringlet__pb2.Proposal.FromString,
+                    response_serializer=ringlet__pb2.Vote.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=ringlet__pb2.CommitRequest.FromString,
+                    response_serializer=ringlet__pb2.Vote.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +266,87 @@ class Ring:
             '/ringlet.v1.Ring/Echo',
             ringlet__pb2.Ping.SerializeToString,
             ringlet__pb2.Ping.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Beat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringlet.v1.Ring/Beat',
+            ringlet__pb2.Heartbeat.SerializeToString,
+            ringlet__pb2.Heartbeat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Propose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringlet.v1.Ring/Propose',
+            ringlet__pb2.Proposal.SerializeToString,
+            ringlet__pb2.Vote.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringlet.v1.Ring/Commit',
+            ringlet__pb2.CommitRequest.SerializeToString,
+            ringlet__pb2.Vote.FromString,
             options,
             channel_credentials,
             insecure,
