@@ -1,0 +1,305 @@
+"""``ringlet status`` and the snapshot behind it: normalisation of ``/v1/cluster``
+answers (today's fields and the members/links schema), polling over real HTTP,
+client-side tokens/s, exit codes.
+
+``FakeNode`` (a real HTTP server on 127.0.0.1 answering ``/v1/cluster`` from a
+function) is also used by the dashboard and doctor tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from conftest import ringlet
+from ringlet.daemon.errors import RingletError
+from ringlet.daemon.status import (
+    EXIT_DEGRADED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    Collector,
+    build_snapshot,
+    exit_status,
+    format_status,
+    normalize_api_url,
+)
+
+GIB = 1 << 30
+
+
+class FakeNode:
+    """A real HTTP server answering ``GET /v1/cluster`` with ``info()`` and ``/healthz``."""
+
+    def __init__(self, info):
+        self.info = info if callable(info) else (lambda: info)
+        node = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server API
+                if self.path == "/v1/cluster":
+                    body = json.dumps(node.info()).encode()
+                elif self.path == "/healthz":
+                    i = node.info()
+                    body = json.dumps({"status": "ok", "state": i.get("state"), "node_id": i.get("node_id")}).encode()
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FakeNode:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def plan_of(n: int, layers: int = 30) -> list[dict]:
+    cuts = [round(i * layers / n) for i in range(n + 1)]
+    return [{"address": f"127.0.0.1:{7100 + i}", "start": cuts[i], "end": cuts[i + 1]} for i in range(n)]
+
+
+def today_info(i: int, n: int = 3, layers: int = 30, epoch: int = 1, state: str = "ready", **extra) -> dict:
+    """``/v1/cluster`` of node ``i`` with the fields the spine serves today."""
+    plan = plan_of(n, layers)
+    info = {
+        "node_id": plan[i]["address"], "address": plan[i]["address"], "state": state, "epoch": epoch,
+        "model": "smollm2-135m", "num_layers": layers, "stage": i,
+        "layer_range": [plan[i]["start"], plan[i]["end"]], "plan": plan,
+        "requests_in_flight": 0, "kv_caches": [], "hop_latency_median_s": 0.0004 + i * 1e-5,
+        "memory": {"rss_bytes": (280 + i) << 20, "stage_param_bytes": 54 << 20},
+        "recent_requests": [],
+    }
+    info.update(extra)
+    return info
+
+
+def studio_infos(n: int = 4) -> dict[str, dict]:
+    """``{api_url: /v1/cluster}`` of four Mac Studios with the members/links schema."""
+    names = [f"studio-{k + 1}" for k in range(n)]
+    ids = [f"{k + 1:016x}" for k in range(n)]
+    plan = [dict(p, node_id=ids[k]) for k, p in enumerate(plan_of(n, 80))]
+    for k, p in enumerate(plan):
+        p["address"] = f"10.0.0.{k + 1}:7100"
+    members = [{
+        "node_id": ids[k], "name": names[k], "chip": "Apple M3 Ultra", "state": "self" if k == 0 else "alive",
+        "grpc_address": plan[k]["address"], "api_url": f"http://10.0.0.{k + 1}:8000",
+        "memory_total_bytes": 512 * GIB, "memory_usable_bytes": 480 * GIB, "memory_used_bytes": (90 + k) * GIB,
+        "layer_range": [plan[k]["start"], plan[k]["end"]],
+    } for k in range(n)]
+    links = [{"a": ids[k], "b": ids[(k + 1) % n], "kind": "thunderbolt", "bandwidth_bytes_per_s": 5e9,
+              "rtt_s": 0.00021} for k in range(n)]
+    base = {
+        "node_id": ids[0], "address": plan[0]["address"], "state": "serving", "epoch": 7, "model": "Llama-3.3-70B",
+        "num_layers": 80, "stage": 0, "layer_range": [0, 20], "plan": plan, "requests_in_flight": 1,
+        "memory": {"rss_bytes": 90 * GIB}, "tokens_generated_total": 1234, "tokens_per_s": 31.5,
+        "recent_requests": [{"request_id": "aaaa1111", "prompt_tokens": 12, "completion_tokens": 200,
+                             "ttft_s": 0.41, "tokens_per_s": 30.2},
+                            {"request_id": "bbbb2222", "prompt_tokens": 40, "completion_tokens": 64,
+                             "ttft_s": 0.52, "tokens_per_s": 29.9}],
+        "members": members, "links": links, "policy": "balanced", "mode": "pipeline",
+        "negotiation": {"state": "idle", "proposer": ids[0]},
+        "events": [{"ts": 1_700_000_000 + k, "kind": kind, "message": msg} for k, (kind, msg) in enumerate(
+            [("join", "studio-4 joined"), ("replan", "epoch 7: moved 12.0 GB"), ("error", "request x failed")])],
+    }
+    return {"http://10.0.0.1:8000": base}
+
+
+# --------------------------------------------------------------------------- normalise
+
+
+def test_today_schema_ring_order_ranges_hops_and_idle_rate():
+    infos = {f"http://a{i}": today_info(i, tokens_generated_total=10 if i == 0 else 0) for i in range(3)}
+    infos["http://a0"]["recent_requests"] = [
+        {"request_id": "old", "prompt_tokens": 4, "completion_tokens": 10, "ttft_s": 0.3, "tokens_per_s": 8.0},
+        {"request_id": "new", "prompt_tokens": 5, "completion_tokens": 150, "ttft_s": 0.4, "tokens_per_s": 8.8}]
+    snap = build_snapshot("http://a0", infos, {})
+    assert snap["reachable"] and snap["healthy"]
+    assert [n["layer_range"] for n in snap["nodes"]] == [[0, 10], [10, 20], [20, 30]]
+    assert [n["api_url"] for n in snap["nodes"]] == ["http://a0", "http://a1", "http://a2"]
+    assert snap["cluster"]["epoch"] == 1 and snap["cluster"]["num_layers"] == 30
+    assert [h["returns"] for h in snap["hops"]] == [False, False, True]
+    # the hop latency is the receiving stage's
+    assert snap["hops"][0]["hop_latency_s"] == infos["http://a1"]["hop_latency_median_s"]
+    assert [r["request_id"] for r in snap["recent_requests"]] == ["new", "old"]
+    # counters known and nothing in flight: the ring runs at 0 tokens/s, said as such
+    assert snap["cluster"]["tokens_per_s"] == 0.0
+    assert all(n["tokens_per_s"] == 0.0 for n in snap["nodes"])
+    assert snap["cluster"]["memory_used_bytes"] == sum((280 + i) << 20 for i in range(3))
+    json.dumps(snap)  # JSON-safe
+
+
+def test_members_links_schema():
+    infos = studio_infos()
+    snap = build_snapshot("http://10.0.0.1:8000", infos, {})
+    names = [n["name"] for n in snap["nodes"]]
+    assert names == ["studio-1", "studio-2", "studio-3", "studio-4"]
+    assert all(n["chip"] == "Apple M3 Ultra" for n in snap["nodes"])
+    assert snap["cluster"]["memory_total_bytes"] == 4 * 512 * GIB
+    assert snap["cluster"]["memory_usable_bytes"] == 4 * 480 * GIB
+    assert snap["cluster"]["tokens_per_s"] == 31.5  # the cluster's own figure wins
+    assert snap["cluster"]["policy"] == "balanced" and snap["cluster"]["mode"] == "pipeline"
+    hop = snap["hops"][3]
+    assert hop["returns"] and hop["kind"] == "thunderbolt" and hop["bandwidth_bytes_per_s"] == 5e9
+    assert hop["rtt_s"] == 0.00021 and hop["to_name"] == "studio-1"
+    # the other nodes' API URLs come from members; they were not polled
+    assert snap["nodes"][1]["api_url"] == "http://10.0.0.2:8000" and snap["nodes"][1]["reachable"] is None
+    assert [e["kind"] for e in snap["events"]] == ["join", "replan", "error"]
+
+
+def test_member_verdict_suspect_and_nodes_outside_the_plan():
+    infos = studio_infos()
+    base = infos["http://10.0.0.1:8000"]
+    base["members"][2]["state"] = "suspect"
+    base["members"].append({"node_id": "f" * 16, "name": "mbp", "chip": "Apple M4 Max", "state": "alive",
+                            "grpc_address": "10.0.0.9:7100", "api_url": None, "memory_total_bytes": 64 * GIB})
+    snap = build_snapshot("http://10.0.0.1:8000", infos, {})
+    assert snap["nodes"][2]["state"] == "suspect"
+    assert not snap["healthy"] and exit_status(snap) == EXIT_DEGRADED
+    extra = snap["nodes"][-1]
+    assert extra["name"] == "mbp" and not extra["in_plan"] and extra["stage"] is None
+    assert snap["cluster"]["nodes"] == 4  # only plan stages count
+
+
+def test_a_node_that_stops_answering_keeps_its_place_marked_unreachable():
+    infos = {f"http://a{i}": today_info(i) for i in (0, 2)}
+    errors = {"http://a1": "connection refused"}
+    addresses = {"http://a1": "127.0.0.1:7101"}
+    snap = build_snapshot("http://a0", infos, errors, addresses=addresses)
+    mid = snap["nodes"][1]
+    assert mid["address"] == "127.0.0.1:7101" and mid["state"] == "unreachable" and mid["reachable"] is False
+    assert mid["error"] == "connection refused" and mid["layer_range"] == [10, 20]  # from the plan
+    assert exit_status(snap) == EXIT_DEGRADED
+
+
+def test_nothing_answers():
+    snap = build_snapshot(None, {}, {"http://x": "connection refused"})
+    assert not snap["reachable"] and "connection refused" in snap["error"]
+    assert exit_status(snap) == EXIT_UNREACHABLE
+    assert format_status(snap).startswith("unreachable:")
+
+
+@pytest.mark.parametrize("garbage", [
+    {"plan": "nope", "epoch": "7", "num_layers": None, "memory": [], "recent_requests": {"a": 1}},
+    {"plan": [{"address": 5}, {"address": "h:1", "start": "a", "end": None}], "members": [1, None, "x"],
+     "links": "x", "events": [None, {"ts": "garbage"}], "layer_range": [1], "tokens_per_s": float("nan")},
+    {"plan": [{"address": "h:1", "start": 0, "end": 3}], "address": "h:1", "state": 3, "loading_progress": 250},
+])
+def test_garbage_fields_degrade_instead_of_raising(garbage):
+    from rich.console import Console
+    from ringlet.daemon.dashboard import render
+
+    snap = build_snapshot("http://g", {"http://g": garbage}, {})
+    json.dumps(snap)
+    for width in (80, 160):
+        console = Console(record=True, width=width, file=open("/dev/null", "w"))  # noqa: SIM115
+        console.print(render(snap))
+        assert "—" in console.export_text()
+    format_status(snap)
+
+
+def test_normalize_api_url():
+    assert normalize_api_url("127.0.0.1:8000") == "http://127.0.0.1:8000"
+    assert normalize_api_url(" https://h:1/ ") == "https://h:1"
+    for bad in ("", "ftp://h", "http://", "http://h:99999", "http://h:0"):
+        with pytest.raises(RingletError):
+            normalize_api_url(bad)
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+def test_collector_rates_from_the_counter_over_http():
+    t0 = time.monotonic()
+
+    def info():
+        busy = time.monotonic() - t0 < 30
+        return today_info(0, n=1, tokens_generated_total=int(50 * (time.monotonic() - t0)),
+                          requests_in_flight=1 if busy else 0, state="serving")
+
+    async def two():
+        c = Collector([node.url])
+        try:
+            first = await c.snapshot()
+            await asyncio.sleep(0.4)
+            second = await c.snapshot()
+        finally:
+            await c.aclose()
+        return first, second
+
+    with FakeNode(info) as node:
+        first, second = asyncio.run(two())
+    assert first["cluster"]["tokens_per_s"] is None  # one sample, requests in flight: no rate yet
+    rate = second["cluster"]["tokens_per_s"]
+    assert 25 < rate < 80, rate
+    assert second["nodes"][0]["tokens_per_s"] == rate
+
+
+def test_collector_counter_restart_gives_no_negative_rate():
+    c = Collector(["http://x"])
+    info = today_info(0, n=1, tokens_generated_total=500)
+    c.rates({"http://x": info}, 100.0)
+    rates, total = c.rates({"http://x": dict(info, tokens_generated_total=3)}, 101.0)
+    assert total is None or total >= 0
+
+
+def test_collector_polls_members_it_learns_of():
+    with FakeNode(lambda: today_info(1, n=2, state="loading", loading_progress=0.45)) as b:
+        a_info = today_info(0, n=2)
+        a_info["members"] = [{"node_id": "127.0.0.1:7100", "grpc_address": "127.0.0.1:7100", "state": "self"},
+                             {"node_id": "127.0.0.1:7101", "grpc_address": "127.0.0.1:7101", "state": "alive",
+                              "api_url": b.url, "name": "box-b"}]
+        with FakeNode(a_info) as a:
+            async def once():
+                c = Collector([a.url])
+                try:
+                    return await c.snapshot()
+                finally:
+                    await c.aclose()
+
+            snap = asyncio.run(once())
+    nb = snap["nodes"][1]
+    assert nb["name"] == "box-b" and nb["reachable"] is True
+    assert nb["state"] == "loading" and nb["loading_progress"] == pytest.approx(0.45)
+
+
+def test_status_cli_exit_codes_and_json():
+    with FakeNode(today_info(0, n=1)) as ok, FakeNode(today_info(0, n=1, state="loading")) as loading:
+        r = ringlet("status", "--api", ok.url, timeout=60)
+        assert r.returncode == EXIT_OK, r.stderr
+        assert "epoch 1" in r.stdout and "[0,30)" in r.stdout and "127.0.0.1:7100" in r.stdout
+        r = ringlet("status", "--json", "--api", ok.url, timeout=60)
+        snap = json.loads(r.stdout)
+        assert snap["healthy"] and snap["nodes"][0]["layer_range"] == [0, 30]
+        r = ringlet("status", "--api", loading.url, timeout=60)
+        assert r.returncode == EXIT_DEGRADED and "loading" in r.stdout
+    r = ringlet("status", "--api", ok.url, timeout=60)  # server gone
+    assert r.returncode == EXIT_UNREACHABLE and "unreachable" in r.stdout
+    for bad in (["--api", "ftp://x"], ["--timeout", "soon"]):
+        r = ringlet("status", *bad, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip().startswith("error:"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
