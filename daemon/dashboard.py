@@ -387,14 +387,19 @@ class Dashboard:
             name_w = max(12, min(24, max((len(n["name"]) for n in nodes), default=12)))
             chip_w = max(4, min(16, max((len(n["chip"] or DASH) for n in nodes), default=4)))
             others = 2 + name_w + chip_w + 17 + 9 + 23 + 7 + 8  # columns and their padding, bar excluded
-            # the hop column as wide as its longest label (long form if it fits), the bar gets the rest
-            short = False
-            need = max((len(hop_text(hops.get(n["address"]), short=False)) for n in nodes), default=0)
-            if width - others - need < 12:
-                short = True
-                need = max((len(hop_text(hops.get(n["address"]), short=True)) for n in nodes), default=0)
-            need = max(need, len("hop to next stage"))
-            bar_w = max(12, min(40, width - others - need))
+            # the hop column as wide as its longest label -- long form when the layer bar keeps
+            # 20 cells, else the short form -- and the layer bar gets the rest
+            avail = width - others
+            long_need, short_need = (
+                max([len("hop to next stage")] + [len(hop_text(hops.get(n["address"]), short=f)) for n in nodes])
+                for f in (False, True))
+            if avail - long_need >= 20:
+                short, need = False, long_need
+            elif avail - short_need >= 16:
+                short, need = True, short_need
+            else:
+                short, need = True, max(20, avail - 12)
+            bar_w = max(12, min(40, avail - need))
             hop_w = max(20, width - others - bar_w)
             for name, w, just in (("#", 2, "right"), ("node", name_w, "left"), ("chip", chip_w, "left"),
                                   ("state", 17, "left"), ("layers", 9 + bar_w, "left"),

@@ -208,7 +208,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         m = member_by_addr.get(addr, {})
         url, info = own.get(addr, (None, {}))
         mem = info.get("memory") if isinstance(info.get("memory"), dict) else {}
-        api_url = url or _str(m.get("api_url"))
+        api_url = url or member_api_url(m)
         if api_url is None:
             api_url = next((u for u, a in (addresses or {}).items() if a == addr), None)
         if api_url is not None:
@@ -253,6 +253,18 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "reachable": reachable,
             "error": error,
         })
+
+    # Names shared by several nodes (daemons on one machine, identical hostnames) get the
+    # start of the node id (or the port), which is also how the event log names nodes.
+    counts: dict[str, int] = {}
+    for n in nodes:
+        counts[n["name"]] = counts.get(n["name"], 0) + 1
+    for n in nodes:
+        if counts[n["name"]] > 1:
+            tag = (n["node_id"] or "")[:8] if n["node_id"] and n["node_id"] != n["address"] else (
+                n["address"].rsplit(":", 1)[-1])
+            if tag and tag not in n["name"]:
+                n["name"] = f"{n['name']}·{tag}"
 
     # The ring's rate: the cluster's own figure, else the client-side counter rate, else
     # the stages' own figures (every stage of a pipeline processes every token: the
@@ -347,6 +359,30 @@ def _find_link(links: list[dict], a: dict, b: dict) -> dict:
 
 # --------------------------------------------------------------------------- fetch
 
+_WILDCARDS = ("0.0.0.0", "::", "[::]", "")  # noqa: S104 - addresses compared, never bound
+
+
+def member_api_url(member: dict) -> str | None:
+    """A member's API URL, reachable from here: a wildcard host (a daemon bound to
+    ``0.0.0.0`` reports ``http://0.0.0.0:8000``) is replaced by the host of its gRPC
+    address; ``None`` when neither names a host."""
+    url = _str(member.get("api_url"))
+    if not url:
+        return None
+    try:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:
+        return None
+    if host not in _WILDCARDS and host != "::":
+        return url
+    grpc = _str(member.get("grpc_address")) or ""
+    ghost = grpc.rsplit(":", 1)[0].strip("[]") if ":" in grpc else ""
+    if ghost in _WILDCARDS or ghost == "::" or port is None:
+        return None
+    return f"{parts.scheme}://{'[' + ghost + ']' if ':' in ghost else ghost}:{port}"
+
+
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, httpx.ConnectError):
@@ -410,17 +446,20 @@ class Collector:
                 infos[url] = res
         primary = next((u for u in urls if u in infos), None)
         # members' API URLs: polled from the next round on (and now, when new)
-        new = []
+        listed: list[str] = []  # members' API URLs, as the nodes that answered list them now
         for info in infos.values():
             for m in _dicts(info.get("members")):
-                url = _str(m.get("api_url"))
+                url = member_api_url(m)
                 if url:
                     try:
                         url = normalize_api_url(url)
                     except RingletError:
                         continue
-                    if url not in urls and url not in new:
-                        new.append(url)
+                    if url not in listed:
+                        listed.append(url)
+        if infos:  # a member that left is no longer polled (the --api URLs always are)
+            self.discovered = [u for u in self.discovered if u in listed]
+        new = [u for u in listed if u not in urls]
         if new:
             self.discovered.extend(new)
             more = await asyncio.gather(*(self._get(self._client, u) for u in new), return_exceptions=True)

@@ -303,3 +303,38 @@ def test_status_cli_exit_codes_and_json():
         r = ringlet("status", *bad, timeout=60)
         assert r.returncode == 2 and r.stderr.strip().startswith("error:"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_a_member_bound_to_a_wildcard_is_polled_at_its_grpc_host():
+    from ringlet.daemon.status import member_api_url
+
+    assert member_api_url({"api_url": "http://0.0.0.0:8000", "grpc_address": "10.0.0.2:7100"}) == \
+        "http://10.0.0.2:8000"
+    assert member_api_url({"api_url": "http://[::]:8000", "grpc_address": "[fe80::2]:7100"}) == \
+        "http://[fe80::2]:8000"
+    assert member_api_url({"api_url": "http://studio-2.local:8000", "grpc_address": "x:1"}) == \
+        "http://studio-2.local:8000"
+    assert member_api_url({"api_url": "http://0.0.0.0:8000", "grpc_address": "0.0.0.0:7100"}) is None
+    assert member_api_url({"api_url": None}) is None
+
+
+def test_a_member_that_leaves_is_no_longer_polled():
+    with FakeNode(today_info(1, n=2)) as b:
+        a_info = today_info(0, n=2)
+        a_info["members"] = [{"grpc_address": "127.0.0.1:7101", "api_url": b.url, "state": "alive"}]
+        with FakeNode(lambda: a_info) as a:
+            async def rounds():
+                c = Collector([a.url])
+                try:
+                    first = await c.snapshot()
+                    a_info["members"] = []
+                    a_info["plan"] = a_info["plan"][:1]
+                    await c.snapshot()  # the round that learns it left
+                    second = await c.snapshot()
+                    return first, second, list(c.discovered)
+                finally:
+                    await c.aclose()
+
+            first, second, discovered = asyncio.run(rounds())
+    assert first["nodes"][1]["reachable"] is True
+    assert discovered == [] and second["error"] is None and len(second["nodes"]) == 1
