@@ -255,7 +255,8 @@ def hop_text(hop: dict | None, short: bool) -> Text:
 # --------------------------------------------------------------------------- the frame
 
 
-def render(snapshot: dict, *, height: int | None = None, last_good: dict | None = None) -> Dashboard:
+def render(snapshot: dict, *, height: int | None = None, last_good: dict | None = None,
+           live: bool = False) -> Dashboard:
     """A rich renderable for ``snapshot`` (pure).
 
     Args:
@@ -263,25 +264,28 @@ def render(snapshot: dict, *, height: int | None = None, last_good: dict | None 
         height: lines available (a live terminal); ``None`` = as many as needed.
         last_good: the last snapshot that reached the cluster, drawn (with a banner)
             when ``snapshot`` did not.
+        live: the frame is one of a live view (which retries when the cluster is out of reach).
     """
-    return Dashboard(snapshot, height=height, last_good=last_good)
+    return Dashboard(snapshot, height=height, last_good=last_good, live=live)
 
 
 class Dashboard:
     """One frame; lays itself out for the console width it is rendered at."""
 
-    def __init__(self, snapshot: dict, height: int | None = None, last_good: dict | None = None):
+    def __init__(self, snapshot: dict, height: int | None = None, last_good: dict | None = None,
+                 live: bool = False):
         self.snapshot = snapshot
         self.height = height
         self.last_good = last_good
+        self.live = live
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = options.max_width
         snap = self.snapshot
         banner = None
         if not snap.get("reachable"):
-            banner = Text(f"✖ cannot reach the cluster: {snap.get('error') or 'no answer'} — retrying",
-                          style="bold red")
+            banner = Text(f"✖ cannot reach the cluster: {snap.get('error') or 'no answer'}"
+                          + (" — retrying" if self.live else ""), style="bold red")
             if self.last_good is None:
                 yield Text.assemble(("ringlet ", "bold"), (time.strftime("%H:%M:%S", time.localtime(
                     snap.get("taken_at") or time.time())), "dim"))
@@ -642,7 +646,7 @@ async def run_live(collector: Collector, stop: asyncio.Event, *, console: Consol
                 started = loop.time()
                 snap = tracker.observe(await collector.snapshot())
                 height = console.height if screen else max(10, console.height - 1)
-                live.update(render(snap, height=height, last_good=last_good), refresh=True)
+                live.update(render(snap, height=height, last_good=last_good, live=True), refresh=True)
                 if snap["reachable"]:
                     last_good = snap
                 delay = max(0.05, interval_s - (loop.time() - started))

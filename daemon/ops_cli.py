@@ -22,7 +22,8 @@ def add_parsers(subparsers) -> None:
         "dashboard", help="live terminal view of the cluster: ring, nodes, requests, events",
         description="A live view of the cluster, redrawn twice a second. Press q or Ctrl-C to leave.")
     d.add_argument("--api", action="append", metavar="URL", help=_API_HELP)
-    d.add_argument("--once", action="store_true", help="print one frame and exit (scripts, tests)")
+    d.add_argument("--once", action="store_true",
+                   help="print one frame and exit (scripts, tests); exit status 1 when no node answers")
     d.add_argument("--interval", default="0.5", metavar="S", help="seconds between refreshes (default 0.5)")
     d.add_argument("--inline", action="store_true",
                    help="draw in the terminal's scrollback instead of the alternate screen")

@@ -378,11 +378,11 @@ def merge_options(base: ServiceConfig, args: argparse.Namespace) -> ServiceConfi
                 raise RingletError(f"--{name.replace('_', '-')} {port}: give a port in 1..65535")
             setattr(cfg, name, port)
     if getattr(args, "interface", None):
-        cfg.interfaces = list(dict.fromkeys(args.interface))
+        cfg.interfaces = [i for i in dict.fromkeys(args.interface) if i]  # --interface "" unsets
     if getattr(args, "peers", None) is not None:
         cfg.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if getattr(args, "run_arg", None):
-        cfg.extra_args = list(args.run_arg)
+        cfg.extra_args = [a for a in args.run_arg if a]  # --run-arg "" unsets
     if getattr(args, "svc_log_json", False):
         cfg.log_json = True
     if getattr(args, "svc_debug", False):

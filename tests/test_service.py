@@ -221,3 +221,16 @@ def test_every_configuration_key_is_a_flag_of_this_ringlet_run():
     missing = sorted(set(RUN_FLAGS.values()) - run_options())
     assert not missing, f"ringlet run does not accept {missing}: update RUN_FLAGS in daemon/service.py"
     check_run_arguments(["run", "--model", "smollm2-135m", "--port", "7100"])
+
+
+def test_empty_option_values_unset_configured_keys():
+    import argparse
+
+    from ringlet.daemon.service import merge_options
+
+    base = ServiceConfig(cluster="lab", interfaces=["en1"], peers=["h:1"], extra_args=["--context", "8"],
+                         model="smollm2-135m")
+    ns = argparse.Namespace(cluster="", interface=[""], peers="", run_arg=[""], model=None)
+    cfg = merge_options(base, ns)
+    assert (cfg.cluster, cfg.interfaces, cfg.peers, cfg.extra_args, cfg.model) == (None, [], [], [],
+                                                                                   "smollm2-135m")
