@@ -685,9 +685,9 @@ async def _dashboard_main(api_urls: list[str], interval_s: float, screen: bool) 
 def run_dashboard(args) -> int:
     """``ringlet dashboard [--api URL ...] [--once] [--interval S]``."""
     from .errors import RingletError
-    from .status import DEFAULT_API, take_snapshot
+    from .status import default_api_url, take_snapshot
 
-    urls = [normalize_api_url(u) for u in (args.api or [DEFAULT_API])]
+    urls = [normalize_api_url(u) for u in (args.api or [default_api_url()])]
     if args.once:
         snap = take_snapshot(urls, timeout_s=2.0)
         snap = EventTracker().observe(snap)

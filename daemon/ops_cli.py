@@ -12,8 +12,8 @@ import argparse
 
 COMMANDS = frozenset({"dashboard", "service", "doctor", "status"})
 
-_API_HELP = ("a node's API base URL (default http://127.0.0.1:8000); repeat it to add nodes whose URLs the "
-             "cluster does not report")
+_API_HELP = ("a node's API base URL (default: this machine's service, else http://127.0.0.1:8000); repeat it "
+             "to add nodes whose URLs the cluster does not report")
 
 
 def add_parsers(subparsers) -> None:

@@ -92,6 +92,20 @@ def normalize_api_url(url: str) -> str:
     return text.rstrip("/")
 
 
+def default_api_url() -> str:
+    """This machine's daemon: the API address of the installed service's configuration
+    (``ringlet service install``), else :data:`DEFAULT_API`."""
+    try:
+        from .service import _api_host, load_config
+
+        cfg = load_config()
+    except Exception:  # an unreadable configuration is service status's business, not ours
+        return DEFAULT_API
+    if cfg is None or (cfg.api_port is None and cfg.api_host is None):
+        return DEFAULT_API
+    return f"http://{_api_host(cfg)}:{cfg.api_port or 8000}"
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -412,7 +426,7 @@ class Collector:
 
     def __init__(self, api_urls: list[str], timeout_s: float = 1.0):
         if not api_urls:
-            api_urls = [DEFAULT_API]
+            api_urls = [default_api_url()]
         self.api_urls = [normalize_api_url(u) for u in api_urls]
         self.timeout_s = timeout_s
         self.discovered: list[str] = []
@@ -567,7 +581,7 @@ def format_status(snap: dict) -> str:
 
 def run_status(args) -> int:
     """``ringlet status``."""
-    snap = take_snapshot(args.api or [DEFAULT_API], timeout_s=args.timeout)
+    snap = take_snapshot(args.api or [default_api_url()], timeout_s=args.timeout)
     if args.json:
         sys.stdout.write(json.dumps(snap, indent=2, default=str) + "\n")
     else:

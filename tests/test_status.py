@@ -338,3 +338,17 @@ def test_a_member_that_leaves_is_no_longer_polled():
             first, second, discovered = asyncio.run(rounds())
     assert first["nodes"][1]["reachable"] is True
     assert discovered == [] and second["error"] is None and len(second["nodes"]) == 1
+
+
+def test_the_default_node_is_the_installed_services(tmp_path, monkeypatch):
+    from ringlet.daemon.status import DEFAULT_API, default_api_url
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    assert default_api_url() == DEFAULT_API
+    cdir = tmp_path / ".config" / "ringlet"
+    cdir.mkdir(parents=True)
+    (cdir / "service.toml").write_text('api_host = "0.0.0.0"\napi_port = 8123\n')
+    assert default_api_url() == "http://127.0.0.1:8123"
+    (cdir / "service.toml").write_text("api_port = [\n")  # broken: not this command's problem
+    assert default_api_url() == DEFAULT_API
