@@ -273,3 +273,10 @@ def test_log_lines_concise_text_and_json_with_extras(capsys, restore_logging):
     assert logging.getLogger().level == logging.DEBUG and logging.getLogger("ringlet").level == logging.DEBUG
     logs.setup(0, quiet=True)
     assert logging.getLogger("ringlet").level == logging.WARNING
+
+
+@pytest.mark.parametrize("width, height", [(80, 24), (80, 18), (100, 12), (120, 16), (160, 20), (160, 40)])
+def test_live_frames_never_overflow_the_terminal(width, height):
+    lines = frame(studios(n_events=30, recent=9), width, height)
+    assert len(lines) <= height and max(len(ln) for ln in lines) <= width
+    assert "epoch 7" in lines[0]
