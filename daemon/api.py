@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .limits import ApiLimits, install
 from .node import GenerationError, Node
 from .sampling import SamplingParams
 
@@ -43,7 +44,7 @@ class ApiError(Exception):
 class ChatMessage(BaseModel):
     """One chat message; ``content`` is text or a list of ``{"type": "text", "text": ...}`` parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -61,7 +62,8 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a body of the wrong types ("1" for a bool, 1.5 for an int) is a 400, never coerced
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -139,7 +141,8 @@ class _StopMatcher:
         return out
 
 
-def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> FastAPI:
+def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
+               limits: ApiLimits | None = None) -> FastAPI:
     """Build the FastAPI app for a node.
 
     Args:
@@ -148,8 +151,11 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
         model_name: the id reported by ``/v1/models`` and in responses.
         context_tokens: the model's context length; prompts longer than it are rejected
             and ``max_tokens`` is clamped to what remains.
+        limits: API key, body size, prompt and completion caps, concurrency (limits.py).
     """
     app = FastAPI(title="ringlet", version="0.1.0", description="OpenAI-compatible API of a ringlet node")
+    limits = limits or ApiLimits()
+    install(app, limits)  # API key on /v1/*, body size, concurrency + queue (429); see limits.py
     eos_ids = frozenset(tokenizer.eos_token_ids)
 
     @app.exception_handler(RequestValidationError)
@@ -190,11 +196,18 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
         if prompt_len >= context_tokens:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; the model's context is {context_tokens}",
                            param="messages", code="context_length_exceeded")
+        if (too_long := limits.prompt_error(prompt_len)) is not None:
+            raise ApiError(400, too_long, param="messages", code="context_length_exceeded")
         wanted = body.max_completion_tokens or body.max_tokens or (context_tokens - prompt_len)
-        return min(wanted, context_tokens - prompt_len)
+        return limits.clamp_completion(min(wanted, context_tokens - prompt_len))
 
     def _sampling(body: _Common) -> SamplingParams:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+        # top_k >= vocabulary keeps every token (= off); mlx-lm raises on it, and that error
+        # inside its compiled sampler breaks MLX's random state for every later request.
+        # A seed outside uint64 (the wire type) is reduced into it.
+        top_k = body.top_k if body.top_k < len(tokenizer) else 0
+        seed = None if body.seed is None else body.seed % 2**64
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=top_k, seed=seed)
 
     async def _run(prompt_ids: list[int], body: _Common,
                    ids: list[int] | None = None) -> AsyncIterator[tuple[str, str | None, int]]:
@@ -278,7 +291,8 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(delta: str | None, finish: str | None, first: bool = False, token_ids: list[int] | None = None
+                  ) -> str:
             if kind == "chat":
                 d: dict[str, Any] = {}
                 if first:
@@ -292,16 +306,20 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int) -> F
                 payload = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                            "choices": [{"index": 0, "text": delta or "", "finish_reason": finish,
                                         "logprobs": None}]}
+            if token_ids is not None:
+                payload["choices"][0]["token_ids"] = token_ids
             return f"data: {json.dumps(payload)}\n\n"
 
         async def events():
-            count = 0
+            count, ids, sent = 0, [], 0
             yield chunk("", None, first=True)
             try:
-                async for delta, reason, so_far in _run(prompt_ids, body):
+                async for delta, reason, so_far in _run(prompt_ids, body, ids):
                     count = so_far
                     if delta or reason:
-                        yield chunk(delta, reason)
+                        new_ids = ids[sent:] if body.return_token_ids else None
+                        sent = len(ids)
+                        yield chunk(delta, reason, token_ids=new_ids)
             except GenerationError as exc:
                 err = {"error": {"message": f"generation failed: {exc}", "type": "server_error",
                                  "param": None, "code": None}}

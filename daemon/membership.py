@@ -61,6 +61,7 @@ class Member:
     joined_at: float = field(default_factory=time.time)
     committed_epoch: int = 0
     plan_id: str = ""
+    failures: int = 0
 
 
 def membership_digest(node_ids) -> str:
@@ -311,8 +312,16 @@ class Membership:
         try:
             reply = await self.stub(member.address).Beat(self.make_beat(), timeout=2 * self.heartbeat_s)
         except grpc.aio.AioRpcError as exc:
+            member.failures += 1
             self.suspect(member.node_id, f"heartbeat failed ({exc.code().name})")
+            # Connection refused twice in a row (>= one heartbeat apart): nothing listens
+            # there any more — the process died. Remove now rather than after the silence
+            # timeout (a cut link times out instead and waits for remove_after_s).
+            if (exc.code() == grpc.StatusCode.UNAVAILABLE and member.failures >= 2
+                    and time.monotonic() - member.last_ok >= self.heartbeat_s):
+                self.remove(member.node_id, "its gRPC port refuses connections")
             return
+        member.failures = 0
         if reply.sender_id != member.node_id:
             self.remove(member.node_id, f"{member.address} now answers as {reply.sender_id}")
             self.consider(member.address, reply.sender_id)

@@ -23,6 +23,7 @@ the new plan by re-prefilling prompt + tokens so far, so the client sees one str
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
@@ -400,6 +401,8 @@ class Node:
                 done, _ = await asyncio.wait({nxt, change}, return_when=asyncio.FIRST_COMPLETED)
                 if nxt not in done:
                     nxt.cancel()
+                    with contextlib.suppress(BaseException):
+                        await nxt  # let the generator unwind before it is closed
                     raise _PlanChanged(f"the plan changed to epoch {self.epoch}")
                 try:
                     token = nxt.result()

@@ -53,6 +53,20 @@ def parse_size(text: str | None) -> int | None:
     return int(value)
 
 
+def machine_cache_dir() -> Path:
+    """Machine-wide cache (``$XDG_CACHE_HOME/ringlet``, ``~/Library/Caches/ringlet`` on macOS)."""
+    import os
+    import sys
+
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = base / "ringlet"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def build_config(args) -> tuple[NodeConfig, int]:
     """Resolve the model and the (optional) static plan from CLI arguments.
 
@@ -124,7 +138,10 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     node.node_id = identity.node_id
     node.cluster_id = cluster_id(args.cluster)
     node.incarnation = identity.incarnation
-    probe = await loop.run_in_executor(None, lambda: probe_local(identity.path.parent))
+    # Speeds are a property of the machine: cache them machine-wide, so daemons that
+    # share a machine plan with the same figures instead of each its own noisy one.
+    cache_dir = machine_cache_dir()
+    probe = await loop.run_in_executor(None, lambda: probe_local(cache_dir))
     memory = probe.memory
     usable = memory.usable_memory_bytes
     limit = parse_size(args.memory_limit)

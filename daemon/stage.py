@@ -241,8 +241,8 @@ def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple
             width = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(tensor.tensor_type.name)
             if width and mx_dtype is None and len(tensor.shape) == 2:
                 bits[gguf_source.mlx_name(name)] = width
-        if mx_dtype is not None:
-            _cast(model, mx_dtype)
+        # as loaded: quantized tensors carry float16 scales and biases; --dtype casts all
+        _cast(model, mx_dtype or mx.float16)
 
         def predicate(path: str, module: nn.Module) -> dict | bool:
             if path in bits and hasattr(module, "to_quantized"):
