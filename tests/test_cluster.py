@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import REFERENCE, ringlet
+
 from ringlet.daemon.demo import LocalCluster
 from ringlet.daemon.rpc import ringlet_pb2 as pb
 from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from ringlet.daemon import codec
 from ringlet.daemon.rpc import ringlet_pb2 as pb
 

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zeroconf import IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
 from ringlet.daemon import discovery as disc_mod
 from ringlet.daemon.discovery import SERVICE_TYPE, Advert, Discovery, encode_txt
 from ringlet.daemon.identity import PROTOCOL_VERSION, NodeIdentity, cluster_id, new_node_id
-from zeroconf import IPVersion
-from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 LOOPBACK = ["127.0.0.1"]
 

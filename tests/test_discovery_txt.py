@@ -8,6 +8,7 @@ from collections import namedtuple
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from ringlet.daemon.discovery import (
     MAX_TXT_BYTES,
     SIGNATURE_WINDOW_S,

@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon import identity as ident_mod
 from ringlet.daemon.identity import (
     NODE_FILE,

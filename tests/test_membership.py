@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+
 from ringlet.daemon.demo import LocalCluster
 
 

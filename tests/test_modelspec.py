@@ -9,6 +9,7 @@ import json
 
 import mlx.core as mx
 import pytest
+
 from ringlet.daemon.modelspec import ModelSpecError, model_spec_from_config, model_spec_from_model
 
 LLAMA = {

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon import plan_cli
 from ringlet.partitioning import Plan, validate_plan
 

@@ -9,6 +9,7 @@ import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ringlet.partitioning import Infeasible, LinkSpec, ModelSpec, NodeSpec, Policy, make_plan
 from ringlet.partitioning.ring import Topology
 

@@ -6,6 +6,7 @@ by hand in the comment next to it.
 """
 
 import pytest
+
 from ringlet.partitioning import (
     Infeasible,
     LinkSpec,

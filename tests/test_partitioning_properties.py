@@ -10,6 +10,7 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ringlet.partitioning import (
     Infeasible,
     LinkSpec,

@@ -8,6 +8,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ringlet.partitioning import LinkSpec, ModelSpec, NodeSpec, Policy, make_plan
 from ringlet.partitioning.ring import Topology
 

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+
 from ringlet.partitioning import (
     InvalidPlan,
     LinkSpec,

@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ringlet.partitioning import ModelSpec, NodeSpec, Policy, make_plan, validate_plan
 
 LAYER = 1000  # bytes per layer in the hand-worked examples

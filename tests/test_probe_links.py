@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon.probes.common import ThunderboltPort
 from ringlet.daemon.probes.links import ThunderboltLink, machines_cabled, match_links
 from ringlet.daemon.probes.macos_thunderbolt import join_interfaces, parse_hardware_ports, parse_spthunderbolt_json

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon.probes.common import ProbeParseError, ThunderboltPort
 from ringlet.daemon.probes.links import match_links
 from ringlet.daemon.probes.linux_thunderbolt import (

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from ringlet.daemon.probes import machine as machine_mod
 from ringlet.daemon.probes import memory as memory_mod
 from ringlet.daemon.probes.common import ProbeParseError

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon.probes.common import ProbeParseError, ThunderboltPort
 from ringlet.daemon.probes.macos_thunderbolt import (
     BridgeCacheEntry,

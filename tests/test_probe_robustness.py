@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from ringlet.daemon.probes import LocalProbe
 from ringlet.daemon.probes.common import ProbeParseError, read_probe_file, run_probe
 from ringlet.daemon.probes.linux_thunderbolt import (

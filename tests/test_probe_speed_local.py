@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 import ringlet.daemon.probes as probes
 from ringlet.daemon.probes import LocalProbe, ProbeParseError, match_links, probe_local
 from ringlet.daemon.probes import machine as machine_mod

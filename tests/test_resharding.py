@@ -14,6 +14,7 @@ import grpc
 import httpx
 import pytest
 from conftest import ringlet
+
 from ringlet.daemon.demo import LocalCluster
 from ringlet.daemon.rpc import ringlet_pb2 as pb
 from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc

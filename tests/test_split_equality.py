@@ -12,9 +12,10 @@ import itertools
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from tiny_models import CONFIGS, NUM_LAYERS, make_tiny_model
+
 from ringlet.daemon.sources import resolve
 from ringlet.daemon.stage import load_stage
-from tiny_models import CONFIGS, NUM_LAYERS, make_tiny_model
 
 PROMPT = [3, 17, 42, 99, 5, 150, 8]
 DECODE_STEPS = 5
