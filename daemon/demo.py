@@ -72,6 +72,8 @@ class LocalCluster:
         self._log_dir = log_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._logs: list = []
+        #: Headers of the API calls made here (e.g. ``Authorization`` when nodes have ``--api-key-file``).
+        self.api_headers: dict[str, str] = {}
 
     @property
     def api_urls(self) -> list[str]:
@@ -182,7 +184,7 @@ class LocalCluster:
 
     def cluster_info(self, i: int) -> dict:
         """``GET /v1/cluster`` of node ``i``."""
-        return httpx.get(f"{self.api_urls[i]}/v1/cluster", timeout=5).json()
+        return httpx.get(f"{self.api_urls[i]}/v1/cluster", timeout=5, headers=self.api_headers).json()
 
     def wait_plan(self, stages: int | None = None, timeout_s: float = 60.0, nodes: list[int] | None = None,
                   min_epoch: int = 1) -> dict:
