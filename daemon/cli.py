@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--plan", default=None,
                      help="static plan, ring order: HOST:PORT=START:END,... (half-open layer ranges); "
                           "without it the cluster forms by discovery and negotiated plans")
+    run.add_argument("--no-dashboard", action="store_true",
+                     help="do not draw the live dashboard (it is shown when stdout is a terminal)")
     run.add_argument("--advertise-host", default=None, help="address peers dial (default: --host)")
     run.add_argument("--cluster", default="ringlet", help="cluster name; nodes of other clusters are ignored")
     run.add_argument("--data-dir", default=None, help="node id, caches (default: ~/.local/share/ringlet)")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +66,25 @@ def machine_cache_dir() -> Path:
     path = base / "ringlet"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _public_host(args) -> str:
+    """The address peers dial: ``--advertise-host``, else ``--host`` unless it is a
+    wildcard, else the first IPv4 address of the mDNS interfaces.
+
+    Raises:
+        RingletError: a wildcard ``--host`` and no usable address to advertise.
+    """
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host not in ("0.0.0.0", ""):  # noqa: S104 - comparison only
+        return args.host
+    from .discovery import interface_addresses
+
+    addresses = [a for a in interface_addresses(args.interface or None) if not a.startswith("127.")]
+    if not addresses:
+        raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
+    return addresses[0]
 
 
 def build_config(args) -> tuple[NodeConfig, int]:
@@ -148,7 +168,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     if limit is not None:
         usable = min(usable, limit)
     speed = probe.speed
-    api_host = args.host if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
+    public = _public_host(args)
+    api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
         "memory_total_bytes": memory.total_bytes, "usable_memory_bytes": usable,
@@ -161,7 +182,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
                                  name=node.config.model.name, config=config)
     num_layers = len(spec.layer_bytes)
 
-    advertise = f"{args.advertise_host or args.host}:{args.port}"
+    advertise = f"{public}:{args.port}"
     membership = Membership(
         identity.node_id, advertise, node.cluster_id, identity.incarnation, node.config.transport,
         heartbeat_s=args.heartbeat_s, suspect_after_s=2 * args.heartbeat_s, remove_after_s=args.remove_after_s,
@@ -249,9 +270,20 @@ async def serve(args) -> int:
     log.info("node %s: gRPC %s, API http://%s:%d, %s", node.node_id, config.address, args.api_host, args.api_port,
              "static plan" if config.plan is not None else f"cluster {args.cluster!r}")
     started = time.monotonic()
+    dashboard = None
+    stop_dashboard = asyncio.Event()
+    if sys.stdout.isatty() and not getattr(args, "no_dashboard", False):
+        from .dashboard import live_dashboard
+
+        local = "127.0.0.1" if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison
+        dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard))
     try:
         await server.serve()
     finally:
+        if dashboard is not None:
+            stop_dashboard.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(dashboard, timeout=2)
         if stop_cluster is not None:
             await stop_cluster()
         await node.stop()
