@@ -219,3 +219,81 @@ class Ping(_message.Message):
     sent_at: float
     echo: bool
     def __init__(self, payload: _Optional[bytes] = ..., sent_at: _Optional[float] = ..., echo: _Optional[bool] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("model", "file", "digests")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    file: str
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., digests: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShardRegion(_message.Message):
+    __slots__ = ("name", "offset", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    size: int
+    sha256: bytes
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class ShardFile(_message.Message):
+    __slots__ = ("path", "size", "format", "header_bytes", "regions")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    format: str
+    header_bytes: int
+    regions: _containers.RepeatedCompositeFieldContainer[ShardRegion]
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., format: _Optional[str] = ..., header_bytes: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[ShardRegion, _Mapping]]] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("model", "kind", "files")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    kind: str
+    files: _containers.RepeatedCompositeFieldContainer[ShardFile]
+    def __init__(self, model: _Optional[str] = ..., kind: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ShardFile, _Mapping]]] = ...) -> None: ...
+
+class ByteRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ShardRequest(_message.Message):
+    __slots__ = ("model", "file", "ranges", "chunk_bytes", "resume_offset")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    file: str
+    ranges: _containers.RepeatedCompositeFieldContainer[ByteRange]
+    chunk_bytes: int
+    resume_offset: int
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ByteRange, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+
+class ShardChunk(_message.Message):
+    __slots__ = ("offset", "data", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    sha256: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...

@@ -69,6 +69,16 @@ class RingStub:
                 request_serializer=ringlet__pb2.CommitRequest.SerializeToString,
                 response_deserializer=ringlet__pb2.Vote.FromString,
                 _registered_method=True)
+        self.ShardManifest = channel.unary_unary(
+                '/ringlet.v1.Ring/ShardManifest',
+                request_serializer=ringlet__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=ringlet__pb2.Manifest.FromString,
+                _registered_method=True)
+        self.FetchShard = channel.unary_stream(
+                '/ringlet.v1.Ring/FetchShard',
+                request_serializer=ringlet__pb2.ShardRequest.SerializeToString,
+                response_deserializer=ringlet__pb2.ShardChunk.FromString,
+                _registered_method=True)
 
 
 class RingServicer:
@@ -119,6 +129,19 @@ class RingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShardManifest(self, request, context):
+        """Shard transfer (a node without the model files pulls its shard).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +179,16 @@ def add_RingServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=ringlet__pb2.CommitRequest.FromString,
                     response_serializer=ringlet__pb2.Vote.SerializeToString,
+            ),
+            'ShardManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShardManifest,
+                    request_deserializer=ringlet__pb2.ManifestRequest.FromString,
+                    response_serializer=ringlet__pb2.Manifest.SerializeToString,
+            ),
+            'FetchShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchShard,
+                    request_deserializer=ringlet__pb2.ShardRequest.FromString,
+                    response_serializer=ringlet__pb2.ShardChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +380,60 @@ class Ring:
             '/ringlet.v1.Ring/Commit',
             ringlet__pb2.CommitRequest.SerializeToString,
             ringlet__pb2.Vote.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ringlet.v1.Ring/ShardManifest',
+            ringlet__pb2.ManifestRequest.SerializeToString,
+            ringlet__pb2.Manifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ringlet.v1.Ring/FetchShard',
+            ringlet__pb2.ShardRequest.SerializeToString,
+            ringlet__pb2.ShardChunk.FromString,
             options,
             channel_credentials,
             insecure,
