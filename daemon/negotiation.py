@@ -39,6 +39,7 @@ import logging
 import time
 
 import grpc
+
 from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
 
 from .membership import Membership

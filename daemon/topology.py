@@ -11,6 +11,7 @@ and the larger RTT. The graph is also what the planner is fed
 from __future__ import annotations
 
 import networkx as nx
+
 from ringlet.partitioning import LinkSpec, NodeSpec
 
 # Fallbacks when a record lacks a measured figure (a node that just joined):
