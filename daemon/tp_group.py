@@ -66,6 +66,8 @@ log = logging.getLogger("ringlet.daemon.tp_group")
 
 #: Seconds between the first failure signal and the teardown, to learn which member was lost.
 FAILURE_GRACE = 0.3
+#: An epoch that served this many seconds before failing resets the restart count.
+STABLE_AFTER = 60.0
 
 
 class TPGroupError(RingletError):
@@ -200,6 +202,8 @@ class _RankState:
     ready: bool = False
     exit_code: int | None = None
     gave_up: bool = False  # sent "fatal" and exits on its own
+    fatal: str = ""
+    fatal_phase: str = ""
     eof: asyncio.Event = field(default_factory=asyncio.Event)  # its control connection is closed and drained
 
 
@@ -221,6 +225,7 @@ class _Epoch:
     started_at: float = field(default_factory=time.monotonic)
     tasks: list[asyncio.Task] = field(default_factory=list)
     torn: bool = False  # being torn down: exits and EOFs from now on are ours
+    launching: list = field(default_factory=list)  # (rank state, launcher task)
     host_config: tp_config.HostConfig | None = None
 
 
@@ -569,9 +574,9 @@ class TPGroup:
 
     def _on_message(self, ep: _Epoch, rs: _RankState, msg: dict) -> None:
         t = msg.get("t")
+        if t == "fatal":
+            rs.fatal, rs.fatal_phase, rs.gave_up = str(msg.get("msg")), str(msg.get("phase", "")), True
         if ep is not self._epoch or ep.failed.is_set():
-            if t == "fatal":
-                rs.gave_up = True
             return  # a failed epoch's late messages are ignored; its tokens so far are kept
         rs.last_hb = time.monotonic()
         if t == "hb":
@@ -584,8 +589,7 @@ class TPGroup:
             rs.ready = True
             if all(r.ready for r in ep.ranks):
                 ep.all_ready.set()
-        elif t == "fatal":
-            rs.gave_up = True  # it leaves by itself: not a lost member (often it saw a peer vanish)
+        elif t == "fatal":  # it leaves by itself: not a lost member (often it saw a peer vanish)
             self._fail(ep, set(), f"rank {rs.rank} ({rs.node_id}) failed: {msg.get('msg')}")
         elif t in ("tok", "done", "logits", "bench", "error"):
             req = self._reqs.get(msg.get("id", ""))
@@ -676,6 +680,10 @@ class TPGroup:
 
     async def _teardown(self, ep: _Epoch, graceful: bool = False) -> None:
         ep.torn = True
+        for rs, launch in ep.launching:
+            if rs.handle is None:
+                with contextlib.suppress(Exception):
+                    rs.handle = await launch
         if graceful and not ep.failed.is_set():
             for r in ep.ranks:
                 self._write(r, {"t": "shutdown"})
@@ -733,7 +741,10 @@ class TPGroup:
                         if not req.done and req.sent_epoch >= 0 and req.sent_epoch != ep.number:
                             req.resumes += 1
                         self._send_req(req)
+                    ready_at = time.monotonic()
                     await ep.failed.wait()
+                    if time.monotonic() - ready_at > STABLE_AFTER:
+                        self.restarts = 0  # it served a good while: count restarts afresh
                 self.state = "recovering"
                 await asyncio.sleep(FAILURE_GRACE)  # let the other ranks' exits and EOFs name the lost member
                 self.history.append(
@@ -748,6 +759,9 @@ class TPGroup:
                 await self._teardown(ep)
                 if self._closing:
                     return
+                load_errors = {r.fatal for r in ep.ranks if r.fatal and r.fatal_phase == "loading"}
+                if not ok and load_errors:  # the model itself cannot load: restarting will not help
+                    raise TPGroupError(f"rank could not load the model: {sorted(load_errors)[0]}")
                 if ep.size == 1 and (ep.lost or not ok):
                     self.restarts += 1
                     if self.restarts > self.max_restarts:
@@ -841,7 +855,11 @@ class TPGroup:
             ]
             if self.model is not None:
                 argv += ["--model", str(self.model)]
-            rs.handle = await self.launcher.start(rs.node_id, argv, env, directory / f"rank-{rs.rank}.log")
+            launch = asyncio.ensure_future(
+                self.launcher.start(rs.node_id, argv, env, directory / f"rank-{rs.rank}.log")
+            )
+            ep.launching.append((rs, launch))
+            rs.handle = await asyncio.shield(launch)  # a cancelled start still records the process to kill
             ep.tasks.append(asyncio.create_task(self._watch_exit(ep, rs)))
         ep.tasks.append(asyncio.create_task(self._monitor(ep)))
         log.info("tensor group epoch %d: %d rank(s) %s over %s", number, size, list(decision.ranks), backend)

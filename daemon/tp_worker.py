@@ -489,12 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     ctrl = Control(args.control)
-    health = Health()
+    health = Health(phase="loading")
     ctrl.send({"t": "hello", "token": args.token, "rank": args.rank, "pid": os.getpid(), "epoch": args.epoch})
     threading.Thread(target=heartbeat, args=(ctrl, health, args.rank, args.hb_interval), daemon=True).start()
     rank = Rank(args, ctrl, health)
     try:
-        health.phase = "loading"
         rank.load()
         ctrl.send({"t": "loaded", "rank": args.rank})
         while True:
@@ -524,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:  # one line to the supervisor, the traceback to our log
         traceback.print_exc()
-        ctrl.send({"t": "fatal", "rank": args.rank, "msg": f"{type(exc).__name__}: {exc}"})
+        ctrl.send({"t": "fatal", "rank": args.rank, "phase": health.phase, "msg": f"{type(exc).__name__}: {exc}"})
         return 1
     finally:
         sys.stdout.flush()

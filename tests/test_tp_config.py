@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon.tp_config import (
     HostConfig,
     TPLink,

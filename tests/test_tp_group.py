@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tp_support import alive, make_model, rank_env, worker_pids
+
 from ringlet.daemon.tp_config import TPRefused
 from ringlet.daemon.tp_group import TPGroup
-from tp_support import alive, make_model, rank_env, worker_pids
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -149,7 +150,8 @@ def test_kill_a_rank_mid_stream_falls_back_to_one_process(smol3, loop, reference
         2,
     )
     assert "9 attention heads and 3 key/value heads do not divide by 2 ranks" in info["reason"]
-    assert info["history"][-1]["lost"] == ["rank1"] and "rank 1 (rank1)" in info["history"][-1]["failed"]
+    # first signal: rank 1's exit, its closed socket, or a survivor's "[ring] connection to a peer was lost"
+    assert info["history"][-1]["lost"] == ["rank1"]
     assert wait_dead(old) == []  # the two survivors of the old group were killed, nothing hangs
 
 
@@ -303,6 +305,43 @@ def test_stalled_collective_restarts_the_group(tiny_dir):
             await group.close()
 
     asyncio.run(asyncio.wait_for(go(), 120))
+    assert_no_new_ranks(before)
+
+
+def test_losing_the_leader_rank_restarts_on_the_same_members(tiny_dir):
+    """Rank 0 runs on this node: its process dying is a crash, not a lost member."""
+    before = worker_pids()
+    path = tiny_dir("llama")
+    want, _ = mlx_greedy(path, PROMPT, 16)
+
+    async def go():
+        async with TPGroup.local(str(path), 2) as group:
+            got = await collect(group.generate(PROMPT, 16), killer(group, 0, after=3))
+            info = group.info()
+            assert got == want
+            assert (info["mode"], info["ranks"], info["epoch"], info["restarts"]) == (
+                "tensor",
+                ["rank0", "rank1"],
+                2,
+                1,
+            )
+            assert info["history"][-1]["lost"] == ["rank0"]
+
+    asyncio.run(asyncio.wait_for(go(), 120))
+    assert_no_new_ranks(before)
+
+
+def test_a_model_the_ranks_cannot_load_fails_fast(tmp_path):
+    from ringlet.daemon.tp_config import TPModelSpec
+    from ringlet.daemon.tp_group import TPGroupError
+
+    before = worker_pids()
+    spec = TPModelSpec(num_heads=4, num_kv_heads=2, num_layers=4, total_bytes=10**6, name="missing")
+    group = TPGroup.local(str(tmp_path / "no-such-model"), 2, spec=spec)
+    t0 = time.monotonic()
+    with pytest.raises(TPGroupError, match="rank could not load the model: ModelNotFound"):
+        asyncio.run(asyncio.wait_for(group.start(), 60))
+    assert time.monotonic() - t0 < 30 and group.info()["epoch"] == 1  # no restart loop
     assert_no_new_ranks(before)
 
 
