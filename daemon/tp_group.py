@@ -59,7 +59,7 @@ from . import tp_config
 from .errors import RingletError
 from .sampling import SamplingParams
 from .tp_config import TPDecision, TPLink, TPMember, TPModelSpec, TPRefused
-from .tp_worker import MAX_FRAME, encode_frame
+from .tp_worker import MAX_FRAME, TOKEN_ENV, encode_frame
 
 log = logging.getLogger("ringlet.daemon.tp_group")
 
@@ -830,14 +830,13 @@ class TPGroup:
             env.update(self.extra_env)
             if ep.host_config is not None:
                 env.update(ep.host_config.env(rs.rank, directory))
+            env[TOKEN_ENV] = ep.token
             argv = [
                 self.python,
                 "-m",
                 "ringlet.daemon.tp_worker",
                 "--control",
                 f"{self.control_host}:{self._port}",
-                "--token",
-                ep.token,
                 "--rank",
                 str(rs.rank),
                 "--size",
@@ -872,3 +871,58 @@ class TPGroup:
             return ""
         p = ep.directory / f"rank-{rank}.log"
         return p.read_text(errors="replace") if p.exists() else ""
+
+
+# ---------------------------------------------------------------------------------------- manual run
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ringlet.daemon.tp_group --ranks 3 "Once upon a time"``: a local group on 127.0.0.1."""
+    import argparse
+    import json
+
+    from .model_info import load_tokenizer
+    from .sources import resolve
+
+    p = argparse.ArgumentParser(description="Run a tensor-parallel group of local ranks (127.0.0.1) once")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or 'model'")
+    p.add_argument("--mode", default="tensor", help="tensor (refuse when impossible) or auto")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    args = p.parse_args(argv)
+    dtype = None if args.dtype == "model" else args.dtype
+    tok = load_tokenizer(resolve(args.model))
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        ids = tok.encode(args.prompt)
+
+    async def run() -> None:
+        group = TPGroup.local(args.model, args.ranks, dtype=dtype, mode=None if args.mode == "auto" else args.mode)
+        try:
+            await group.start()
+            detok = tok.detokenizer
+            async for t in group.generate(ids, args.max_tokens, stop_ids=sorted(tok.eos_token_ids)):
+                if t not in tok.eos_token_ids:
+                    detok.add_token(t)
+                    print(detok.last_segment, end="", flush=True)
+            detok.finalize()
+            print(detok.last_segment)
+            info = group.info()
+            print(json.dumps({k: info[k] for k in ("mode", "backend", "ranks", "reason")}), file=sys.stderr)
+        finally:
+            await group.close()
+
+    try:
+        asyncio.run(run())
+    except (TPRefused, TPGroupError, RingletError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

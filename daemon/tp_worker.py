@@ -64,6 +64,8 @@ F_NEW_CACHE, F_HEAD = 1, 2
 HEADLESS_OK = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
 
 MAX_FRAME = 256 << 20
+#: Environment variable carrying the group epoch's secret (the supervisor checks it in "hello").
+TOKEN_ENV = "RINGLET_TP_TOKEN"  # noqa: S105 - the name of a variable, not a secret
 #: All-reduces per bench round (the first round is a warm-up and not counted).
 BENCH_ROUND = 20
 
@@ -477,7 +479,6 @@ class Rank:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="ringlet tensor-parallel rank (started by the supervisor)")
     p.add_argument("--control", required=True, help="supervisor control address host:port")
-    p.add_argument("--token", required=True, help="shared secret of this group epoch")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--epoch", type=int, default=0)
@@ -490,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ctrl = Control(args.control)
     health = Health(phase="loading")
-    ctrl.send({"t": "hello", "token": args.token, "rank": args.rank, "pid": os.getpid(), "epoch": args.epoch})
+    token = os.environ.pop(TOKEN_ENV, "")  # not on the command line: ps shows argv to every user
+    ctrl.send({"t": "hello", "token": token, "rank": args.rank, "pid": os.getpid(), "epoch": args.epoch})
     threading.Thread(target=heartbeat, args=(ctrl, health, args.rank, args.hb_interval), daemon=True).start()
     rank = Rank(args, ctrl, health)
     try:
