@@ -11,6 +11,7 @@ through mlx-lm's ``TokenizerWrapper``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -218,21 +219,22 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
         matcher = _StopMatcher(body.stop or [])
         count = 0
         finish = "length"
-        async for token in node.generate(prompt_ids, max_tokens, _sampling(body), eos_ids):
-            count += 1
-            if ids is not None:
-                ids.append(token)
-            if token in eos_ids:
-                finish = "stop"
-                break
-            before = len(detok.text)
-            detok.add_token(token)
-            delta = matcher.feed(detok.text[before:])
-            if matcher.stopped:
-                yield delta, "stop", count
-                return
-            if delta:
-                yield delta, None, count
+        async with contextlib.aclosing(node.generate(prompt_ids, max_tokens, _sampling(body), eos_ids)) as tokens:
+            async for token in tokens:
+                count += 1
+                if ids is not None:
+                    ids.append(token)
+                if token in eos_ids:
+                    finish = "stop"
+                    break
+                before = len(detok.text)
+                detok.add_token(token)
+                delta = matcher.feed(detok.text[before:])
+                if matcher.stopped:
+                    yield delta, "stop", count
+                    return
+                if delta:
+                    yield delta, None, count
         detok.finalize()
         tail = matcher.feed(detok.text[len(matcher.text):]) if len(detok.text) > len(matcher.text) else ""
         if matcher.stopped:
@@ -258,7 +260,7 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
-    async def _respond(kind: str, body: _Common, prompt_ids: list[int]):
+    async def _respond(kind: str, body: _Common, prompt_ids: list[int], request: Request | None = None):
         _check_model(body)
         _budget(len(prompt_ids), body)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -314,12 +316,15 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
             count, ids, sent = 0, [], 0
             yield chunk("", None, first=True)
             try:
-                async for delta, reason, so_far in _run(prompt_ids, body, ids):
-                    count = so_far
-                    if delta or reason:
-                        new_ids = ids[sent:] if body.return_token_ids else None
-                        sent = len(ids)
-                        yield chunk(delta, reason, token_ids=new_ids)
+                async with contextlib.aclosing(_run(prompt_ids, body, ids)) as pieces:
+                    async for delta, reason, so_far in pieces:
+                        count = so_far
+                        if delta or reason:
+                            new_ids = ids[sent:] if body.return_token_ids else None
+                            sent = len(ids)
+                            yield chunk(delta, reason, token_ids=new_ids)
+                        if request is not None and await request.is_disconnected():
+                            return  # closing the generators releases the KV caches on every stage
             except GenerationError as exc:
                 err = {"error": {"message": f"generation failed: {exc}", "type": "server_error",
                                  "param": None, "code": None}}
@@ -336,13 +341,13 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body)
-        return await _respond("chat", body, _chat_prompt(body))
+        return await _respond("chat", body, _chat_prompt(body), request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         _check_model(body)
-        return await _respond("completion", body, _completion_prompt(body))
+        return await _respond("completion", body, _completion_prompt(body), request)
 
     return app

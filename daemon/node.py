@@ -395,22 +395,25 @@ class Node:
                                            stop_ids)
         it = source.__aiter__()
         change = asyncio.ensure_future(changed.wait())
+        nxt: asyncio.Future | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
                 done, _ = await asyncio.wait({nxt, change}, return_when=asyncio.FIRST_COMPLETED)
                 if nxt not in done:
-                    nxt.cancel()
-                    with contextlib.suppress(BaseException):
-                        await nxt  # let the generator unwind before it is closed
                     raise _PlanChanged(f"the plan changed to epoch {self.epoch}")
                 try:
                     token = nxt.result()
                 except StopAsyncIteration:
                     return
+                nxt = None
                 yield token
         finally:
             change.cancel()
+            if nxt is not None and not nxt.done():
+                nxt.cancel()  # let the generator unwind before it is closed
+                with contextlib.suppress(BaseException):
+                    await nxt
             await it.aclose()
 
     async def _generate_remote(self, address: str, epoch: int, request_id: str, prompt: list[int],
