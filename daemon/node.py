@@ -168,6 +168,7 @@ class Node:
         self.tokens_generated_total = 0
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
+        self.loading_progress: float | None = None  # 0..1 while a stage loads
 
     # --- plan views ------------------------------------------------------------------
 
@@ -252,8 +253,15 @@ class Node:
             return 0
         self.state = "loading" if current is None else self.state
         t0 = time.perf_counter()
-        stage = await self.engine.run(
-            lambda: load_stage(self.config.model, spec.start, spec.end, self.config.dtype, reuse=current))
+        def progress(done: int, total: int) -> None:  # worker thread; a float store is atomic
+            self.loading_progress = done / total if total else 1.0
+
+        self.loading_progress = 0.0
+        try:
+            stage = await self.engine.run(lambda: load_stage(self.config.model, spec.start, spec.end,
+                                                             self.config.dtype, reuse=current, progress=progress))
+        finally:
+            self.loading_progress = None
         loaded = stage.loaded_bytes()
         self._prepared[key] = stage
         log.info("prepared epoch %d: layers [%d, %d), read %.1f MB of %.1f MB in %.2f s", plan.epoch,
@@ -639,6 +647,7 @@ class Node:
             "kv_caches": self.engine.active_requests if self.engine else [],
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
+            "loading_progress": self.loading_progress,
             "requests_served": self.requests_served,
             "memory": {**self.memory, "rss_bytes": psutil.Process().memory_info().rss,
                        "peak_rss_bytes": _peak_rss_bytes(),

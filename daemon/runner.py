@@ -252,6 +252,27 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     return stop
 
 
+async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
+    """A rich progress bar while this node loads a stage (plain runs in a terminal)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = None
+        while not stop.is_set():
+            fraction = node.loading_progress
+            if fraction is not None:
+                spec = node.plan.stages[node.index] if node.plan and node.index is not None else None
+                if task is None:
+                    task = bar.add_task("loading layers", total=1.0)
+                where = f" layers [{spec.start}, {spec.end})" if spec else ""
+                bar.update(task, completed=fraction, description=f"loading {node.config.model.name}{where}")
+            elif task is not None:
+                bar.remove_task(task)
+                task = None
+            await asyncio.sleep(0.2)
+
+
 async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
     tune_allocator()
@@ -277,6 +298,8 @@ async def serve(args) -> int:
 
         local = "127.0.0.1" if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison
         dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard))
+    elif sys.stdout.isatty():
+        dashboard = asyncio.create_task(_loading_bar(node, stop_dashboard))
     try:
         await server.serve()
     finally:

@@ -19,6 +19,7 @@ unsplit model, a split model's logits equal the single-process logits exactly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,7 +267,7 @@ def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple
 
 
 def load_stage(location: ModelLocation, start: int, end: int | None = None, dtype: str | None = None,
-               reuse: Stage | None = None) -> Stage:
+               reuse: Stage | None = None, progress: Callable[[int, int], None] | None = None) -> Stage:
     """Load the stage ``[start, end)`` of a model, reading only that stage's tensors.
 
     Args:
@@ -277,6 +278,7 @@ def load_stage(location: ModelLocation, start: int, end: int | None = None, dtyp
         reuse: a loaded stage of the same model and dtype; the layers (and embedding,
             norm, head) both stages need are taken from it instead of being read
             again, so re-sharding reads only the layers that moved.
+        progress: called as ``progress(done, total)`` (tensors or layers) while loading.
 
     Raises:
         ModelFormatError: unreadable, truncated or unsupported model files.
@@ -287,11 +289,12 @@ def load_stage(location: ModelLocation, start: int, end: int | None = None, dtyp
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     mx_dtype = DTYPES.get(dtype) if dtype else None
     if location.kind == "gguf":
-        return _load_gguf_stage(location.path, start, end, mx_dtype, reuse)
-    return _load_mlx_stage(location, start, end, mx_dtype, reuse)
+        return _load_gguf_stage(location.path, start, end, mx_dtype, reuse, progress)
+    return _load_mlx_stage(location, start, end, mx_dtype, reuse, progress)
 
 
-def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype, reuse: Stage | None) -> Stage:
+def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype, reuse: Stage | None,
+                    progress: Callable[[int, int], None] | None = None) -> Stage:
     from mlx_lm.utils import load_model
 
     config = read_config(location)
@@ -309,6 +312,11 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
         _cast(model, dtype)
     reused = _reuse(model, start, end, num_layers, reuse)
     try:
+        layers = _inner(model).layers
+        for i, layer in enumerate(layers):  # layer by layer, for progress
+            mx.eval(layer.parameters())
+            if progress is not None:
+                progress(i + 1, len(layers))
         mx.eval(model.parameters())
     except (RuntimeError, ValueError) as exc:
         raise ModelFormatError(f"{location.path}: cannot read the weights: {exc}") from None
@@ -316,7 +324,8 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
                  reused_prefixes=frozenset(reused))
 
 
-def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stage | None) -> Stage:
+def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stage | None,
+                     progress: Callable[[int, int], None] | None = None) -> Stage:
     g = gguf_source.open_gguf(path)
     config = dict(g.config)
     model_class, args_class = _model_classes(config)
@@ -340,7 +349,11 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stag
     quant: dict[str, int] = {}
     skip = {name for name in gguf_source.stage_tensor_names(g, start, end, first, last)
             if any((local(gguf_source.mlx_name(name)) + ".").startswith(p) for p in reused)}
-    for prefix, arrays in gguf_source.stage_weights(g, start, end, first, last, dtype, skip=skip):
+    total = len(gguf_source.stage_tensor_names(g, start, end, first, last)) - len(skip)
+    for done, (prefix, arrays) in enumerate(gguf_source.stage_weights(g, start, end, first, last, dtype,
+                                                                      skip=skip), start=1):
+        if progress is not None:
+            progress(done, total)
         bits = arrays.pop("_bits", None)
         target = local(prefix)
         if bits is not None:
