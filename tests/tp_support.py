@@ -135,6 +135,13 @@ def worker_pids() -> list[int]:
     """Every running ``ringlet.daemon.tp_worker`` process started by this test process."""
     me = os.getpid()
     found = []
+    if not Path("/proc/self/stat").exists():  # macOS: ask ps
+        out = subprocess.run(["ps", "-axo", "pid=,ppid=,command="], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            parts = line.split(None, 2)
+            if len(parts) == 3 and int(parts[1]) == me and "ringlet.daemon.tp_worker" in parts[2]:
+                found.append(int(parts[0]))
+        return found
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
