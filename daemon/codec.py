@@ -22,6 +22,8 @@ from .rpc import ringlet_pb2 as pb
 #: block of a large model is 256 MiB; larger prefills are chunked by the engine.
 DEFAULT_MAX_TENSOR_BYTES = 256 * 1024 * 1024
 MAX_RANK = 8
+#: Largest dimension: MLX shapes are 32-bit signed integers.
+MAX_DIM = 2**31 - 1
 
 # name -> (mlx dtype, numpy dtype used on the wire)
 _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
@@ -91,6 +93,8 @@ def check(message: pb.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> t
         raise TensorDecodeError(f"tensor rank {len(shape)} exceeds {MAX_RANK}")
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"tensor shape {shape} has a negative dimension")
+    if any(d > MAX_DIM for d in shape):  # e.g. (2**31, 0): zero bytes, but MLX cannot make it
+        raise TensorDecodeError(f"tensor shape {shape} has a dimension above {MAX_DIM}")
     expected = math.prod(shape) * wire_np.itemsize
     if expected > max_bytes or len(message.data) > max_bytes:
         raise TensorDecodeError(
