@@ -287,7 +287,7 @@ def test_every_method_needs_the_secret_and_rejected_calls_change_nothing(caplog)
                 unknown = info.value
                 assert unknown.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert unknown.details() == transport.UNAUTHENTICATED_DETAIL
-                # 64 MiB without a token: refused before the body is read (the server's limit is 512 MiB)
+                # 64 MiB without a token: refused on its headers, quickly
                 t0 = time.perf_counter()
                 big = pb.Ping(payload=b"\0" * (64 << 20))
                 assert await call(ch, SERVICE.methods_by_name["Echo"], request=big) == \
@@ -316,6 +316,29 @@ def test_every_method_needs_the_secret_and_rejected_calls_change_nothing(caplog)
     assert any("missing" in m for m in rejected) and any("bad_mac" in m for m in rejected)
     # logged once per (peer, reason), not once per call
     assert len(rejected) <= 3, rejected
+
+
+def test_unauthenticated_bodies_are_never_read():
+    """A server whose message limit is 1 MiB: 4 MiB from a member is RESOURCE_EXHAUSTED (the
+    body was read and measured); 4 MiB without a token is UNAUTHENTICATED (it never was)."""
+    config = transport.TransportConfig(secret=SECRET, max_message_bytes=1 << 20)
+    echo = SERVICE.methods_by_name["Echo"]
+    big = pb.Ping(payload=b"\0" * (4 << 20))
+
+    async def main():
+        srv = Counting(config)
+        await srv.server.start()
+        try:
+            async with tls_only_channel(srv.address, cluster_tls(SECRET).ca_pem) as ch:
+                assert await call(ch, echo, request=big) == grpc.StatusCode.UNAUTHENTICATED
+            member = transport.TransportConfig(secret=SECRET, max_message_bytes=8 << 20)
+            async with transport.make_channel(member, srv.address) as ch:
+                assert await call(ch, echo, request=big) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert srv.calls == {}
+        finally:
+            await srv.server.stop(0)
+
+    run(main())
 
 
 def test_recorded_call_replayed_is_rejected_within_and_after_its_window(caplog):
