@@ -231,16 +231,18 @@ class ManifestRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShardRegion(_message.Message):
-    __slots__ = ("name", "offset", "size", "sha256")
+    __slots__ = ("name", "offset", "size", "sha256", "missing")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     size: int
     sha256: bytes
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    missing: bool
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class ShardFile(_message.Message):
     __slots__ = ("path", "size", "format", "header_bytes", "regions")
