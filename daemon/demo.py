@@ -102,7 +102,7 @@ class LocalCluster:
     def _spawn(self, i: int) -> None:
         log = open(self.log_path(i), "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        proc = subprocess.Popen(self._command(i), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(self._command(i), stdout=log, stderr=subprocess.STDOUT,  # noqa: S603 - argv of this Python and ringlet flags, no shell
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         if i < len(self.procs):
             self.procs[i] = proc

@@ -876,7 +876,7 @@ class Discovery:
         )
 
     async def _register(self) -> None:
-        assert self._aiozc is not None
+        assert self._aiozc is not None  # noqa: S101 - internal invariant (only called after start), not input checking
         self._info = self._build_info()
         t0 = time.perf_counter()
         done = await self._aiozc.async_register_service(self._info, cooperating_responders=True)

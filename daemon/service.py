@@ -474,7 +474,7 @@ def plan_install(args: argparse.Namespace, target: str) -> Planned:
 def _run(cmd: list[str], timeout: float = 15.0) -> tuple[int, str]:
     """Run a service-manager command; ``(returncode, output)``; 127 when it is missing."""
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)  # noqa: S603 - fixed launchctl/systemctl argv, no shell
     except FileNotFoundError:
         return 127, f"{cmd[0]}: command not found"
     except subprocess.TimeoutExpired:

@@ -115,7 +115,7 @@ def run_probe(
     """
     label = name or " ".join(argv)
     try:
-        proc = subprocess.run(list(argv), capture_output=True, timeout=timeout, check=False)
+        proc = subprocess.run(list(argv), capture_output=True, timeout=timeout, check=False)  # noqa: S603 - probe commands are fixed argv lists, no shell
     except FileNotFoundError:
         log.warning("probe %s: command not found", label)
         return None

@@ -231,7 +231,7 @@ def _indent_tree(text: str) -> _Node:
         parent = stack[-1]
         if parent.child_indent is None:
             parent.child_indent = indent
-        assert parent.children is not None
+        assert parent.children is not None  # noqa: S101 - parser invariant (every stacked node has children), not input checking
         if stripped.endswith(":"):
             node = _Node(stripped[:-1].strip(), indent, children=[])
             parent.children.append(node)
