@@ -9,25 +9,34 @@ Wire (``proto/ringlet.proto``, service ``Ring``):
   in chunks of at most ``chunk_bytes``, each with the sha256 the source computed
   (or cached) before sending it.
 
-The receiver (:func:`fetch_shard`) builds a sparse copy of each file (the header plus the
+The receiver (:func:`fetch_shard`) builds a sparse copy of the file (the header plus the
 tensors of its layer range, at their original offsets) under
 ``<cache_dir>/<model>/<file>``; the loaders in :mod:`ringlet.daemon.stage` read it
-unchanged. Checks:
+unchanged. It asks for all missing bytes in one call (neighbouring tensors merged into
+shared ranges); the server cuts them into chunks on a fixed grid of file offsets
+(1 MiB by default). Checks:
 
 * **per region** (header and every tensor): the sha256 of the region as written
-  must equal the source's digest from ``ShardManifest`` (hashed in the same pass as
-  the bytes arrive, so each byte is hashed once when nothing goes wrong);
-* **per chunk**: when a region does not match, each of its chunks is re-read from
-  disk and compared with the sha256 that came with it; the chunks that differ are
-  requested again (only those). If every chunk matches its own digest but the region
-  does not, the source's bytes contradict its manifest: the region is fetched once
-  more, then the transfer fails with :class:`ShardError`.
+  must equal the source's digest from ``ShardManifest``. Each region is hashed as its
+  bytes arrive, so each byte is hashed once when nothing goes wrong.
+* **per chunk**: when a region does not match, every chunk overlapping it is re-read
+  from disk and compared with the sha256 that came with it; the bytes of the chunks
+  that differ are requested again (only those, and only where they belong to regions
+  not verified yet). If every chunk matches its own digest but the region does not,
+  the source's bytes contradict its manifest: the region is fetched once more, then
+  the transfer fails with :class:`ShardError`.
 
-Resumable: chunks are recorded in the state file beside the data (after the data is
-written); a transfer that stops (peer gone, process killed, task cancelled) fetches
-only the missing bytes next time, and a warm cache fetches nothing. A test hook
-(:class:`ChunkCorrupter`, or the environment variable ``RINGLET_TEST_CORRUPT_CHUNK=N``
-on the serving process) flips a byte of the N-th chunk served, after its digest.
+Resumable and durable: the chunks received are recorded in a state file beside the data
+(saved by a background thread after an ``fdatasync`` of the data it describes, and at
+the end of every call); a transfer that stops (peer gone, process killed, task
+cancelled) fetches only the missing bytes next time, a broken stream is resumed
+automatically, and a warm cache fetches nothing. A test hook (:class:`ChunkCorrupter`,
+or ``RINGLET_TEST_CORRUPT_CHUNK=N`` in the serving process's environment) flips a byte of
+the N-th chunk served, after its digest was taken.
+
+A node whose model file is itself a fetched sparse copy serves the regions it has
+verified (and flags the others ``missing`` in its manifest), so any member holding a
+range can pass it on.
 
 MLX/Hugging Face directories are served (``ShardManifest`` lists their safetensors
 and small files) but :func:`fetch_shard` handles GGUF models only for now.
@@ -178,9 +187,7 @@ async def _source(context, location: ModelLocation, model: str) -> _Source:
         await context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves the model {location.name!r}, not {model!r}")
     try:
         return await asyncio.to_thread(_describe_source, location)
-    except (OSError, ShardError) as exc:
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read the model files: {exc}")
-    except Exception as exc:  # noqa: BLE001 - ModelFormatError and friends, reported to the peer
+    except Exception as exc:  # noqa: BLE001 - OSError, ModelFormatError...: reported to the peer
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read the model files: {exc}")
     raise AssertionError("unreachable")  # context.abort raises
 
@@ -400,10 +407,6 @@ class _Progress:
     def advance(self, n: int) -> None:
         if self._bar is not None:
             self._bar.advance(self._task, n)
-
-    def describe(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=text)
 
 
 class _Syncer:
@@ -713,12 +716,13 @@ async def _transfer(stub, request_base: dict, receiver: _Receiver, ranges: list[
 def _request_ranges(shard: LocalShard, needed: list[Region]) -> list[tuple[int, int]]:
     """The ``(offset, length)`` ranges to ask for: the missing bytes of ``needed``, with
     neighbours merged across gaps of at most :data:`MERGE_GAP` bytes (alignment padding,
-    tiny tensors) unless a verified region lies in the gap, so small tensors travel in
-    shared chunks and nothing verified is ever overwritten."""
+    tiny tensors) unless bytes already verified or received lie in the gap, so small
+    tensors travel in shared chunks and nothing is fetched twice or overwritten."""
     spans = sorted((a, a + n) for r in needed for a, n in shard.missing(r))
     if not spans:
         return []
-    guarded = merge_spans((v[0], v[0] + v[1]) for v in shard.verified.values())
+    guarded = merge_spans([(v[0], v[0] + v[1]) for v in shard.verified.values()]
+                          + [(c[0], c[0] + c[1]) for c in shard.chunks])
     g_starts = [a for a, _ in guarded]
     out = [list(spans[0])]
     for a, b in spans[1:]:
@@ -745,9 +749,11 @@ async def _fetch_regions(stub, base: dict, shard: LocalShard, fd: int, needed: l
     result.bytes_needed += need_bytes
     result.bytes_reused += need_bytes - missing
     bar.add_total(missing)
-    for region in needed:  # all on disk but never checked (stopped right before)
-        if region.name not in shard.verified and shard.present_bytes(region) >= region.size:
-            await _in_thread(executor, receiver.finish, region)
+    unchecked = [r for r in needed if r.name not in shard.verified and shard.present_bytes(r) >= r.size]
+    for region in unchecked:  # all on disk but never checked (stopped right before)
+        await _in_thread(executor, receiver.finish, region)
+    if unchecked:
+        await _in_thread(executor, _commit, shard, fd)
     rounds = failures = 0
     while True:
         todo = _request_ranges(shard, needed)
@@ -837,11 +843,12 @@ async def fetch_shard_detailed(stub, model_name: str, layer_range: tuple[int, in
                          regions=len(needed), bytes_needed=0, bytes_reused=0, bytes_fetched=0, chunks_resent=0,
                          calls=0, seconds=0.0, allocated_bytes=0)
     # One transfer per file at a time (the lock is taken before the state is read).
-    with _locked(directory / rel), ThreadPoolExecutor(1, thread_name_prefix="shard-write") as executor:
+    with _locked(directory / rel):
         shard = LocalShard.open(directory, rel, size, digests[HEADER])
         if shard.was_reset:
             gguf_source.open_gguf.cache_clear()  # a cached reader may describe the old file
         fd = os.open(shard.path, os.O_RDWR)
+        executor = ThreadPoolExecutor(1, thread_name_prefix="shard-write")
         bar.start()
         try:
             # The header (metadata, tokenizer, tensor infos) and the stage's tensors in one go.
@@ -849,6 +856,7 @@ async def fetch_shard_detailed(stub, model_name: str, layer_range: tuple[int, in
                                  max_rounds, result)
         finally:
             bar.stop()
+            executor.shutdown(wait=True)  # (even when cancelled) no write may outlive the fd
             os.close(fd)
         # The verified header must describe the tensors as the manifest did.
         local_names, local, _ = _stage_names(shard.path, start, end)

@@ -205,6 +205,24 @@ def test_a_broken_stream_is_resumed_without_fetching_twice(default_location, dig
     assert result.bytes_fetched + result.bytes_reused == result.bytes_needed
 
 
+def test_a_cancelled_transfer_keeps_what_it_received(default_location, digests, tmp_path):
+    servicer = Servicer(default_location, digests, delay_s=0.02)
+
+    async def main():
+        async with serving(servicer) as (stub, _):
+            task = asyncio.create_task(shard_transfer.fetch_shard(stub, MODEL, (0, 12), tmp_path, progress=False))
+            while servicer.served < 15:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    result = fetch(Servicer(default_location, digests), (0, 12), tmp_path)
+    assert result.bytes_reused >= 10 * 1024 * 1024  # most of the 15 chunks were kept
+    assert result.bytes_fetched + result.bytes_reused == result.bytes_needed
+
+
 def test_a_killed_transfer_resumes_with_only_the_missing_bytes(default_location, digests, tmp_path):
     """kill -9 a client process mid-transfer; a new fetch gets only what it had not saved."""
     cache = tmp_path / "cache"
