@@ -319,6 +319,14 @@ _ERROR_SCHEMA = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+# One server-sent event (OpenAPI before 3.2: the schema of text/event-stream describes each
+# event): ``data`` is a JSON chunk, or ``[DONE]`` at the end.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer", "minimum": 0}},
+}
 _ERRORS = {
     "400": "Invalid request (wrong types, out-of-range values, prompt too long)",
     "401": "Missing or wrong API key",
@@ -354,7 +362,7 @@ def document(app: Any, limits: ApiLimits) -> None:
                 if method == "post":
                     codes += ["400", "404", "413", "429", "503"]
                     ok = responses.setdefault("200", {"description": "Successful Response"})
-                    ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": {"type": "string"}})
+                    ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
                 for code in codes:
                     responses[code] = {"description": _ERRORS[code], **error}
                 if limits.api_key_digests:
