@@ -38,8 +38,9 @@ A node whose model file is itself a fetched sparse copy serves the regions it ha
 verified (and flags the others ``missing`` in its manifest), so any member holding a
 range can pass it on.
 
-MLX/Hugging Face directories are served (``ShardManifest`` lists their safetensors
-and small files) but :func:`fetch_shard` handles GGUF models only for now.
+An MLX/Hugging Face directory is fetched as its small files whole (config, tokenizer,
+chat template) plus, for each ``*.safetensors`` file, its header and the stage's tensors
+(sparse, like a GGUF file); ``mlx-lm``'s lazy loading reads only those.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ import asyncio
 import bisect
 import fcntl
 import hashlib
+import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -65,6 +68,8 @@ from .rpc import ringlet_pb2 as pb
 from .shard_cache import (
     DEFAULT_CHUNK_BYTES,
     HEADER,
+    STATE_SUFFIX,
+    WHOLE,
     DigestCache,
     FileLayout,
     LocalShard,
@@ -75,6 +80,7 @@ from .shard_cache import (
     overlap,
     read_gguf_header,
     safe_rel,
+    safetensors_layout,
     sha256_range,
 )
 from .sources import ModelLocation
@@ -668,11 +674,22 @@ def _safe_model_dir(name: str) -> str:
     return safe_rel(name)
 
 
-async def _rpc(coro, what: str):
-    try:
-        return await coro
-    except grpc.aio.AioRpcError as exc:
-        raise ShardError(f"{what}: {exc.code().name}: {exc.details()}") from None
+async def _rpc(call, request, what: str, attempts: int = 5):
+    """``await call(request)``, retried (up to ``attempts`` times) when the peer's control-RPC
+    rate limit answers RESOURCE_EXHAUSTED, after the ``retry-after-ms`` it names.
+
+    Raises:
+        ShardError: the call failed (naming ``what`` and the gRPC status).
+    """
+    for attempt in range(attempts):
+        try:
+            return await call(request)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == attempts - 1:
+                raise ShardError(f"{what}: {exc.code().name}: {exc.details()}") from None
+            wait_ms = next((v for k, v in (exc.trailing_metadata() or ()) if k == "retry-after-ms"), "100")
+            await asyncio.sleep(min(2.0, int(wait_ms) / 1000 if str(wait_ms).isdigit() else 0.1))
+    raise AssertionError("unreachable")
 
 
 async def _transfer(stub, request_base: dict, receiver: _Receiver, ranges: list[tuple[int, int]],
@@ -713,30 +730,29 @@ async def _transfer(stub, request_base: dict, receiver: _Receiver, ranges: list[
             await asyncio.shield(loop.run_in_executor(executor, receiver.absorb, batch))
 
 
-def _request_ranges(shard: LocalShard, needed: list[Region]) -> list[tuple[int, int]]:
+def _request_ranges(shard: LocalShard, needed: list[Region], layout: list[Region]) -> list[tuple[int, int]]:
     """The ``(offset, length)`` ranges to ask for: the missing bytes of ``needed``, with
-    neighbours merged across gaps of at most :data:`MERGE_GAP` bytes (alignment padding,
-    tiny tensors) unless bytes already verified or received lie in the gap, so small
-    tensors travel in shared chunks and nothing is fetched twice or overwritten."""
+    neighbours merged across gaps of at most :data:`MERGE_GAP` bytes that lie in no region
+    of the file's ``layout`` (alignment padding), so adjacent small tensors travel in
+    shared chunks while nothing else is fetched or overwritten."""
     spans = sorted((a, a + n) for r in needed for a, n in shard.missing(r))
     if not spans:
         return []
-    guarded = merge_spans([(v[0], v[0] + v[1]) for v in shard.verified.values()]
-                          + [(c[0], c[0] + c[1]) for c in shard.chunks])
-    g_starts = [a for a, _ in guarded]
+    occupied = merge_spans((r.offset, r.end) for r in layout if r.size)
+    starts = [a for a, _ in occupied]
     out = [list(spans[0])]
     for a, b in spans[1:]:
         gap0, gap1 = out[-1][1], a
-        k = bisect.bisect_right(g_starts, gap1 - 1) - 1
-        blocked = k >= 0 and overlap(gap0, gap1, *guarded[k])
-        if gap1 - gap0 <= MERGE_GAP and not blocked:
+        k = bisect.bisect_right(starts, gap1 - 1) - 1
+        padding_only = gap1 <= gap0 or not (k >= 0 and overlap(gap0, gap1, *occupied[k]))
+        if gap1 - gap0 <= MERGE_GAP and padding_only:
             out[-1][1] = max(out[-1][1], b)
         else:
             out.append([a, b])
     return [(a, b - a) for a, b in out]
 
 
-async def _fetch_regions(stub, base: dict, shard: LocalShard, fd: int, needed: list[Region],
+async def _fetch_regions(stub, base: dict, shard: LocalShard, fd: int, needed: list[Region], layout: list[Region],
                          expected: dict[str, bytes], bar: _Progress, executor: ThreadPoolExecutor, chunk_bytes: int,
                          retries: int, max_rounds: int, result: FetchResult) -> None:
     """Fetch until every region of ``needed`` is verified: one ``FetchShard`` call for all
@@ -756,7 +772,7 @@ async def _fetch_regions(stub, base: dict, shard: LocalShard, fd: int, needed: l
         await _in_thread(executor, _commit, shard, fd)
     rounds = failures = 0
     while True:
-        todo = _request_ranges(shard, needed)
+        todo = _request_ranges(shard, needed, layout)
         if not todo:
             return
         rounds += 1
@@ -790,84 +806,215 @@ async def fetch_shard_detailed(stub, model_name: str, layer_range: tuple[int, in
             ``NodeInfo.model``).
         layer_range: half-open ``(start, end)``; the first stage also gets the
             embedding, the last the final norm and the head (the embedding when tied).
-        cache_dir: the sparse copy goes to ``<cache_dir>/<model_name>/<file>`` with its
-            state ``<file>.shard.json`` beside it; reused and extended by later calls.
+        cache_dir: the copy goes to ``<cache_dir>/<model name>/`` (a GGUF: its one file;
+            an MLX directory: its files), each file with its state ``<file>.shard.json``
+            beside it; reused and extended by later calls.
         progress: show a rich progress bar on stderr (only when it is a terminal).
-        chunk_bytes: chunk size to ask for, bytes (0 = the server's default, 4 MiB).
+        chunk_bytes: chunk size to ask for, bytes (0 = the server's default, 1 MiB, whose
+            chunk digests the server caches).
         retries: how many times a broken stream (peer restarted, network glitch) is
             resumed before giving up.
         max_rounds: most ``FetchShard`` calls for re-sent chunks before giving up.
 
     Returns:
-        :class:`FetchResult`; ``result.location`` loads with
-        :func:`ringlet.daemon.stage.load_stage` for any range within ``layer_range``.
+        :class:`FetchResult`; ``result.location`` (``kind`` ``"gguf"``: the sparse file;
+        ``"mlx"``: the directory) loads with :func:`ringlet.daemon.stage.load_stage` for
+        any range within ``layer_range``, and its tokenizer with
+        :func:`ringlet.daemon.model_info.load_tokenizer`.
 
     Raises:
         ShardError: the peer does not serve the model or lacks the bytes, an RPC failed
             (after ``retries``), data failed verification repeatedly, or another
             transfer is writing the same file.
         PlanError: a layer range outside the model.
-        ModelFormatError: the peer's file is not a usable GGUF (architecture, layout).
+        ModelFormatError: the peer's files are not a usable GGUF / safetensors layout.
         OSError: the cache directory is not writable.
     """
     t0 = time.perf_counter()
     start, end = int(layer_range[0]), int(layer_range[1])
-    files = await _rpc(stub.ShardManifest(pb.ManifestRequest(model=model_name)), "ShardManifest")
-    if files.kind != "gguf" or len(files.files) != 1:
-        raise ShardError(f"the peer serves {model_name!r} as {files.kind!r} ({len(files.files)} files); "
-                         "fetching is implemented for GGUF models only")
-    rel = safe_rel(files.files[0].path)
-    base = {"model": files.model, "file": rel}
-    desc = await _rpc(stub.ShardManifest(pb.ManifestRequest(**base)), "ShardManifest")
-    regions, digests = _manifest_regions(desc.files[0])
-    size = int(desc.files[0].size)
-    header = regions.get(HEADER)
-    if header is None or header.offset != 0 or HEADER not in digests:
-        raise ShardError(f"{rel}: the peer's manifest has no header region with a sha256")
-    tensors = {n: r for n, r in regions.items() if n != HEADER}
-    names = _select(tensors, _block_count(tensors), start, end)
-    lacking = [r.name for r in desc.files[0].regions if r.missing and (r.name in names or r.name == HEADER)]
+    files = await _rpc(stub.ShardManifest, pb.ManifestRequest(model=model_name), "ShardManifest")
+    model = files.model
+    directory = Path(cache_dir) / _safe_model_dir(model)
+    bar = _Progress(progress, f"{model} [{start}, {end})")
+    result = FetchResult(location=ModelLocation(model, files.kind, directory), layer_range=(start, end), regions=0,
+                         bytes_needed=0, bytes_reused=0, bytes_fetched=0, chunks_resent=0, calls=0, seconds=0.0,
+                         allocated_bytes=0)
+
+    async def get(plan: _FilePlan) -> LocalShard:
+        result.regions += len(plan.needed)
+        return await _fetch_file(stub, model, directory, plan, bar, chunk_bytes, retries, max_rounds, result)
+
+    bar.start()
+    try:
+        if files.kind == "gguf" and len(files.files) == 1:
+            plan = await _plan_gguf(stub, model, safe_rel(files.files[0].path), start, end)
+            shard = await get(plan)
+            # The verified header must describe the tensors as the manifest did.
+            local_names, local, _ = _stage_names(shard.path, start, end)
+            if local_names != [r.name for r in plan.needed[1:]] or any(local[r.name] != r for r in plan.needed[1:]):
+                raise ShardError(f"{plan.rel}: the peer's manifest does not describe the tensors of [{start}, {end}) "
+                                 "as the file's own header does")
+            result.location = ModelLocation(model, "gguf", shard.path)
+            shards = [shard]
+        elif files.kind == "mlx":
+            shards = await _fetch_mlx(stub, model, files, directory, start, end, get)
+        else:
+            raise ShardError(f"the peer serves {model!r} as {files.kind!r} with {len(files.files)} files; "
+                             "ringlet fetches GGUF files and MLX directories")
+    finally:
+        bar.stop()
+    result.allocated_bytes = sum(s.allocated_bytes() for s in shards)
+    result.seconds = time.perf_counter() - t0
+    log.info("shard %s [%d, %d): %d bytes fetched, %d reused, %d chunk(s) re-sent, %.2f s", model, start,
+             end, result.bytes_fetched, result.bytes_reused, result.chunks_resent, result.seconds)
+    return result
+
+
+@dataclass
+class _FilePlan:
+    """What to fetch of one file: its identity (size, sha256 of its first region: the
+    header, or the whole small file), the regions needed and their digests."""
+
+    rel: str
+    size: int
+    version: bytes
+    regions: dict[str, Region]
+    needed: list[Region]
+    expected: dict[str, bytes]
+
+
+async def _describe(stub, model: str, rel: str, digests: list[str] | None = None):
+    """``(ShardFile, regions by name, digests by name)`` of one file from the peer."""
+    desc = await _rpc(stub.ShardManifest, pb.ManifestRequest(model=model, file=rel, digests=digests or []),
+                      "ShardManifest")
+    if len(desc.files) != 1 or desc.files[0].path != rel:
+        raise ShardError(f"{rel}: the peer's manifest describes another file")
+    f = desc.files[0]
+    regions, got = _manifest_regions(f)
+    first = f.regions[0] if f.regions else None
+    if first is None or first.offset != 0 or first.name not in got:
+        raise ShardError(f"{rel}: the peer's manifest has no first region with a sha256")
+    return f, regions, got
+
+
+async def _plan(stub, model: str, rel: str, names: list[str], described=None) -> _FilePlan:
+    """The plan for ``rel``: its first region (header / whole file) and the regions ``names``,
+    with their digests from the peer.
+
+    Raises:
+        ShardError: the peer lacks some of them (a partial copy) or sent no digest.
+    """
+    f, regions, got = described or await _describe(stub, model, rel)
+    first = f.regions[0].name
+    lacking = [r.name for r in f.regions if r.missing and (r.name in names or r.name == first)]
     if lacking:
-        raise ShardError(f"the peer holds only part of {files.model!r}; it lacks {lacking[0]}"
-                         + (f" and {len(lacking) - 1} more" if len(lacking) > 1 else "")
-                         + f" of the stage [{start}, {end})")
-    desc = await _rpc(stub.ShardManifest(pb.ManifestRequest(digests=names, **base)), "ShardManifest")
-    _, expected = _manifest_regions(desc.files[0])
-    if any(n not in expected for n in names):
-        raise ShardError(f"{rel}: the peer sent no sha256 for some tensors of [{start}, {end})")
-    expected[HEADER] = digests[HEADER]
-    needed = [header] + [regions[n] for n in names]
-    directory = Path(cache_dir) / _safe_model_dir(files.model)
-    bar = _Progress(progress, f"{files.model} [{start}, {end})")
-    result = FetchResult(location=ModelLocation(files.model, "gguf", directory / rel), layer_range=(start, end),
-                         regions=len(needed), bytes_needed=0, bytes_reused=0, bytes_fetched=0, chunks_resent=0,
-                         calls=0, seconds=0.0, allocated_bytes=0)
-    # One transfer per file at a time (the lock is taken before the state is read).
-    with _locked(directory / rel):
-        shard = LocalShard.open(directory, rel, size, digests[HEADER])
+        raise ShardError(f"the peer holds only part of {model!r}; it lacks {lacking[0]}"
+                         + (f" and {len(lacking) - 1} more" if len(lacking) > 1 else "") + f" (in {rel})")
+    expected = {first: got[first]}
+    if names:
+        _, _, more = await _describe(stub, model, rel, names)
+        if any(n not in more for n in names):
+            raise ShardError(f"{rel}: the peer sent no sha256 for some of the regions asked for")
+        expected.update(more)
+    needed = [regions[first]] + [regions[n] for n in names if n != first]
+    return _FilePlan(rel, int(f.size), got[first], regions, needed, expected)
+
+
+async def _plan_gguf(stub, model: str, rel: str, start: int, end: int) -> _FilePlan:
+    described = await _describe(stub, model, rel)
+    _, regions, _ = described
+    tensors = {n: r for n, r in regions.items() if n != HEADER}
+    return await _plan(stub, model, rel, _select(tensors, _block_count(tensors), start, end), described)
+
+
+async def _fetch_file(stub, model: str, directory: Path, plan: _FilePlan, bar: _Progress, chunk_bytes: int,
+                      retries: int, max_rounds: int, result: FetchResult) -> LocalShard:
+    """Bring the sparse copy of one file up to ``plan`` (under a lock on it)."""
+    base = {"model": model, "file": plan.rel}
+    with _locked(directory / plan.rel):  # taken before the state is read
+        shard = LocalShard.open(directory, plan.rel, plan.size, plan.version)
         if shard.was_reset:
             gguf_source.open_gguf.cache_clear()  # a cached reader may describe the old file
         fd = os.open(shard.path, os.O_RDWR)
         executor = ThreadPoolExecutor(1, thread_name_prefix="shard-write")
-        bar.start()
         try:
-            # The header (metadata, tokenizer, tensor infos) and the stage's tensors in one go.
-            await _fetch_regions(stub, base, shard, fd, needed, expected, bar, executor, chunk_bytes, retries,
-                                 max_rounds, result)
+            await _fetch_regions(stub, base, shard, fd, plan.needed, list(plan.regions.values()), plan.expected,
+                                 bar, executor, chunk_bytes, retries, max_rounds, result)
         finally:
-            bar.stop()
             executor.shutdown(wait=True)  # (even when cancelled) no write may outlive the fd
             os.close(fd)
-        # The verified header must describe the tensors as the manifest did.
-        local_names, local, _ = _stage_names(shard.path, start, end)
-        if local_names != names or any(local[n] != regions[n] for n in names):
-            raise ShardError(f"{rel}: the peer's manifest does not describe the tensors of [{start}, {end}) as the "
-                             "file's own header does")
-        result.allocated_bytes = shard.allocated_bytes()
-    result.seconds = time.perf_counter() - t0
-    log.info("shard %s [%d, %d): %d bytes fetched, %d reused, %d chunk(s) re-sent, %.2f s", files.model, start,
-             end, result.bytes_fetched, result.bytes_reused, result.chunks_resent, result.seconds)
-    return result
+    return shard
+
+
+#: ``layers.N.`` anywhere in an MLX/Hugging Face tensor name (``model.layers.3.mlp...``).
+_MLX_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: Files of a fetched MLX directory, beside it (hidden: never served or loaded as a model file).
+MLX_FILE_LIST = ".shard-files.json"
+
+
+def _select_mlx(names, num_layers: int, start: int, end: int) -> list[str]:
+    """Tensors of an MLX/Hugging Face checkpoint the stage ``[start, end)`` needs: the
+    ``layers.N.`` tensors of its layers; the embedding (``embed_tokens``) on the first
+    stage and, when the head is tied (no ``lm_head``), on the last; the head and any other
+    ``norm`` outside the layers on the last; every other tensor outside the layers on
+    every stage (the stage loader drops what it does not use before reading).
+
+    Raises:
+        PlanError: a layer range outside the model.
+    """
+    from .stage import validate_range
+
+    validate_range(start, end, num_layers)
+    first, last = start == 0, end == num_layers
+    tied = not any("lm_head" in n for n in names)
+    out = []
+    for name in names:
+        m = _MLX_LAYER.search(name)
+        if m:
+            keep = start <= int(m.group(1)) < end
+        elif "embed_tokens" in name:
+            keep = first or (last and tied)
+        elif "lm_head" in name or "norm" in name:
+            keep = last
+        else:
+            keep = True
+        if keep:
+            out.append(name)
+    return out
+
+
+async def _fetch_mlx(stub, model: str, files: pb.Manifest, directory: Path, start: int, end: int, get):
+    """Fetch an MLX directory's small files whole, then the stage's tensors of each
+    safetensors file (its header + tensors, sparse). Returns the local shards."""
+    shards = []
+    for f in files.files:
+        safe_rel(f.path)
+        if f.format not in ("whole", "safetensors"):
+            raise ShardError(f"{f.path}: unknown file format {f.format!r} from the peer")
+    for f in files.files:  # config.json first: it says how many layers there are
+        if f.format == "whole":
+            shards.append(await get(await _plan(stub, model, f.path, [])))
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        config = config.get("text_config", config)
+        num_layers = int(config["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ShardError(f"{model}: the peer's config.json has no num_hidden_layers") from None
+    described = {f.path: await _describe(stub, model, f.path) for f in files.files if f.format == "safetensors"}
+    if not described:
+        raise ShardError(f"{model}: the peer lists no safetensors files")
+    every = [n for _, regions, _ in described.values() for n in regions if n != HEADER]
+    wanted = set(_select_mlx(every, num_layers, start, end))
+    for rel, d in described.items():
+        names = [n for n in d[1] if n in wanted]
+        shard = await get(await _plan(stub, model, rel, names, d))
+        local = safetensors_layout(shard.path, rel).by_name
+        if any(local.get(n) != d[1][n] for n in names):
+            raise ShardError(f"{rel}: the peer's manifest does not describe the tensors as the file's own header "
+                             "does")
+        shards.append(shard)
+    (directory / MLX_FILE_LIST).write_text(json.dumps({"files": [f.path for f in files.files]}))
+    return shards
 
 
 async def _in_thread(executor: ThreadPoolExecutor, fn, *args):
@@ -883,20 +1030,45 @@ async def fetch_shard(stub, model_name: str, layer_range: tuple[int, int], cache
 
 
 def cached_shard(cache_dir: Path | str, model_name: str, layer_range: tuple[int, int]) -> ModelLocation | None:
-    """The local sparse copy of ``model_name`` if it already holds every verified tensor of
-    ``layer_range`` (no network; reads the header and the state file), else ``None``."""
+    """The local sparse copy of ``model_name`` under ``cache_dir`` if it already holds every
+    verified region the stage ``layer_range`` needs, else ``None``. No network: reads the
+    state files and the local headers (milliseconds)."""
+    start, end = int(layer_range[0]), int(layer_range[1])
     directory = Path(cache_dir) / model_name
     if not directory.is_dir():
         return None
-    for state in sorted(directory.glob("*.gguf.shard.json")):
-        shard = LocalShard.load(state.with_name(state.name[: -len(".shard.json")]))
-        if shard is None or HEADER not in shard.verified or not shard.path.is_file():
-            continue
-        try:
-            names, local, _ = _stage_names(shard.path, int(layer_range[0]), int(layer_range[1]))
-        except Exception as exc:  # noqa: BLE001 - an unusable cache is just not a hit
-            log.debug("shard cache %s unusable: %s", shard.path, exc)
-            continue
-        if all(shard.is_verified(local[n]) for n in names):
-            return ModelLocation(model_name, "gguf", shard.path)
+    try:
+        listing = json.loads((directory / MLX_FILE_LIST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        listing = None
+    try:
+        if listing is not None:  # an MLX directory
+            shards = {rel: LocalShard.load(directory / safe_rel(rel)) for rel in listing}
+            if any(s is None or s.rel != rel for rel, s in shards.items()):
+                return None
+            config = json.loads((directory / "config.json").read_text())
+            num_layers = int(config.get("text_config", config)["num_hidden_layers"])
+            layouts = {rel: safetensors_layout(s.path, rel).by_name for rel, s in shards.items()
+                       if rel.endswith(".safetensors")}
+            wanted = set(_select_mlx([n for lay in layouts.values() for n in lay if n != HEADER], num_layers,
+                                     start, end))
+            for rel, shard in shards.items():
+                if rel in layouts:
+                    regions = layouts[rel]
+                    names = [HEADER] + [n for n in regions if n in wanted]
+                else:  # a small file fetched whole: one region, the size of the file
+                    regions = {WHOLE: Region(WHOLE, 0, shard.size)}
+                    names = [WHOLE]
+                if not all(shard.is_verified(regions[n]) for n in names):
+                    return None
+            return ModelLocation(model_name, "mlx", directory)
+        for state in sorted(directory.glob("*.gguf" + STATE_SUFFIX)):
+            shard = LocalShard.load(state.with_name(state.name[: -len(STATE_SUFFIX)]))
+            if shard is None or HEADER not in shard.verified or not shard.path.is_file():
+                continue
+            names, local, _ = _stage_names(shard.path, start, end)
+            if all(shard.is_verified(local[n]) for n in names):
+                return ModelLocation(model_name, "gguf", shard.path)
+    except Exception as exc:  # noqa: BLE001 - an unusable cache is just not a hit
+        log.debug("shard cache %s unusable: %s", directory, exc)
     return None
