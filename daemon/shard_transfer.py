@@ -540,6 +540,7 @@ class _Receiver:
         while done < n:
             done += os.pwrite(self.fd, view[done:], offset + done)
         self.shard.chunks.append([offset, n, sha.hex()])
+        complete = []
         for r in self._overlapping(offset, end):
             if r.name in self.shard.verified:
                 continue
@@ -555,6 +556,11 @@ class _Receiver:
                 self.hashers[r.name] = None
             self.present[r.name] += b - a
             if self.present[r.name] >= r.size:
+                complete.append(r)
+        # Checked once the whole chunk is accounted: a failed check drops the chunk for
+        # every region it overlaps.
+        for r in complete:
+            if r.name not in self.shard.verified and self.present[r.name] >= r.size:
                 self.finish(r)
         self.bytes_fetched += n
         self._unsynced += n

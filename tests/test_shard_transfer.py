@@ -371,3 +371,20 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     off.advance(1)
     off.stop()
     assert quiet.getvalue() == ""
+
+
+def test_damage_on_disk_is_found_and_repaired(default_location, digests, tmp_path):
+    result = fetch(Servicer(default_location, digests), (14, 16), tmp_path)
+    target = gguf_layout(default_location.path).by_name["blk.15.ffn_down.weight"]
+    with open(result.location.path, "r+b") as fh:  # a bit flips on disk
+        fh.seek(target.offset + 100)
+        byte = fh.read(1)
+        fh.seek(target.offset + 100)
+        fh.write(bytes([byte[0] ^ 1]))
+    shard = LocalShard.load(result.location.path)
+    assert shard.reverify() == ["blk.15.ffn_down.weight"]
+    assert shard_transfer.cached_shard(tmp_path, MODEL, (14, 16)) is None
+    again = fetch(Servicer(default_location, digests), (14, 16), tmp_path)
+    assert again.bytes_fetched == target.size
+    assert region_bytes(again.location.path, target.offset, target.size) == region_bytes(
+        default_location.path, target.offset, target.size)
