@@ -735,6 +735,17 @@ class _RingServicer(pb_grpc.RingServicer):
             return pb.Ping(payload=request.payload, sent_at=request.sent_at)
         return pb.Ping(sent_at=request.sent_at)
 
+    async def ShardManifest(self, request, context):  # noqa: N802
+        from . import shard_transfer
+
+        return await shard_transfer.serve_manifest(request, context, self.node.config.model)
+
+    async def FetchShard(self, request, context):  # noqa: N802
+        from . import shard_transfer
+
+        async for chunk in shard_transfer.serve_fetch(request, context, self.node.config.model):
+            yield chunk
+
     async def Beat(self, request, context):  # noqa: N802
         if self.node.cluster is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs a static plan")

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 #: The methods not rate-limited per peer: the data plane. Everything else (today
 #: GetNodeInfo and Echo, and any method added later) is a control RPC.
-DATA_PLANE_METHODS = frozenset({"/ringlet.v1.Ring/Hop", "/ringlet.v1.Ring/Generate"})
+DATA_PLANE_METHODS = frozenset({"/ringlet.v1.Ring/Hop", "/ringlet.v1.Ring/Generate", "/ringlet.v1.Ring/FetchShard"})
 #: The detail of every UNAUTHENTICATED answer (the same whatever the reason).
 UNAUTHENTICATED_DETAIL = "unauthenticated: this node requires the cluster secret"
 
