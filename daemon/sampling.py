@@ -46,7 +46,9 @@ class RequestSampler:
         if 0 < params.top_p < 1:
             self._filters.append(lambda x: apply_top_p(x, params.top_p))
         if params.top_k > 0:
-            self._filters.append(lambda x: apply_top_k(x, params.top_k))
+            # top_k >= vocabulary keeps everything; mlx-lm raises on it inside compiled code,
+            # which leaves MLX's random state broken for every later request of the process
+            self._filters.append(lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x)
         seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         self._key = mx.random.key(seed)
         for _ in range(params.steps_done):

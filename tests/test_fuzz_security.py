@@ -187,3 +187,15 @@ def test_secret_text_raises_only_secret_error(text):
     except auth.SecretError:
         return
     assert len(secret) >= auth.MIN_SECRET_CHARS and secret == text.strip().encode()
+
+
+def test_a_huge_top_k_does_not_break_sampling_for_later_requests():
+    """Regression (found by schemathesis): mlx-lm's apply_top_k raised inside compiled code
+    for top_k >= vocabulary, and every later sampler of the process failed."""
+    from ringlet.daemon.sampling import RequestSampler, SamplingParams
+
+    logits = mx.random.normal((1000,))
+    hostile = RequestSampler(SamplingParams(temperature=1.0, top_k=28_717_445, seed=1))
+    assert 0 <= hostile(logits) < 1000
+    later = RequestSampler(SamplingParams(temperature=1.0))  # an unseeded sampler draws from MLX's state
+    assert 0 <= later(logits) < 1000
