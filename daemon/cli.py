@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                           "without it the cluster forms by discovery and negotiated plans")
     run.add_argument("--no-dashboard", action="store_true",
                      help="do not draw the live dashboard (it is shown when stdout is a terminal)")
+    run.add_argument("--fetch-model", action="store_true",
+                     help="the model is not on this machine: pull its shards from a member (negotiated mode)")
     run.add_argument("--advertise-host", default=None, help="address peers dial (default: --host)")
     run.add_argument("--cluster", default="ringlet", help="cluster name; nodes of other clusters are ignored")
     run.add_argument("--data-dir", default=None, help="node id, caches (default: ~/.local/share/ringlet)")

@@ -72,6 +72,7 @@ class LocalCluster:
         self._log_dir = log_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._logs: list = []
+        self._env: dict[int, dict[str, str]] = {}
         #: Headers of the API calls made here (e.g. ``Authorization`` when nodes have ``--api-key-file``).
         self.api_headers: dict[str, str] = {}
 
@@ -102,8 +103,9 @@ class LocalCluster:
     def _spawn(self, i: int) -> None:
         log = open(self.log_path(i), "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env.get(i, {}))
         proc = subprocess.Popen(self._command(i), stdout=log, stderr=subprocess.STDOUT,  # noqa: S603 - argv of this Python and ringlet flags, no shell
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                                env=env, start_new_session=True)
         if i < len(self.procs):
             self.procs[i] = proc
         else:
@@ -156,9 +158,11 @@ class LocalCluster:
             self.wait_plan(stages=self.n, timeout_s=max(5.0, deadline - time.monotonic()))
         return self
 
-    def add_node(self, extra_args: list[str] | None = None, wait: bool = True, timeout_s: float = 120.0) -> int:
-        """Start one more node of a dynamic cluster; returns its index."""
+    def add_node(self, extra_args: list[str] | None = None, wait: bool = True, timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None) -> int:
+        """Start one more node of a dynamic cluster (``env``: extra environment); returns its index."""
         i = len(self.procs)
+        self._env[i] = dict(env or {})
         grpc_port, api_port = free_ports(2)
         self.grpc_ports.append(grpc_port)
         self.api_ports.append(api_port)

@@ -73,13 +73,16 @@ async def measure(stub: pb_grpc.RingStub, kind: str, *, pings: int = 7, bulk_byt
         await stub.Echo(pb.Ping(payload=b"x" * 64, echo=True), timeout=timeout_s)
         rtts.append(time.perf_counter() - t0)
     rtt = statistics.median(rtts)
+    # Subtract the smallest round trip seen (the fixed cost of a call), not the median,
+    # which load inflates; never let the subtraction eat more than half the call.
+    fixed = min(rtts)
     payload = b"\0" * bulk_bytes
     best = 0.0
     for _ in range(bulk_rounds):
         t0 = time.perf_counter()
         await stub.Echo(pb.Ping(payload=payload, echo=False), timeout=timeout_s)
-        elapsed = max(time.perf_counter() - t0 - rtt, 1e-6)
-        best = max(best, bulk_bytes / elapsed)
+        took = time.perf_counter() - t0
+        best = max(best, bulk_bytes / max(took - fixed, took / 2))
     return LinkMeasurement(rtt_s=rtt, bandwidth_bytes_per_s=best, kind=kind, measured_at=time.time())
 
 

@@ -35,6 +35,8 @@ from .transport import TransportConfig, make_channel
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+#: How long a removed member's address is re-dialled, seconds.
+LOST_MEMORY_S = 600.0
 
 
 @dataclass
@@ -109,6 +111,8 @@ class Membership:
         self._refused: dict[str, float] = {}  # address -> monotonic time of the last refusal
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        #: removed members: node id -> (address, monotonic time of removal)
+        self.lost: dict[str, tuple[str, float]] = {}
         #: set when links should be measured again (membership changed)
         self.links_wanted = asyncio.Event()
         self.on_member_added: Callable[[Member], Awaitable[None] | None] | None = None
@@ -249,11 +253,24 @@ class Membership:
                 self._spawn(result)
         self.on_change()
 
+    def redial_lost(self) -> bool:
+        """Handshake again with members removed in the last :data:`LOST_MEMORY_S` (a cut
+        link that came back, a restarted node). Returns whether any are still lost."""
+        now = time.monotonic()
+        for node_id, (address, when) in list(self.lost.items()):
+            if node_id in self.members or now - when > LOST_MEMORY_S:
+                self.lost.pop(node_id, None)
+            else:
+                self.consider(address, node_id)
+        return bool(self.lost)
+
     def remove(self, node_id: str, why: str) -> None:
-        """Remove a member now (missed heartbeats, goodbye confirmed)."""
+        """Remove a member now (missed heartbeats, goodbye confirmed). Its address is
+        remembered for :data:`LOST_MEMORY_S` so it can be re-dialled when it comes back."""
         member = self.members.pop(node_id, None)
         if member is None:
             return
+        self.lost[node_id] = (member.address, time.monotonic())
         log.warning("member left: %s (%s)", node_id, why)
         self.on_event("leave", f"{node_id} left: {why}")
         self.on_change()
@@ -314,12 +331,12 @@ class Membership:
         except grpc.aio.AioRpcError as exc:
             member.failures += 1
             self.suspect(member.node_id, f"heartbeat failed ({exc.code().name})")
-            # Connection refused twice in a row (>= one heartbeat apart): nothing listens
-            # there any more — the process died. Remove now rather than after the silence
-            # timeout (a cut link times out instead and waits for remove_after_s).
+            # Unavailable twice in a row (>= one heartbeat apart): the process died
+            # (connection refused) or the route is gone (a cut link). Remove now rather
+            # than after the silence timeout; a lost member is re-dialled (redial_lost).
             if (exc.code() == grpc.StatusCode.UNAVAILABLE and member.failures >= 2
                     and time.monotonic() - member.last_ok >= self.heartbeat_s):
-                self.remove(member.node_id, "its gRPC port refuses connections")
+                self.remove(member.node_id, "unreachable (connection refused or no route)")
             return
         member.failures = 0
         if reply.sender_id != member.node_id:

