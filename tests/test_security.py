@@ -28,9 +28,10 @@ from ringlet.daemon.tls import TLS_SERVER_NAME, cluster_tls
 try:
     import cryptography  # noqa: F401 - the TLS material needs it; the rest of this file does not
 except ImportError:  # pragma: no cover - a runtime dependency of --secret-file
-    needs_tls = pytest.mark.skip(reason="TLS needs the cryptography package (pip install cryptography)")
+    HAVE_CRYPTOGRAPHY = False
 else:
-    needs_tls = pytest.mark.usefixtures()
+    HAVE_CRYPTOGRAPHY = True
+needs_tls = pytest.mark.skipif(not HAVE_CRYPTOGRAPHY, reason="TLS needs the cryptography package")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Ring"]
 METHODS = list(SERVICE.methods)
@@ -243,20 +244,33 @@ async def call(channel: grpc.aio.Channel, m, metadata=None, request=None, timeou
     req = request if request is not None else getattr(pb, m.input_type.name)()
     ser, de = (lambda x: x.SerializeToString()), getattr(pb, m.output_type.name).FromString
     path = path_of(m)
-    try:
-        if m.client_streaming and m.server_streaming:
-            c = channel.stream_stream(path, request_serializer=ser, response_deserializer=de)(
-                iter([req]), metadata=metadata, timeout=timeout)
-            async for _ in c:
+    if m.client_streaming:
+        # A refused stream can be closed before the client's own write lands; grpc-aio then
+        # reports that write's failure (INTERNAL "Failed execute_batch", about 1 call in 100
+        # across processes) instead of the status the server sent. Retry that case only.
+        make = channel.stream_stream if m.server_streaming else channel.stream_unary
+        for _ in range(3):
+            c = make(path, request_serializer=ser, response_deserializer=de)(metadata=metadata, timeout=timeout)
+            try:
+                await c.write(req)
+                await c.done_writing()
+                if m.server_streaming:
+                    async for _ in c:
+                        pass
+                else:
+                    await c
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
                 pass
-        elif m.server_streaming:
+            code = await c.code()
+            if code != grpc.StatusCode.INTERNAL:
+                return code
+        return code
+    try:
+        if m.server_streaming:
             c = channel.unary_stream(path, request_serializer=ser, response_deserializer=de)(
                 req, metadata=metadata, timeout=timeout)
             async for _ in c:
                 pass
-        elif m.client_streaming:
-            await channel.stream_unary(path, request_serializer=ser, response_deserializer=de)(
-                iter([req]), metadata=metadata, timeout=timeout)
         else:
             await channel.unary_unary(path, request_serializer=ser, response_deserializer=de)(
                 req, metadata=metadata, timeout=timeout)
