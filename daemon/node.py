@@ -52,6 +52,9 @@ from .transport import TransportConfig, make_channel, make_server
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+#: Seconds a failed request waits for a new plan before its error is reported:
+#: detection (2 s) + negotiation + loading, with room to spare.
+RESUME_WAIT_S = 10.0
 
 
 class GenerationError(Exception):
@@ -385,13 +388,16 @@ class Node:
                 log.info("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
                 self.event("resume", f"request {request_id[:8]} resumes after {len(produced)} tokens: {exc}")
                 if self.plan is not None and self.plan.epoch == plan.epoch:
-                    # wait for a new plan (a failure is followed by a re-plan); if none
-                    # comes soon, retry on the same one
+                    # A stage failure is followed by a re-plan within seconds (heartbeats,
+                    # then negotiation). If none comes, the failure is not the cluster's
+                    # shape but the request itself: report it instead of retrying it.
                     try:
-                        await self._wait_plan(newer_than=plan.epoch, timeout_s=self.config.step_timeout_s)
+                        await self._wait_plan(newer_than=plan.epoch,
+                                              timeout_s=min(self.config.step_timeout_s, RESUME_WAIT_S))
                     except NoPlanError:
                         if self.plan is not None and self.plan.infeasible:
                             raise
+                        raise exc from None
                 failed_epoch = 0
                 request_id = f"{request_id.split('~')[0]}~{attempts}"
 
