@@ -11,6 +11,8 @@ import sys
 
 import pytest
 from rich.console import Console
+from test_status import FakeNode, studio_infos, today_info
+
 from ringlet.daemon import dashboard
 from ringlet.daemon.dashboard import (
     DEFAULT_INTERVAL_S,
@@ -26,7 +28,6 @@ from ringlet.daemon.dashboard import (
     run_live,
 )
 from ringlet.daemon.status import build_snapshot
-from test_status import FakeNode, studio_infos, today_info
 
 GIB = 1 << 30
 

@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 from rich.console import Console
+
 from ringlet.daemon.dashboard import EventTracker, render
 from ringlet.daemon.demo import LocalCluster
 from ringlet.daemon.status import take_snapshot

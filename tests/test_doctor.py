@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_status import FakeNode, today_info
+
 from ringlet.daemon import doctor
 from ringlet.daemon.doctor import FAIL, OK, WARN, Context
 from ringlet.daemon.probes.common import ThunderboltPort
 from ringlet.daemon.probes.macos_thunderbolt import MacIfconfig, MacThunderbolt
 from ringlet.daemon.probes.memory import MemoryInfo
-from test_status import FakeNode, today_info
 
 GIB = 1 << 30
 NAMES = [name for name, _ in doctor.CHECKS]

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+
 from ringlet.daemon import service
 from ringlet.daemon.service import RUN_FLAGS, ServiceConfig, check_run_arguments, run_options, systemd_quote
 

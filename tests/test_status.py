@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import ringlet
+
 from ringlet.daemon.errors import RingletError
 from ringlet.daemon.status import (
     EXIT_DEGRADED,
@@ -211,6 +212,7 @@ def test_nothing_answers():
 ])
 def test_garbage_fields_degrade_instead_of_raising(garbage):
     from rich.console import Console
+
     from ringlet.daemon.dashboard import render
 
     snap = build_snapshot("http://g", {"http://g": garbage}, {})
