@@ -202,6 +202,7 @@ class _RankState:
     ready: bool = False
     exit_code: int | None = None
     gave_up: bool = False  # sent "fatal" and exits on its own
+    side_port: int | None = None  # rank 0: where the others connect their side channel
     fatal: str = ""
     fatal_phase: str = ""
     eof: asyncio.Event = field(default_factory=asyncio.Event)  # its control connection is closed and drained
@@ -216,7 +217,6 @@ class _Epoch:
     token: str
     directory: Path
     ranks: list[_RankState]
-    seq: itertools.count = field(default_factory=lambda: itertools.count(1))
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     all_loaded: asyncio.Event = field(default_factory=asyncio.Event)
     all_ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -246,7 +246,10 @@ class TPGroup:
             re-plans a pipeline and resumes them itself).
         launcher: how rank processes start (default :class:`LocalLauncher`).
         hb_interval, hb_timeout, step_timeout, start_timeout: health timing (s).
-        max_restarts: consecutive restarts on the same members before one process.
+        max_restarts: consecutive restarts on the same members before one process (and of
+            that one process before giving up).
+        max_resumes: times one request is resumed before it fails on its own (a request
+            that crashes the ranks must not take the group down in a loop).
     """
 
     def __init__(
@@ -269,6 +272,7 @@ class TPGroup:
         step_timeout: float = 30.0,
         start_timeout: float = 180.0,
         max_restarts: int = 2,
+        max_resumes: int = 3,
         prefill_chunk: int = 512,
         extra_env: Mapping[str, str] | None = None,
     ):
@@ -293,6 +297,7 @@ class TPGroup:
         self.step_timeout = step_timeout
         self.start_timeout = start_timeout
         self.max_restarts = max_restarts
+        self.max_resumes = max_resumes
         self.prefill_chunk = prefill_chunk
         self.extra_env = dict(extra_env or {})
 
@@ -311,6 +316,7 @@ class TPGroup:
         self._ready = asyncio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
+        self._last_why = ""
 
     @classmethod
     def local(cls, model: str | None, ranks: int, *, memory: int = 64 << 30, **kw: Any) -> TPGroup:
@@ -486,8 +492,7 @@ class TPGroup:
             req.done = True  # finished just before the failure; only the "done" was lost
             req.queue.put_nowait(("done", "stop" if req.generated and req.generated[-1] in req.stop else "length"))
             return
-        seq = next(ep.seq)
-        msg: dict[str, Any] = {"t": req.kind, "id": req.id, "seq": seq}
+        msg: dict[str, Any] = {"t": req.kind, "id": req.id}
         if req.kind == "gen":
             msg.update(
                 prompt=req.prompt + req.generated,
@@ -502,8 +507,6 @@ class TPGroup:
             msg.update(req.extra)
         req.sent_epoch = ep.number
         self._write(ep.ranks[0], msg)
-        for r in ep.ranks[1:]:
-            self._write(r, {"t": "wake", "seq": seq})
 
     def _cancel(self, req: _Req) -> None:
         ep = self._epoch
@@ -583,6 +586,7 @@ class TPGroup:
             rs.step, rs.busy_for, rs.phase = int(msg["step"]), float(msg["busy_for"]), str(msg["phase"])
         elif t == "loaded":
             rs.loaded = True
+            rs.side_port = msg.get("side_port")
             if all(r.loaded for r in ep.ranks):
                 ep.all_loaded.set()
         elif t == "ready":
@@ -740,13 +744,20 @@ class TPGroup:
                     for req in list(self._reqs.values()):
                         if not req.done and req.sent_epoch >= 0 and req.sent_epoch != ep.number:
                             req.resumes += 1
+                            if req.resumes > self.max_resumes:  # it may be what kills the group
+                                req.done = True
+                                req.queue.put_nowait(
+                                    ("error", f"request interrupted {req.resumes} times: {self._last_why}")
+                                )
+                                continue
                         self._send_req(req)
                     ready_at = time.monotonic()
                     await ep.failed.wait()
                     if time.monotonic() - ready_at > STABLE_AFTER:
                         self.restarts = 0  # it served a good while: count restarts afresh
                 self.state = "recovering"
-                await asyncio.sleep(FAILURE_GRACE)  # let the other ranks' exits and EOFs name the lost member
+                await asyncio.sleep(FAILURE_GRACE)
+                self._last_why = ep.why  # let the other ranks' exits and EOFs name the lost member
                 self.history.append(
                     {
                         "epoch": ep.number,
@@ -762,7 +773,7 @@ class TPGroup:
                 load_errors = {r.fatal for r in ep.ranks if r.fatal and r.fatal_phase == "loading"}
                 if not ok and load_errors:  # the model itself cannot load: restarting will not help
                     raise TPGroupError(f"rank could not load the model: {sorted(load_errors)[0]}")
-                if ep.size == 1 and (ep.lost or not ok):
+                if ep.size == 1:  # nothing to re-plan: start the one process again, a few times
                     self.restarts += 1
                     if self.restarts > self.max_restarts:
                         raise TPGroupError(f"single process failed {self.restarts} times: {ep.why}")
@@ -792,13 +803,20 @@ class TPGroup:
             if ep.failed.is_set():
                 return False
             for r in ep.ranks:
-                self._write(r, {"t": "init"})
+                self._write(r, {"t": "init", "side": self._side_address(ep)})
             ready = asyncio.create_task(ep.all_ready.wait())
             await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
             ready.cancel()
             return not ep.failed.is_set()
         finally:
             failed.cancel()
+
+    def _host(self, node_id: str) -> str:
+        return next(m.host for m in self.members if m.node_id == node_id)
+
+    def _side_address(self, ep: _Epoch) -> str | None:
+        port = ep.ranks[0].side_port
+        return f"{self._host(ep.ranks[0].node_id)}:{port}" if port else None
 
     async def _start_epoch(self, decision: TPDecision) -> _Epoch:
         self.decision = decision
@@ -851,6 +869,8 @@ class TPGroup:
                 str(self.hb_interval),
                 "--prefill-chunk",
                 str(self.prefill_chunk),
+                "--side-host",
+                self._host(rs.node_id),
             ]
             if self.model is not None:
                 argv += ["--model", str(self.model)]

@@ -14,19 +14,20 @@ Life of a rank
    ``model.shard(group)``, check the group with one all_sum, send ``ready``;
 4. serve. Rank 0 takes requests (``gen``, ``logits``, ``bench``, ``cancel``) from
    the supervisor and drives every rank in lockstep: before each model step it
-   broadcasts a small int32 header (an ``all_sum`` where the other ranks add
-   zeros) saying what to run -- feed these token ids to this request's KV cache,
-   free a cache, go idle, stop. So all ranks run the same collectives in the same
-   order and no second channel is needed between ranks. Rank 0 samples
+   sends every other rank a small binary header over a direct TCP *side channel*
+   (rank 0 listens, the others connect at ``init``) saying what to run -- feed
+   these token ids to this request's KV cache, free a cache, stop. All ranks then
+   run the same collectives in the same order. Rank 0 samples
    (:class:`ringlet.daemon.sampling.RequestSampler`) and sends each token to the
-   supervisor as soon as it exists. Requests interleave one step at a time;
-   long prompts are prefilled in chunks.
+   supervisor as soon as it exists. Requests interleave one step at a time; long
+   prompts are prefilled in chunks.
 
-Idle ranks must not wait inside a collective: MLX's ring backend polls its
-sockets in a busy loop (one core at 100% per waiting rank), so ranks other than 0
-block on their control socket until the supervisor sends ``wake`` (one per
-request, numbered like the request's ``seq``), run lockstep steps until rank 0
-broadcasts ``IDLE(seq)``, and block again.
+Why a side channel and not an ``all_sum`` broadcast: MLX's ring backend waits for a
+peer by polling its sockets in a busy loop, so a rank waiting inside a collective
+burns a core (two threads for two ranks). Between steps rank 0 samples and talks to
+the supervisor, and when idle it waits for requests; the other ranks wait for it in a
+blocking ``recv`` on the side channel instead, which costs no CPU. When rank 0 goes
+away the side channel closes and the other ranks leave.
 
 Health: a heartbeat thread sends ``hb`` (step count, seconds spent in the current
 step) every ``--hb-interval``; MLX releases the GIL while it computes or waits,
@@ -34,7 +35,9 @@ so heartbeats keep flowing from a rank stuck in a dead ring -- the supervisor
 sees the step not finishing (mlx issue #3862). If the control socket closes the
 rank exits at once (``os._exit``), even from inside a hung collective.
 
-Control protocol: frames of a 4-byte big-endian length and UTF-8 JSON.
+Control protocol: frames of a 4-byte big-endian length and UTF-8 JSON. Side channel:
+``HEADER`` little-endian int32 (op, slot, flags, n, token, arg, free), then ``n``
+int32 token ids when ``n > 1``.
 """
 
 from __future__ import annotations
@@ -53,10 +56,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-# header fields (int32 vector, broadcast from rank 0 with all_sum)
-H_OP, H_SLOT, H_FLAGS, H_N, H_TOK, H_SEQ, H_FREE = range(7)
+# side-channel header fields (int32, little-endian)
+H_OP, H_SLOT, H_FLAGS, H_N, H_TOK, H_ARG, H_FREE = range(7)
 HEADER = 7
-OP_STEP, OP_FREE, OP_IDLE, OP_STOP, OP_BENCH = 1, 2, 3, 4, 5
+OP_STEP, OP_FREE, OP_STOP, OP_BENCH = 1, 2, 4, 5
 F_NEW_CACHE, F_HEAD = 1, 2
 
 #: Architectures whose ``Model.__call__`` is ``self.model(...)`` then the output head and
@@ -133,6 +136,71 @@ class Control:
                 os._exit(3)
 
 
+class SideChannel:
+    """Rank 0's direct line to every other rank: one TCP connection each, rank 0 writes
+    step headers, the others block reading them (no CPU while they wait)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self.listener: socket.socket | None = None
+        self.peers: list[socket.socket] = []  # rank 0: ranks 1..size-1 in order
+        self.leader: socket.socket | None = None  # ranks > 0
+
+    def listen(self, host: str) -> int:
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((host, 0))
+        self.listener.listen(max(1, self.size))
+        return self.listener.getsockname()[1]
+
+    def accept_all(self, timeout: float = 120.0) -> None:
+        by_rank: dict[int, socket.socket] = {}
+        self.listener.settimeout(timeout)
+        while len(by_rank) < self.size - 1:
+            conn, _ = self.listener.accept()
+            conn.settimeout(timeout)
+            head = recv_exact(conn, 4)
+            if head is None:
+                conn.close()
+                continue
+            (r,) = struct.unpack("<i", head)
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            by_rank[r] = conn
+        self.listener.close()
+        self.peers = [by_rank[r] for r in range(1, self.size)]
+
+    def connect(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.leader = socket.create_connection((host, int(port)), timeout=60)
+        self.leader.settimeout(None)
+        self.leader.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.leader.sendall(struct.pack("<i", self.rank))
+
+    def send(self, header: list[int], tokens: list[int] | None = None) -> None:
+        n = header[H_N]
+        data = struct.pack(f"<{HEADER}i", *header)
+        if n > 1:
+            data += struct.pack(f"<{n}i", *tokens)
+        for p in self.peers:
+            p.sendall(data)
+
+    def recv(self) -> tuple[list[int], list[int] | None] | None:
+        """The next header and its tokens; ``None`` when rank 0 closed the channel."""
+        head = recv_exact(self.leader, 4 * HEADER)
+        if head is None:
+            return None
+        header = list(struct.unpack(f"<{HEADER}i", head))
+        tokens = None
+        if header[H_N] > 1:
+            body = recv_exact(self.leader, 4 * header[H_N])
+            if body is None:
+                return None
+            tokens = list(struct.unpack(f"<{header[H_N]}i", body))
+        return header, tokens
+
+
 # ---------------------------------------------------------------------------------------- rank state
 
 
@@ -153,7 +221,6 @@ class Health:
 @dataclass
 class Request:
     id: str
-    seq: int
     slot: int
     pending: list[int]
     max_tokens: int
@@ -193,6 +260,7 @@ class Rank:
         self.group = None
         self.model = None
         self.inner = None
+        self.side: SideChannel | None = None
         self.caches: dict[int, list] = {}
 
     # -- setup
@@ -205,10 +273,21 @@ class Rank:
         self.model = stage.model
         self.config = stage.config
 
-    def init_group(self) -> None:
+    def open_side(self, host: str) -> int | None:
+        """Rank 0: listen for the other ranks' side-channel connections; returns the port."""
+        self.side = SideChannel(self.rank, self.size)
+        if self.rank == 0 and self.size > 1:
+            return self.side.listen(host)
+        return None
+
+    def init_group(self, side_address: str | None) -> None:
         import mlx.core as mx
 
         if self.size > 1:
+            if self.rank == 0:
+                self.side.accept_all()
+            else:
+                self.side.connect(side_address)
             self.group = mx.distributed.init(backend=self.args.backend, strict=True)
             if self.group.size() != self.size or self.group.rank() != self.rank:
                 raise RuntimeError(
@@ -224,31 +303,13 @@ class Rank:
         inner = getattr(self.model, "model", None)
         self.inner = inner if (model_type in HEADLESS_OK and callable(inner)) else None
 
-    # -- collectives
-    def bcast(self, values: list[int] | None, n: int):
-        """Rank 0's int32 values of length n on every rank."""
-        import mlx.core as mx
-
-        if self.rank == 0:
-            arr = mx.array(values, dtype=mx.int32)
-        else:
-            arr = mx.zeros((n,), dtype=mx.int32)
-        if self.group is None:
-            return arr
-        out = mx.distributed.all_sum(arr, group=self.group)
-        mx.eval(out)
-        return out
-
     def step(self, header, tokens: list[int] | None):
         """Run one STEP on this rank; returns logits (rank 0, head requested) or None."""
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
         slot, flags, n = int(header[H_SLOT]), int(header[H_FLAGS]), int(header[H_N])
-        if n == 1:
-            ids = mx.array([[int(header[H_TOK])]], dtype=mx.int32)
-        else:
-            ids = self.bcast(tokens, n)[None]
+        ids = mx.array([[int(header[H_TOK])]] if n == 1 else [tokens], dtype=mx.int32)
         if flags & F_NEW_CACHE:
             self.caches[slot] = make_prompt_cache(self.model)
         cache = self.caches[slot]
@@ -283,31 +344,24 @@ class Rank:
         if op == OP_FREE:
             self.caches.pop(int(header[H_SLOT]), None)
         elif op == OP_BENCH:
-            return self.bench(int(header[H_N]), int(header[H_TOK]))
+            return self.bench(int(header[H_ARG]), int(header[H_TOK]))
         return None
 
     # -- ranks > 0
-    def follow(self) -> None:
-        idle_seq = 0
+    def follow(self) -> bool:
+        """Serve rank 0's steps; True on STOP, False when rank 0 closed the side channel."""
+        self.health.phase = "idle"
         while True:
-            msg = self.ctrl.inbox.get()
-            t = msg.get("t")
-            if t == "shutdown":
-                return
-            if t != "wake" or int(msg["seq"]) <= idle_seq:
-                continue
+            got = self.side.recv()  # blocks without CPU until rank 0 has work
+            if got is None:
+                return False
+            if got[0][H_OP] == OP_STOP:
+                return True
+            header, tokens = got
+            self.health.begin()
             self.health.phase = "lockstep"
-            while True:
-                self.health.begin()
-                header = self.bcast(None, HEADER).tolist()
-                op = header[H_OP]
-                if op == OP_STOP:
-                    return
-                self.apply_header(header)
-                self.health.end()
-                if op == OP_IDLE:
-                    idle_seq = header[H_SEQ]
-                    break
+            self.apply_header(header, tokens)
+            self.health.end()
             self.health.phase = "idle"
 
     # -- rank 0
@@ -319,17 +373,14 @@ class Rank:
         reqs: dict[int, Request] = {}
         order: list[int] = []  # round-robin over slots
         next_slot = 0
-        accepted_seq = 0
-        idle_sent = 0
         to_free: list[int] = []
         chunk = max(1, self.args.prefill_chunk)
 
         def accept(msg: dict) -> bool:
-            nonlocal next_slot, accepted_seq
+            nonlocal next_slot
             t = msg.get("t")
             if t == "shutdown":
-                if accepted_seq > idle_sent:  # the others wait in lockstep: release them
-                    self.bcast([OP_STOP, 0, 0, 0, 0, 0, -1], HEADER)
+                self.side.send([OP_STOP, 0, 0, 0, 0, 0, -1])
                 return False
             if t == "cancel":
                 for r in reqs.values():
@@ -338,13 +389,11 @@ class Rank:
                 return True
             if t not in ("gen", "logits", "bench"):
                 return True
-            accepted_seq = max(accepted_seq, int(msg["seq"]))
             slot = next_slot
             next_slot += 1
             if t == "bench":
                 reqs[slot] = Request(
                     msg["id"],
-                    msg["seq"],
                     slot,
                     [],
                     0,
@@ -361,7 +410,6 @@ class Rank:
                 return True
             req = Request(
                 msg["id"],
-                msg["seq"],
                 slot,
                 prompt,
                 int(msg.get("max_tokens", 0)),
@@ -399,17 +447,17 @@ class Rank:
 
         def run(header: list[int], tokens: list[int] | None = None):
             self.health.begin()
-            self.bcast(header, HEADER)
+            self.side.send(header, tokens)
             out = self.apply_header(header, tokens)
             self.health.end()
             return out
 
         rr = 0
         while True:
-            # take new work; block only when there is nothing to do and nobody waits in lockstep
+            # take new work; block only when there is nothing to do
             while True:
                 try:
-                    msg = self.ctrl.inbox.get(block=not reqs and accepted_seq == idle_sent and not to_free)
+                    msg = self.ctrl.inbox.get(block=not reqs and not to_free)
                 except queue.Empty:
                     break
                 if not accept(msg):
@@ -417,12 +465,8 @@ class Rank:
             for slot in [s for s, r in reqs.items() if r.cancelled]:
                 finish(slot, "cancelled")
             if not reqs:
-                if accepted_seq > idle_sent or to_free:
-                    while len(to_free) > 1:  # the others are still in lockstep: free one slot per round
-                        run([OP_FREE, to_free.pop(0), 0, 0, 0, 0, -1])
-                    free = to_free.pop(0) if to_free else -1
-                    run([OP_IDLE, 0, 0, 0, 0, accepted_seq, free])
-                    idle_sent = accepted_seq
+                while to_free:  # no collective involved: the others just drop the cache
+                    run([OP_FREE, to_free.pop(0), 0, 0, 0, 0, -1])
                 self.health.phase = "idle"
                 continue
             free = to_free.pop(0) if to_free else -1
@@ -433,7 +477,7 @@ class Rank:
             r = reqs[slot]
             if r.kind == "bench":  # short rounds so that no single step looks hung
                 k = min(BENCH_ROUND, r.bench_left)
-                sec = run([OP_BENCH, slot, 0, k, r.bench_width, 0, free])
+                sec = run([OP_BENCH, slot, 0, 0, r.bench_width, k, free])
                 r.bench_rounds.append((k, sec))
                 r.bench_left -= k
                 if r.bench_left <= 0:
@@ -487,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="ring", choices=["ring", "jaccl", "none"])
     p.add_argument("--hb-interval", type=float, default=0.2)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--side-host", default="127.0.0.1", help="rank 0: address to listen on for the other ranks")
     args = p.parse_args(argv)
 
     ctrl = Control(args.control)
@@ -497,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = Rank(args, ctrl, health)
     try:
         rank.load()
-        ctrl.send({"t": "loaded", "rank": args.rank})
+        side_port = rank.open_side(args.side_host)
+        ctrl.send({"t": "loaded", "rank": args.rank, "side_port": side_port})
         while True:
             msg = ctrl.inbox.get()
             if msg.get("t") == "shutdown":
@@ -506,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
         health.phase = "init"
         health.begin()
-        rank.init_group()
+        rank.init_group(msg.get("side"))
         health.end()
         health.phase = "idle"
         ctrl.send(
@@ -520,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.rank == 0:
             rank.lead()
-        else:
-            rank.follow()
+        elif not rank.follow():
+            # rank 0 vanished: say so, so that this rank is not taken for the lost one
+            ctrl.send({"t": "fatal", "rank": args.rank, "phase": "idle", "msg": "rank 0 closed the side channel"})
+            return 1
         return 0
     except Exception as exc:  # one line to the supervisor, the traceback to our log
         traceback.print_exc()

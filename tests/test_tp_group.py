@@ -222,7 +222,10 @@ def test_tiny_logits_match_single_process(tiny_dir, arch, ranks):
     async def go():
         async with TPGroup.local(str(path), ranks, extra_env=rank_env(ranks)) as group:
             assert (group.info()["mode"], group.info()["size"]) == ("tensor", ranks)
-            return await group.logits(PROMPT)
+            logits = await group.logits(PROMPT)
+            sec = await group.allreduce_seconds(iters=20)
+            assert 0 < sec < 0.5 and group.info()["epoch"] == 1  # the all-reduce probe runs in the live group
+            return logits
 
     got = asyncio.run(asyncio.wait_for(go(), 120))
     assert_no_new_ranks(before)
@@ -343,6 +346,57 @@ def test_a_model_the_ranks_cannot_load_fails_fast(tmp_path):
         asyncio.run(asyncio.wait_for(group.start(), 60))
     assert time.monotonic() - t0 < 30 and group.info()["epoch"] == 1  # no restart loop
     assert_no_new_ranks(before)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_idle_ranks_use_no_cpu(tiny_dir):
+    """MLX's ring busy-waits inside a collective; an idle group must not sit in one."""
+    before = worker_pids()
+    path = tiny_dir("llama")
+
+    async def go():
+        async with TPGroup.local(str(path), 2) as group:
+            await collect(group.generate(PROMPT, 4))
+            pids = list(group.rank_pids().values())
+            await asyncio.sleep(0.3)
+            start = {p: cpu_seconds(p) for p in pids}
+            await asyncio.sleep(1.5)
+            return {p: cpu_seconds(p) - start[p] for p in pids}
+
+    used = asyncio.run(asyncio.wait_for(go(), 60))
+    assert all(v < 0.25 for v in used.values()), used  # heartbeats only; a spinning rank would use ~1.5 s
+    assert_no_new_ranks(before)
+
+
+class CrashingLauncher:
+    """Starts a process that exits at once instead of a rank."""
+
+    async def start(self, node_id, argv, env, log_path):
+        from ringlet.daemon.tp_group import LocalLauncher
+
+        return await LocalLauncher().start(node_id, [sys.executable, "-c", "raise SystemExit(3)"], env, log_path)
+
+
+def test_a_crash_loop_gives_up():
+    from ringlet.daemon.tp_config import TPModelSpec
+    from ringlet.daemon.tp_group import TPGroupError
+
+    spec = TPModelSpec(num_heads=4, num_kv_heads=2, num_layers=4, total_bytes=10**6, name="crash")
+    group = TPGroup.local("unused", 2, spec=spec, launcher=CrashingLauncher(), max_restarts=2)
+    with pytest.raises(TPGroupError, match="single process failed 3 times: rank 0 \\(rank0\\) exited with code 3"):
+        asyncio.run(asyncio.wait_for(group.start(), 60))
+    # 2 ranks: rank1's process died too, so member rank1 is lost -> 1 process, started 3 times in all
+    assert [(h["size"], h["lost"]) for h in group.history] == [
+        (2, ["rank0", "rank1"]),
+        (1, ["rank0"]),
+        (1, ["rank0"]),
+        (1, ["rank0"]),
+    ]
 
 
 SUPERVISOR = """
