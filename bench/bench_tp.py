@@ -9,8 +9,8 @@ users of the machine falls on every side alike.
 * decode tokens/s: greedy, ``TOKENS`` new tokens after a 16-token prompt, timed from the
   first to the last token (prefill excluded); median of ``RUNS`` requests;
 * all-reduce: seconds per ``all_sum`` of one hidden-size float32 vector in the live group
-  (``TPGroup.allreduce_seconds``), times the collectives per decoded token (2 per layer
-  + 1 int32 header carrying the next token ids).
+  (``TPGroup.allreduce_seconds``), times the collectives per decoded token (2 per layer:
+  attention output and MLP output; the next token ids travel on the side channel).
 
 Models (random weights, llama architecture, built here):
 * ``llama-1024-q4``: hidden 1024, 16 heads / 8 kv heads, MLP 2816, 8 layers, vocab 4096,
@@ -111,7 +111,7 @@ async def compare(name: str, model: str | None, ranks: int, dtype: str | None, v
             ar = await g.allreduce_seconds(iters=200) if key != "1" else 0.0
             info = g.info()
             r = statistics.median(rates[key][1:])
-            per_token = (2 * layers + 1) * ar if key != "1" else 0.0
+            per_token = (2 * layers) * ar if key != "1" else 0.0
             rows[key] = {
                 "ranks": info["size"],
                 "mode": info["mode"],
@@ -120,7 +120,7 @@ async def compare(name: str, model: str | None, ranks: int, dtype: str | None, v
                 "decode_tok_s": round(r, 2),
                 "decode_tok_s_runs": [round(x, 2) for x in rates[key][1:]],
                 "allreduce_us": round(ar * 1e6, 1),
-                "allreduces_per_token": 2 * layers + 1 if key != "1" else 0,
+                "allreduces_per_token": 2 * layers if key != "1" else 0,
                 "allreduce_ms_per_token": round(per_token * 1e3, 3),
                 "allreduce_share_of_token": round(per_token * r, 3),
             }
