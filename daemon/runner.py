@@ -387,13 +387,24 @@ async def serve(args) -> int:
         await _bootstrap_fetch(args)
     config, context = build_config(args)
     node = Node(config)
-    # The tokenizer first, so the memory figure taken before the stage loads
-    # (node.memory["rss_before_load_bytes"]) is that of a daemon holding no weights.
-    tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model)
-    await node.start()
+    loop = asyncio.get_running_loop()
     stop_cluster = None
-    if config.plan is None:
+    # Import what the worker threads import, here, once: two threads importing
+    # mlx_lm at the same time can deadlock on the import lock.
+    import mlx_lm.models.cache  # noqa: F401
+    import mlx_lm.tokenizer_utils  # noqa: F401
+    if config.plan is not None:
+        # The tokenizer first, so the memory figure taken before the stage loads
+        # (node.memory["rss_before_load_bytes"]) is that of a daemon holding no weights.
+        tokenizer = await loop.run_in_executor(None, load_tokenizer, config.model)
+        await node.start()
+    else:
+        # Join the cluster first (peers see this node within a second) and build the
+        # tokenizer (seconds, for a large vocabulary) meanwhile.
+        tokenizing = loop.run_in_executor(None, load_tokenizer, config.model)
+        await node.start()
         stop_cluster = await _start_cluster(args, node, context)
+        tokenizer = await tokenizing
     app = create_app(node, tokenizer, config.model.name, context, limits=api_limits(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
                                            lifespan="off", access_log=False))
