@@ -210,8 +210,7 @@ class Membership:
                 pb.NodeInfoRequest(caller_id=self.node_id, caller_address=self.address),
                 timeout=max(2.0, 4 * self.heartbeat_s))
         except grpc.aio.AioRpcError as exc:
-            log.debug("handshake with %s failed: %s", address, exc.code())
-            self._refused[address] = time.monotonic()
+            self._refuse(address, f"no gRPC handshake ({exc.code().name}); retrying quietly")
             return
         finally:
             self._pending.discard(address)

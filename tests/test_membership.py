@@ -99,3 +99,46 @@ def test_cloned_identity_takes_a_fresh_id(tmp_path):
                            "the newer clone takes a fresh id")
         assert c.cluster_info(0)["node_id"] == original  # the older node keeps its id
         wait_until(lambda: member_ids(c, 0) == {original, fresh}, 15, "both listed once")
+
+
+def test_peer_that_advertises_but_never_answers_is_logged_once_and_not_admitted():
+    """A valid advert (this cluster, right version) whose gRPC port accepts TCP but never
+    answers: the daemon tries, logs it once, never lists it, and keeps serving."""
+    import asyncio
+    import socket
+
+    from zeroconf import IPVersion
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+    from ringlet.daemon.discovery import SERVICE_TYPE, Advert, encode_txt
+    from ringlet.daemon.identity import PROTOCOL_VERSION, cluster_id, new_node_id
+
+    silent = socket.socket()  # accepts connections (backlog) and never speaks HTTP/2
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    with LocalCluster(1, dynamic=True) as c:
+        me = c.cluster_info(0)["node_id"]
+        ghost = Advert(new_node_id(), PROTOCOL_VERSION, port, port, cluster_id(c.cluster_name), "0badc0de",
+                       int(time.time() * 1000))
+
+        async def advertise() -> None:
+            zc = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+            info = AsyncServiceInfo(SERVICE_TYPE, f"{ghost.node_id}-{ghost.incarnation}.{SERVICE_TYPE}",
+                                    addresses=[socket.inet_aton("127.0.0.1")], port=port,
+                                    properties=encode_txt(ghost, None), server="ghost.local.")
+            try:
+                await zc.async_register_service(info, cooperating_responders=True)
+                await asyncio.sleep(8.0)  # several handshake attempts
+                await zc.async_unregister_service(info)
+            finally:
+                await zc.async_close()
+
+        asyncio.run(advertise())
+        silent.close()
+        assert member_ids(c, 0) == {me}
+        log = c.log_path(0).read_text()
+        assert log.count(f"127.0.0.1:{port}: no gRPC handshake") == 1, log[-2000:]
+        r = httpx.post(f"{c.api_urls[0]}/v1/completions", timeout=120,
+                       json={"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
