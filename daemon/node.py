@@ -55,6 +55,8 @@ PROTOCOL_VERSION = 1
 #: Seconds a failed request waits for a new plan before its error is reported:
 #: detection (2 s) + negotiation + loading, with room to spare.
 RESUME_WAIT_S = 10.0
+#: Seconds between retries while stage 0 and this node hold different epochs.
+EPOCH_SKEW_RETRY_S = 0.25
 
 
 class GenerationError(Exception):
@@ -67,6 +69,11 @@ class NoPlanError(GenerationError):
 
 class _PlanChanged(GenerationError):
     """The committed plan changed under a request (it resumes on the new one)."""
+
+
+class _EpochSkew(GenerationError):
+    """Stage 0 has not committed the caller's epoch yet (or has a newer one): members
+    commit a plan within moments of each other, so the request is simply retried."""
 
 
 @dataclass(frozen=True)
@@ -367,7 +374,7 @@ class Node:
         produced: list[int] = []
         stop_ids = frozenset(stop_ids)
         failed_epoch = 0
-        attempts = 0
+        attempts = skews = 0
         while len(produced) < max_tokens:
             plan = await self._wait_plan(newer_than=failed_epoch if attempts else 0)
             resumed = replace(sampling, steps_done=sampling.steps_done + len(produced))
@@ -382,12 +389,16 @@ class Node:
             except NoPlanError:
                 raise
             except GenerationError as exc:
-                attempts += 1
-                if attempts > self.config.resume_attempts:
+                skewed = isinstance(exc, _EpochSkew)
+                skews += skewed
+                attempts += not skewed
+                if attempts > self.config.resume_attempts or skews * EPOCH_SKEW_RETRY_S > RESUME_WAIT_S:
                     raise
                 log.info("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
                 self.event("resume", f"request {request_id[:8]} resumes after {len(produced)} tokens: {exc}")
-                if self.plan is not None and self.plan.epoch == plan.epoch:
+                if skewed:
+                    await asyncio.sleep(EPOCH_SKEW_RETRY_S)  # stage 0 commits the same plan momentarily
+                elif self.plan is not None and self.plan.epoch == plan.epoch:
                     # A stage failure is followed by a re-plan within seconds (heartbeats,
                     # then negotiation). If none comes, the failure is not the cluster's
                     # shape but the request itself: report it instead of retrying it.
@@ -399,7 +410,7 @@ class Node:
                             raise
                         raise exc from None
                 failed_epoch = 0
-                request_id = f"{request_id.split('~')[0]}~{attempts}"
+                request_id = f"{request_id.split('~')[0]}~{attempts + skews}"
 
     async def _attempt(self, plan: ServingPlan, request_id: str, prompt: list[int], max_tokens: int,
                        sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
@@ -450,7 +461,8 @@ class Node:
                     raise GenerationError(event.error)
                 yield event.token
         except grpc.aio.AioRpcError as exc:
-            raise GenerationError(f"stage 0 ({address}): {exc.code().name}: {exc.details()}") from None
+            error = _EpochSkew if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else GenerationError
+            raise error(f"stage 0 ({address}): {exc.code().name}: {exc.details()}") from None
         finally:
             call.cancel()
 
