@@ -109,6 +109,27 @@ def check_secret_text(text: str) -> bytes:
     return word.encode("ascii")
 
 
+def _read_private_file(p: Path, limit: int, what: str) -> bytes:
+    """Read at most ``limit + 1`` bytes of a file that only its owner may access (the
+    caller rejects anything longer than ``limit``).
+
+    Raises:
+        SecretError: not a regular file, readable or writable by group or others
+            (POSIX), or unreadable; ``what`` names the file's role in the message.
+    """
+    try:
+        with open(p, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise SecretError(f"{p} is not a regular file")
+            if os.name == "posix" and st.st_mode & 0o077:
+                raise SecretError(f"{p} is accessible by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                                  f"run: chmod 600 {p}")
+            return f.read(limit + 1)
+    except OSError as exc:
+        raise SecretError(f"cannot read the {what} {p}: {exc.strerror or exc}") from None
+
+
 def load_secret(path: str | os.PathLike[str]) -> bytes:
     """Read a secret file (see the module doc) and return the secret bytes.
 
@@ -119,17 +140,7 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
             the file and the fix; it never contains the secret.
     """
     p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise SecretError(f"{p} is not a regular file")
-            if os.name == "posix" and st.st_mode & 0o077:
-                raise SecretError(f"{p} is accessible by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                                  f"run: chmod 600 {p}")
-            raw = f.read(MAX_SECRET_FILE_BYTES + 1)
-    except OSError as exc:
-        raise SecretError(f"cannot read the secret file {p}: {exc.strerror or exc}") from None
+    raw = _read_private_file(p, MAX_SECRET_FILE_BYTES, "secret file")
     if len(raw) > MAX_SECRET_FILE_BYTES:
         raise SecretError(f"{p} is larger than {MAX_SECRET_FILE_BYTES} bytes; it is not a ringlet secret")
     try:
@@ -352,17 +363,7 @@ def load_api_keys(path: str | os.PathLike[str]) -> tuple[bytes, ...]:
             gives the line number, never the key).
     """
     p = Path(path)
-    try:
-        with open(p, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise SecretError(f"{p} is not a regular file")
-            if os.name == "posix" and st.st_mode & 0o077:
-                raise SecretError(f"{p} is accessible by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                                  f"run: chmod 600 {p}")
-            raw = f.read(1024 * 1024 + 1)
-    except OSError as exc:
-        raise SecretError(f"cannot read the API key file {p}: {exc.strerror or exc}") from None
+    raw = _read_private_file(p, 1024 * 1024, "API key file")
     if len(raw) > 1024 * 1024:
         raise SecretError(f"{p} is larger than 1 MiB")
     try:
