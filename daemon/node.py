@@ -723,9 +723,8 @@ class Node:
             "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),
             "kv_caches": self.engine.active_requests if self.engine else [],
-            "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk}
-            if self.engine else None,
-            "tokens_per_s": self.tokens_per_s(),
+            "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
+                         "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,
