@@ -13,7 +13,8 @@ import traceback
 from pathlib import Path
 
 BENCHES = ["bench_spine", "bench_cluster", "bench_planner", "bench_probes", "bench_shard", "bench_tp",
-           "bench_concurrency"]
+           "bench_concurrency",
+           "bench_prefill"]
 
 
 def main(argv: list[str]) -> int:

@@ -56,6 +56,10 @@ PROTOCOL_VERSION = 1
 #: Seconds a failed request waits for a new plan before its error is reported:
 #: detection (2 s) + negotiation + loading, with room to spare.
 RESUME_WAIT_S = 10.0
+#: Prompt tokens per step timeout while waiting for the first token: a prefill may
+#: take one ``step_timeout_s`` per this many tokens (MLX on a CPU core prefills about
+#: 30 tokens/s per stage of a 135M model, so 64 tokens is ~2 s per stage of 30 s).
+PREFILL_TIMEOUT_TOKENS = 64
 #: Seconds between retries while stage 0 and this node hold different epochs.
 EPOCH_SKEW_RETRY_S = 0.25
 
@@ -114,7 +118,8 @@ class NodeConfig:
         dtype: ``None`` (model precision) or float16 / bfloat16 / float32.
         node_id: this node's id.
         transport: gRPC settings (message limit, keepalive, secret).
-        step_timeout_s: seconds stage 0 waits for a token before failing the request.
+        step_timeout_s: seconds stage 0 waits for a token before failing the request
+            (for the first token, this per ``PREFILL_TIMEOUT_TOKENS`` prompt tokens).
         plan_wait_s: seconds a request waits for a plan while the cluster forms.
         resume_attempts: how many times a request is resumed on a new plan.
         fetch: for a node without the model files, ``await fetch(start, end)`` pulls that
@@ -498,12 +503,13 @@ class Node:
                 return
             await self._advance(gen, step=0, payload=list(prompt))
             while True:
+                # the first token follows the whole prefill: one step's allowance per
+                # PREFILL_TIMEOUT_TOKENS prompt tokens
+                timeout = self.config.step_timeout_s * (1 if gen.tokens else -(-len(prompt) // PREFILL_TIMEOUT_TOKENS))
                 try:
-                    item = await asyncio.wait_for(gen.queue.get(), timeout=self.config.step_timeout_s)
+                    item = await asyncio.wait_for(gen.queue.get(), timeout=timeout)
                 except TimeoutError:
-                    raise GenerationError(
-                        f"no token within {self.config.step_timeout_s:.0f} s; a stage may be down"
-                    ) from None
+                    raise GenerationError(f"no token within {timeout:.0f} s; a stage may be down") from None
                 if item is None:
                     return
                 if isinstance(item, Exception):

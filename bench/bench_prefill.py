@@ -1,0 +1,113 @@
+"""Prefill benchmark (issue #8, chunked prefill): what a long prompt costs the requests
+already decoding, and its own TTFT, with prompts prefilled in chunks vs in one piece.
+
+Two local daemons (2 stages, default model) per setting, measured in the same run:
+
+* ``--prefill-chunk 64``: stage 0 sends each 64-token chunk on as soon as it is
+  computed; the decode steps of other requests run between chunks.
+* ``--prefill-chunk 65536``: the whole prompt in one forward per stage (unchunked).
+
+One request A streams ``TOKENS`` greedy tokens; after its 8th token a request B with
+a prompt of ~``LONG`` tokens arrives (4 tokens out). Reported per setting, medians of
+``RUNS``: A's longest gap between two tokens while B prefills (s), A's median gap
+(the undisturbed decode step, s), and B's TTFT (s). The ratios chunked / unchunked
+are the figures to read.
+
+Run: ``python bench/run.py bench_prefill`` or ``python bench/bench_prefill.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from ringlet.daemon.demo import LocalCluster
+
+TOKENS = 40
+LONG = 300
+RUNS = 3
+CHUNKS = (64, 65536)
+PROMPT_A = "Once upon a time"
+# ~7 tokens per sentence: a long, plain prompt of about LONG tokens
+PROMPT_B = " ".join(["The quick brown fox jumps over the lazy dog."] * (LONG // 10)) + " Summarise:"
+
+
+def _stream(url: str, prompt: str, max_tokens: int, times: list[float], started: threading.Event | None = None,
+            after: int = 0) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    raise RuntimeError(payload["error"].get("message", payload["error"]))
+                ids = payload["choices"][0].get("token_ids") or []
+                times.extend([time.perf_counter()] * len(ids))
+                if started is not None and len(times) >= after:
+                    started.set()
+
+
+def one_run(url: str) -> dict:
+    a_times: list[float] = []
+    b_times: list[float] = []
+    go = threading.Event()
+    errors: list[str] = []
+
+    def run_a() -> None:
+        try:
+            _stream(url, PROMPT_A, TOKENS, a_times, go, 8)
+        except Exception as exc:  # noqa: BLE001 - reported in the results
+            errors.append(str(exc))
+            go.set()
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    go.wait(300)
+    t_send = time.perf_counter()
+    _stream(url, PROMPT_B, 4, b_times)
+    a.join()
+    gaps = [y - x for x, y in zip(a_times, a_times[1:], strict=False)]
+    during = [y - x for x, y in zip(a_times, a_times[1:], strict=False) if y > t_send and x < b_times[0]]
+    if errors or len(a_times) < TOKENS:
+        raise RuntimeError(f"request A failed while B prefilled: {errors or len(a_times)}")
+    return {"a_max_gap_s": max(during or gaps), "a_median_gap_s": statistics.median(gaps),
+            "b_ttft_s": b_times[0] - t_send}
+
+
+def measure(chunk: int) -> dict:
+    with LocalCluster(2, extra_args=["--prefill-chunk", str(chunk)]) as c:
+        url = c.api_urls[0]
+        r = httpx.post(f"{url}/v1/completions", timeout=600, json={
+            "prompt": PROMPT_B, "max_tokens": 1, "return_token_ids": True})
+        if r.status_code != 200:
+            raise RuntimeError(f"the long prompt was refused: {r.status_code} {r.text[:300]}")
+        prompt_tokens = r.json()["choices"][0]["prompt_token_ids"]
+        runs = [one_run(url) for _ in range(RUNS)]
+    return {"prefill_chunk": chunk, "prompt_tokens": len(prompt_tokens),
+            **{k: statistics.median(r[k] for r in runs) for k in runs[0]}, "runs": runs}
+
+
+def main() -> dict:
+    results = [measure(c) for c in CHUNKS]
+    chunked, whole = results
+    ratios = {k: chunked[k] / whole[k] for k in ("a_max_gap_s", "a_median_gap_s", "b_ttft_s")}
+    print(f"2 daemons; request A decoding {TOKENS} tokens; request B with a {chunked['prompt_tokens']}-token prompt "
+          f"arrives after A's 8th token; medians of {RUNS}")
+    print(f"{'prefill chunk':>14}{'A longest gap s':>17}{'A median gap s':>16}{'B TTFT s':>10}")
+    for r in results:
+        print(f"{r['prefill_chunk']:>14}{r['a_max_gap_s']:>17.3f}{r['a_median_gap_s']:>16.3f}{r['b_ttft_s']:>10.3f}")
+    print(f"{'ratio':>14}{ratios['a_max_gap_s']:>17.3f}{ratios['a_median_gap_s']:>16.3f}{ratios['b_ttft_s']:>10.3f}")
+    out = {"bench": "prefill", "tokens": TOKENS, "runs": RUNS, "results": results, "ratio_chunked_to_whole": ratios}
+    Path(__file__).with_name("results_prefill.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
