@@ -182,6 +182,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from .negotiation import Negotiator
     from .probes import probe_local
     from .stage import build_lazy_model
+    from .tp_group import model_tp_spec
+    from .tp_serving import TPServing
 
     loop = asyncio.get_running_loop()
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
@@ -212,6 +214,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
                                  name=node.config.model.name, config=config)
     num_layers = len(spec.layer_bytes)
+    tp_spec = await loop.run_in_executor(None, model_tp_spec, node.config.model, node.config.dtype)
 
     advertise = f"{public}:{args.port}"
     membership = Membership(
@@ -229,6 +232,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
 
     membership.on_change = on_change
     node.cluster = negotiator
+    node.tp = tp = TPServing(node, membership, args.mode, tp_spec, str(node.config.model.path), node.config.dtype)
+    negotiator.tp = tp
     if getattr(args, "fetched_location", None) is not None:
         node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
         for message in getattr(args, "fetch_events", []):
@@ -285,6 +290,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     async def stop() -> None:
         for t in tasks:
             t.cancel()
+        await tp.close()
         await negotiator.stop()
         if discovery is not None:
             with contextlib.suppress(Exception):
@@ -383,6 +389,15 @@ async def _bootstrap_fetch(args) -> None:
 async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
     tune_allocator()
+    mode = getattr(args, "mode", "auto")
+    if mode == "hybrid":
+        raise RingletError("--mode hybrid is not served yet: the daemon runs one tensor group per plan, and "
+                           "chaining groups as pipeline stages needs a stage engine that drives a group per "
+                           "stage; use --mode tensor or auto")
+    if args.plan and mode == "tensor":
+        raise RingletError("--mode tensor needs negotiated plans; drop --plan (a static plan is a pipeline)")
+    if getattr(args, "fetch_model", False) and mode == "tensor":
+        raise RingletError("--mode tensor needs the whole model on every member; drop --fetch-model")
     if getattr(args, "fetch_model", False):
         await _bootstrap_fetch(args)
     config, context = build_config(args)
