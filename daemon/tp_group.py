@@ -798,6 +798,10 @@ class TPGroup:
                     req.done = True
                     req.queue.put_nowait(("error", f"tensor group failed: {exc}"))
             log.error("tensor group failed: %s", exc)
+            ep = self._epoch
+            if ep is not None and not ep.torn:  # e.g. a rank of a new epoch could not start: stop the others
+                with contextlib.suppress(Exception):
+                    await self._teardown(ep)
 
     async def _wait_ready(self, ep: _Epoch) -> bool:
         """Release the MLX group once every rank loaded; True when all are ready."""

@@ -70,6 +70,9 @@ PRELOAD_ENV = "RINGLET_TP_LD_PRELOAD"
 #: Seconds a member waits for the commit of the plan a RunRank names (the leader starts
 #: its group as soon as it committed; the other members commit moments later).
 COMMIT_WAIT_S = 10.0
+#: Seconds a request waits for the group of a tensor plan committed moments ago to exist
+#: (the previous group is closed first); the group's own start is waited for by TPGroup.
+GROUP_WAIT_S = 30.0
 #: Seconds the leader waits for a member to start its rank process.
 RANK_START_TIMEOUT_S = 60.0
 #: Variables and host files a leader may set for a rank (MLX's own configuration only).
@@ -296,14 +299,20 @@ class _RemoteHandle:
     async def _read(self) -> None:
         code = -int(signal.SIGKILL)
         try:
-            async for event in self.call:
+            while True:  # read(), not async-for: the first event was read() already, and gRPC forbids mixing
+                event = await self.call.read()
+                if event is grpc.aio.EOF:
+                    break
                 if event.WhichOneof("event") == "exit_code":
                     code = event.exit_code
                     break
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass  # the member is gone or the call was cancelled: the rank is dead or being killed
-        if not self._code.done():
-            self._code.set_result(code)
+        except Exception:  # noqa: BLE001 - whatever went wrong, wait() must return
+            log.exception("rank call to a member failed")
+        finally:
+            if not self._code.done():
+                self._code.set_result(code)
 
     async def wait(self) -> int:
         return await asyncio.shield(self._code)
@@ -480,6 +489,10 @@ class TPServing:
             GenerationError: no group here for the committed plan, or the group failed.
         """
         plan = self.node.plan
+        deadline = time.monotonic() + GROUP_WAIT_S
+        while (plan is not None and plan is self.node.plan and self.group_epoch != plan.epoch and not self._closed
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)  # committed moments ago: the group is being set up
         group = self.group
         if group is None or plan is None or self.group_epoch != plan.epoch:
             why = f": {self.group_error}" if self.group_error else ""
