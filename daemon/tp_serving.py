@@ -164,6 +164,8 @@ def decide_mode(
         return _pipeline(requested, f"{exc}; serving the pipeline", refused=str(exc))
     except ValueError as exc:  # no members, unknown leader: nothing to decide
         return _pipeline(requested, f"pipeline: {exc}")
+    if decision.mode == "pipeline":
+        return {**_pipeline(requested, decision.reason), "predicted_s_per_token": dict(decision.predicted)}
     out = {**decision.to_dict(), "requested": requested}
     if decision.mode == "hybrid":
         return _pipeline(

@@ -19,6 +19,7 @@ import json
 import threading
 import time
 
+import grpc
 import httpx
 import psutil
 import pytest
@@ -26,6 +27,8 @@ from conftest import REFERENCE
 from tp_support import poll_shim
 
 from ringlet.daemon.demo import LocalCluster
+from ringlet.daemon.rpc import ringlet_pb2 as pb
+from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,6 +148,31 @@ def test_three_daemons_serve_tensor_parallel_through_any_node(trio):
     ids_raw, finish, error = stream_ids(c.api_urls[ids[ranks[2]]], FIRST)
     assert error is None and finish == "length"
     assert ids_raw == RAW["completion_ids"][:FIRST]
+
+
+def test_a_rank_is_started_only_for_the_leader_of_the_committed_plan(trio):
+    """RunRank refuses whatever does not match the committed tensor plan; nothing is started."""
+    c, leader, ranks, ids = trio
+    member = ids[ranks[1]]
+    epoch = c.cluster_info(member)["epoch"]
+    before = rank_workers([p.pid for p in c.procs])
+    good = {"leader_id": ranks[0], "plan_epoch": epoch, "group_epoch": 9, "rank": 1, "size": 3, "backend": "ring",
+            "control": "127.0.0.1:1", "token": "x" * 32, "dtype": "float32", "hb_interval": 0.2,
+            "prefill_chunk": 512, "side_host": "127.0.0.1"}
+    cases = [
+        ({"leader_id": ranks[2]}, "the caller does not lead this plan's tensor group"),
+        ({"rank": 2}, "this node is not rank 2 of 3"),
+        ({"plan_epoch": epoch - 1}, f"this node serves epoch {epoch}, not {epoch - 1}"),
+        ({"control": "10.9.9.9:4000"}, "the control address is not on the leader's host"),
+        ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "only MLX's own variables and host files may be set"),
+        ({"files": {"../../etc/passwd": "x"}}, "only MLX's own variables and host files may be set"),
+    ]
+    with grpc.insecure_channel(f"127.0.0.1:{c.grpc_ports[member]}") as channel:
+        stub = pb_grpc.RingStub(channel)
+        for change, why in cases:
+            events = list(stub.RunRank(pb.RankStart(**{**good, **change}), timeout=30))
+            assert [e.error for e in events] == [why], change
+    assert rank_workers([p.pid for p in c.procs]) == before
 
 
 def test_kill_a_rank_daemon_mid_stream_resumes_on_the_pipeline(trio):
