@@ -225,3 +225,35 @@ def test_tensor_on_two_daemons_is_refused_and_the_pipeline_serves():
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == CHAT["completion_ids"][:FIRST]
         assert not rank_workers([p.pid for p in c.procs])
+
+
+def test_a_rejoin_forms_a_new_group_and_losing_rank_0_resumes(trio):
+    """The killed daemon comes back: the cluster returns to tensor mode with a new group; then rank 0's
+    daemon itself dies mid-stream and the request finishes on the survivors' pipeline."""
+    c, _, ranks, ids = trio
+    for i in range(3):
+        if c.procs[i].poll() is not None:
+            c.restart(i)
+    epoch = max(c.cluster_info(i)["epoch"] for i in c.alive())
+    info = c.wait_plan(stages=3, min_epoch=epoch + 1, timeout_s=60)
+    assert (info["mode"], info["tp"]["backend"], info["tp"]["ranks"]) == ("tensor", "ring", ranks)
+    leader, api = ids[ranks[0]], ids[ranks[2]]
+    wait_group_ready(c, leader)
+    workers = rank_workers([p.pid for p in c.procs])
+    assert len(workers) == 3
+    killed = threading.Event()
+
+    def on_token(n: int) -> None:
+        if n == 5 and not killed.is_set():
+            killed.set()
+            c.kill(leader)
+
+    got, finish, error = stream_ids(c.api_urls[api], FIRST, on_token)
+    assert killed.is_set() and error is None, error
+    assert (got, finish) == (RAW["completion_ids"][:FIRST], "length")
+    after = c.wait_plan(stages=2, nodes=[i for i in range(3) if i != leader], timeout_s=30)
+    assert after["mode"] == "pipeline"
+    deadline = time.monotonic() + 15
+    while running(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(workers), f"rank processes left: {running(workers)}"
