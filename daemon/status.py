@@ -14,7 +14,7 @@ what ``ringlet status --json`` prints for scripts. It is built in two steps:
 Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
 
     {"source": primary URL, "taken_at": unix s, "reachable": bool, "error": str|None,
-     "healthy": bool,                       # reachable and every plan stage ready/serving
+     "healthy": bool,                       # reachable, every plan stage ready/serving, tensor group ready
      "cluster": {"model", "num_layers", "epoch", "policy", "mode", "backend",
                  "ranks" [node ids, rank order; empty unless tensor], "mode_reason",
                  "mode_refused" (why --mode tensor could not run, or None),
@@ -369,7 +369,9 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
 
     events = [e for e in _dicts(base.get("events"))] + list(extra_events or [])
     snap.update(
-        healthy=bool(in_plan) and len(ready) == len(in_plan),
+        # a tensor plan serves only through its group: a group not ready (starting, failed) is not healthy
+        healthy=bool(in_plan) and len(ready) == len(in_plan) and (
+            not ranks or group_state is None or group_state == "ready"),
         cluster=cluster, nodes=nodes, hops=hops, recent_requests=recent, events=events,
     )
     unreached = {u: e for u, e in url_errors.items() if u != primary}

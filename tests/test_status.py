@@ -379,8 +379,12 @@ def test_tensor_mode_backend_and_ranks():
     assert c["mode_reason"] == "tensor: 4 ranks over jaccl (every pair has an RDMA Thunderbolt link)"
     assert c["mode_refused"] is None
     assert [n["rank"] for n in snap["nodes"]] == [0, 1, 2, 3]
+    assert exit_status(snap) == EXIT_OK
     text = format_status(snap)
     assert "mode tensor · backend jaccl · ranks 0 studio-1, 1 studio-2, 2 studio-3, 3 studio-4 · group ready" in text
+    infos["http://10.0.0.1:8000"]["tp"]["group"]["state"] = "recovering"
+    down = build_snapshot("http://10.0.0.1:8000", infos, {})
+    assert down["cluster"]["tensor_group"] == "recovering" and exit_status(down) == EXIT_DEGRADED
     assert "why: tensor: 4 ranks over jaccl (every pair has an RDMA Thunderbolt link)" in text
 
 

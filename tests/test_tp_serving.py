@@ -5,6 +5,7 @@ Pure functions; expected values written by hand."""
 from __future__ import annotations
 
 import pytest
+from conftest import ringlet
 
 from ringlet.daemon.tp_config import TPLink, TPMember, TPModelSpec
 from ringlet.daemon.tp_serving import check_tp_dict, cluster_inputs, decide_mode, decision_from_dict
@@ -104,3 +105,16 @@ def test_hybrid_is_not_served_yet_so_auto_stays_on_the_pipeline():
 ])
 def test_a_member_checks_the_decision_it_is_asked_to_prepare(decision, why):
     assert check_tp_dict(decision, ["a", "b", "c"], "a") == why
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mode", "hybrid"], "error: --mode hybrid is not served yet: the daemon runs one tensor group per plan, and "
+                           "chaining groups as pipeline stages needs a stage engine that drives a group per stage; "
+                           "use --mode tensor or auto"),
+    (["--mode", "tensor", "--plan", "127.0.0.1:7100=0:30"],
+     "error: --mode tensor needs negotiated plans; drop --plan (a static plan is a pipeline)"),
+])
+def test_run_refuses_modes_it_cannot_serve(args, message):
+    proc = ringlet("run", "--no-dashboard", "--port", "0", *args, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == message
