@@ -26,9 +26,11 @@ How a tensor plan is served
   on the leader's host; only MLX's own variables and host files are accepted. The rank
   lives as long as the call: cancelling it (or the leader vanishing) kills the rank, and
   a rank exits by itself when this daemon dies (its stdin closes).
-* **Failure**: a rank lost with its member fails the group at once (no restart on
-  fewer members inside the group): in-flight requests get an error, the API node waits
-  for the cluster's re-plan and resumes them on it by re-prefilling (Node.generate).
+* **Failure**: the group restarts on the same ranks when every member still answers
+  (a rank process crashed; in-flight requests resume inside the group), up to
+  ``max_restarts`` times in a row. A member that does not answer fails the group at
+  once (it never shrinks by itself): in-flight requests get an error, the API node
+  waits for the cluster's re-plan and resumes them on it by re-prefilling (Node.generate).
 """
 
 from __future__ import annotations
@@ -370,13 +372,30 @@ class ClusterLauncher:
 
 
 class _DaemonGroup(TPGroup):
-    """A TPGroup that never shrinks by itself: losing another member fails it, and the
-    cluster's re-plan decides what serves next (a restart on the same members is kept)."""
+    """A TPGroup that keeps the committed plan's ranks: after a failure it restarts on the
+    same members (a rank process that crashed on a live member; in-flight requests resume
+    inside the group), but only when every member still answers, and at most
+    ``max_restarts`` times in a row. Otherwise it fails, and the cluster's re-plan decides
+    what serves next (requests resume on that plan)."""
+
+    def __init__(self, *args, reachable, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reachable = reachable
 
     def _replan(self, lost: set[str], why: str, same_members: bool) -> TPDecision:
-        if lost - {self.leader}:
-            return TPDecision("pipeline", "none", (self.leader,), f"{why}; waiting for the cluster to re-plan")
-        return super()._replan(lost, why, same_members)
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            return TPDecision("pipeline", "none", (self.leader,),
+                              f"{why}; {self.restarts - 1} restarts failed; waiting for the cluster to re-plan")
+        return self._initial
+
+    async def _start_epoch(self, decision: TPDecision):
+        if self._epoch is not None:  # a restart: do not start ranks while a member is gone
+            gone = [n for n in decision.ranks if n != self.leader and not await self._reachable(n)]
+            if gone:
+                raise TPGroupError(f"{self._last_why}; member(s) {', '.join(gone)} do not answer: waiting for "
+                                   "the cluster to re-plan")
+        return await super()._start_epoch(decision)
 
 
 # ---------------------------------------------------------------------------------------- serving
@@ -425,6 +444,17 @@ class TPServing:
     def stub(self, address: str) -> pb_grpc.RingStub:
         return self.membership.stub(address)
 
+    async def _reachable(self, node_id: str, timeout_s: float = 1.0) -> bool:
+        """The member's daemon is in the member table and answers an Echo within ``timeout_s``."""
+        member = self.membership.members.get(node_id)
+        if member is None or getattr(member, "state", "alive") not in ("alive", "self"):
+            return False
+        try:
+            await self.stub(member.address).Echo(pb.Ping(echo=True), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
     def decide(self, ids: Sequence[str]) -> dict[str, Any]:
         """The proposer's mode decision for members ``ids`` (this node leads)."""
         records = {i: self.membership.record_of(i) or {} for i in ids}
@@ -462,7 +492,8 @@ class TPServing:
             records = {i: self.membership.record_of(i) or {} for i in decision.ranks}
             members, links = cluster_inputs(decision.ranks, records, addresses)
             group = _DaemonGroup(
-                self.model, members, links, leader=self.node.node_id, mode="tensor", dtype=self.dtype,
+                self.model, members, links, reachable=self._reachable, leader=self.node.node_id, mode="tensor",
+                dtype=self.dtype,
                 spec=self.spec, fallback="none", launcher=ClusterLauncher(self, plan.epoch),
                 control_host=_host(addresses[self.node.node_id]), hb_interval=self.hb_interval,
                 hb_timeout=self.hb_timeout, step_timeout=self.step_timeout, decision=decision,

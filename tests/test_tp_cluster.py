@@ -16,6 +16,8 @@ model, MLX's ring backend over loopback, each rank started by its own member's d
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -173,6 +175,32 @@ def test_a_rank_is_started_only_for_the_leader_of_the_committed_plan(trio):
             events = list(stub.RunRank(pb.RankStart(**{**good, **change}), timeout=30))
             assert [e.error for e in events] == [why], change
     assert rank_workers([p.pid for p in c.procs]) == before
+
+
+def test_a_crashed_rank_process_restarts_the_group_on_the_same_members(trio):
+    """kill -9 of a rank process (its daemon lives): the group restarts on the same ranks, the
+    request resumes inside it with the same tokens, and the plan does not change."""
+    c, leader, ranks, ids = trio
+    group = wait_group_ready(c, leader)["group"]
+    member = ids[ranks[1]]
+    epoch = c.cluster_info(member)["epoch"]
+    old = rank_workers([p.pid for p in c.procs])
+    (victim,) = rank_workers([c.procs[member].pid])
+    killed = threading.Event()
+
+    def on_token(n: int) -> None:
+        if n == 5 and not killed.is_set():
+            killed.set()
+            os.kill(victim, signal.SIGKILL)
+
+    got, finish, error = stream_ids(c.api_urls[ids[ranks[2]]], FIRST, on_token)
+    assert killed.is_set() and error is None, error
+    assert (got, finish) == (RAW["completion_ids"][:FIRST], "length")
+    after = wait_group_ready(c, leader)["group"]
+    assert after["epoch"] > group["epoch"] and after["ranks"] == ranks and after["restarts"] >= 1
+    assert all(c.cluster_info(i)["epoch"] == epoch for i in range(3))  # no re-plan
+    new = rank_workers([p.pid for p in c.procs])
+    assert len(new) == 3 and not running(old)
 
 
 def test_kill_a_rank_daemon_mid_stream_resumes_on_the_pipeline(trio):
