@@ -186,7 +186,10 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
 
     @app.get("/v1/cluster")
     async def cluster():
-        return node.info()
+        admission = app.state.admission
+        return {**node.info(), "api": {"running": admission.running, "queued": admission.waiting,
+                                       "max_concurrent_requests": admission.max_running,
+                                       "max_queue": admission.max_waiting}}
 
     def _check_model(body: _Common) -> None:
         if body.model not in (None, "", model_name):

@@ -17,6 +17,8 @@ import sys
 
 from . import logs
 from .errors import RingletError
+from .secret_cli import positive_int
+from .serving_defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 
 DEFAULT_GRPC_PORT = 7100
 DEFAULT_API_PORT = 8000
@@ -69,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="a member silent this long is removed and the cluster re-plans")
     run.add_argument("--settle-s", type=float, default=0.3, help="membership quiet time before re-planning")
     run.add_argument("--initial-settle-s", type=float, default=1.0, help="quiet time before the first plan")
+    run.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
+                     help=f"most decode steps a stage runs as one batch (1: no batching; default {DEFAULT_MAX_BATCH})")
+    run.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_CHUNK})")
     run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
     from .secret_cli import add_run_arguments
 

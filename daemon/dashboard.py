@@ -6,8 +6,9 @@ What it draws, from a snapshot (:mod:`ringlet.daemon.status`):
   are ready, requests in flight and the ring's tokens/s, and the time;
 - **the ring**: the stages in plan order, one per row, each with its name, chip,
   state (``loading 45%`` with a bar while loading), memory used/total as a bar, its
-  layer range drawn against the model's depth, tokens/s, and the hop to the next
-  stage (link kind, bandwidth, RTT; the last row's hop returns to stage 0);
+  layer range drawn against the model's depth, tokens/s, its decode batch (mean
+  over the last 10 s / limit, ``2.4/8``) and the hop to the next stage (link kind,
+  bandwidth, RTT; the last row's hop returns to stage 0);
 - **the cluster**: total / usable / used memory and the last requests with their
   TTFT and tokens/s;
 - **an event log**: the daemon's events (joins, leaves, re-plans, errors) plus
@@ -86,6 +87,15 @@ def fmt_rate(tps: float | None) -> str:
     if tps is None:
         return DASH
     return f"{tps:.0f}" if tps >= 100 else f"{tps:.1f}"
+
+
+def fmt_batch(mean: float | None, max_batch: int | None) -> str:
+    """A stage's decode batch: ``2.4/8`` (mean over its last seconds / its limit); ``—``
+    when it ran no forward lately (idle) or does not report batching."""
+    if mean is None:
+        return DASH
+    m = f"{mean:.1f}" if mean < 10 else f"{mean:.0f}"
+    return m if max_batch is None else f"{m}/{max_batch}"
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -405,36 +415,51 @@ class Dashboard:
         hops = {h["from"]: h for h in snap.get("hops", [])}
         t = Table(box=None, show_header=wide, padding=(0, 1, 0, 0), pad_edge=False, expand=False,
                   header_style="dim")
+        batches = {n["address"]: fmt_batch(n.get("batch_mean"), n.get("max_batch")) for n in nodes}
+        batch_w = max([1] + [len(b) for b in batches.values()])
         if wide:
-            name_w = max(12, min(24, max((len(n["name"]) for n in nodes), default=12)))
+            batch_w = max(len("batch"), batch_w)
+            name_w = max(8, min(24, max((len(n["name"]) for n in nodes), default=12)))
             chip_w = max(4, min(16, max((len(n["chip"] or DASH) for n in nodes), default=4)))
-            others = 2 + name_w + chip_w + 17 + 9 + 23 + 7 + 8  # columns and their padding, bar excluded
+            # columns and their padding, layer bar and memory excluded
+            fixed = 2 + name_w + chip_w + 17 + 9 + 7 + batch_w + 8
             # the hop column as wide as its longest label -- long form when the layer bar keeps
-            # 20 cells, else the short form -- and the layer bar gets the rest
-            avail = width - others
+            # 20 cells, else the short form -- and the layer bar gets the rest; the memory bar
+            # gives up 5 of its 10 cells before the hop labels go short
             long_need, short_need = (
                 max([len("hop to next stage")] + [len(hop_text(hops.get(n["address"]), short=f)) for n in nodes])
                 for f in (False, True))
-            if avail - long_need >= 20:
-                short, need = False, long_need
-            elif avail - short_need >= 16:
-                short, need = True, short_need
-            else:
-                short, need = True, max(20, avail - 12)
+            choices = ((False, long_need, 10, 20), (False, long_need, 5, 20),
+                       (True, short_need, 10, 16), (True, short_need, 5, 16))
+            short, need, mem_bar, _ = next(
+                (ch for ch in choices if width - fixed - (ch[2] + 13) - ch[1] >= ch[3]),
+                (True, max(20, width - fixed - 18 - 12), 5, 0))
+            others = fixed + mem_bar + 13
+            avail = width - others
             bar_w = max(12, min(40, avail - need))
-            hop_w = max(20, width - others - bar_w)
+            hop_w = max(12, width - others - bar_w)
             for name, w, just in (("#", 2, "right"), ("node", name_w, "left"), ("chip", chip_w, "left"),
                                   ("state", 17, "left"), ("layers", 9 + bar_w, "left"),
-                                  ("memory", 23, "left"), ("tok/s", 7, "right"), ("hop to next stage", hop_w, "left")):
+                                  ("memory", mem_bar + 13, "left"), ("tok/s", 7, "right"),
+                                  ("batch", batch_w, "right"), ("hop to next stage", hop_w, "left")):
                 t.add_column(name, width=w, justify=just, no_wrap=True, overflow="ellipsis")
         else:
+            # two lines per stage: the batch ("batch 2.4/8") under the tokens/s; one line
+            # (dense): the batch in a column of its own, taken from the layer bar
             short = True
-            tps_w = 10
+            batch_w += len("batch ")
+            tps_w = max(10, batch_w) if not dense else 10
             state_w = 17
             name_w = max(10, min(28, 16 + (width - 80) // 3))
-            layers_w = max(14, width - (2 + name_w + state_w + tps_w) - 5)
+            if dense:
+                name_w = max(10, min(name_w, max((len(n["name"]) for n in nodes), default=10)))
+            cols = [(2, "right"), (name_w, "left"), (state_w, "left"), (0, "left"), (tps_w, "right")]
+            if dense:
+                cols.append((batch_w, "right"))
+            layers_w = max(14, width - sum(w for w, _ in cols) - (len(cols) - 1))
+            cols[3] = (layers_w, "left")
             bar_w = max(4, layers_w - 9)
-            for w, just in ((2, "right"), (name_w, "left"), (state_w, "left"), (layers_w, "left"), (tps_w, "right")):
+            for w, just in cols:
                 t.add_column(width=w, justify=just, no_wrap=True, overflow="ellipsis")
         for n in nodes:
             idx = Text(DASH if n["stage"] is None else str(n["stage"]), style="bold" if n["in_plan"] else "dim")
@@ -448,19 +473,21 @@ class Dashboard:
             tps = Text(fmt_rate(n["tokens_per_s"]) + ("" if wide else " tok/s"),
                        style="bold" if n["tokens_per_s"] else "dim")
             name = Text(n["name"], style="bold" if n["in_plan"] else "dim")
+            batch = batches[n["address"]]
+            batch_t = Text(batch if wide else f"batch {batch}", style="dim" if batch == DASH else "")
             if wide:
-                mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], 10)
+                mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], mem_bar)
                 t.add_row(idx, name, Text(n["chip"] or DASH), state_text(n["state"], n["loading_progress"], 17),
-                          rng + layer_bar(n["layer_range"], depth, bar_w, color), mem, tps, hop_t)
+                          rng + layer_bar(n["layer_range"], depth, bar_w, color), mem, tps, batch_t, hop_t)
             elif dense:
                 t.add_row(idx, name, state_text(n["state"], n["loading_progress"], state_w),
-                          rng + layer_bar(n["layer_range"], depth, bar_w, color), tps)
+                          rng + layer_bar(n["layer_range"], depth, bar_w, color), tps, batch_t)
             else:
                 mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], 5)
                 line2_name = Text(n["chip"] or DASH, style="dim")
                 t.add_row(idx, name, state_text(n["state"], n["loading_progress"], state_w),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), tps)
-                t.add_row(Text(""), line2_name, mem, hop_t, Text(""))
+                t.add_row(Text(""), line2_name, mem, hop_t, batch_t)
         return t
 
     def _cluster_line(self, snap: dict) -> Text:

@@ -1,4 +1,5 @@
-"""The sharded engine of one node: a stage, per-request KV caches, one MLX worker thread.
+"""The sharded engine of one node: a stage, per-request KV caches, one MLX worker thread,
+and the scheduler that batches the decode steps of concurrent requests.
 
 All MLX work (loading, forward passes, sampling, tensor encoding and decoding) runs
 on a single worker thread, so the asyncio event loop never blocks on compute and
@@ -7,6 +8,16 @@ MLX state is touched by one thread only.
 A request's KV cache lives here from its prefill (step 0) until it is released;
 every forward checks that the sender's ``offset`` equals the number of tokens in the
 cache, so a desynchronised ring fails the request instead of computing garbage.
+
+Scheduling (:meth:`StageEngine.submit`): work waits in one first-come-first-served
+queue. Each round the scheduler takes the oldest item; if it is a one-token step
+(a decode step), every other one-token step waiting joins it, up to ``max_batch``,
+and they run as one batched forward: the requests' KV caches (of different lengths)
+are merged into mlx-lm's left-padded ``BatchKVCache`` for the forward and split
+back afterwards. A multi-token step (a prefill chunk; stage 0 cuts long prompts
+into chunks, see :mod:`ringlet.daemon.node`) runs alone, so a long prefill holds
+the worker one chunk at a time and the decode steps of other requests run between
+its chunks. A release overtakes the queue: it drops the request's waiting work too.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +36,41 @@ import mlx.core as mx
 from . import codec
 from .rpc import ringlet_pb2 as pb
 from .sampling import RequestSampler, SamplingParams
+from .serving_defaults import DEFAULT_MAX_BATCH
 from .stage import Stage
 
 log = logging.getLogger(__name__)
 
 
+
 class RequestError(Exception):
     """A request cannot proceed on this stage (unknown request, offset mismatch, ...)."""
+
+
+class RequestDropped(RequestError):
+    """The request's work was dropped before it ran: released, or the plan changed."""
+
+
+@dataclass
+class _Work:
+    """One queued step (or release) of one request."""
+
+    request_id: str
+    future: asyncio.Future
+    step: int = 0
+    offset: int = 0
+    payload: list[int] | pb.Tensor | None = None
+    sampling: SamplingParams | None = None
+    more: bool = False
+    release: bool = False
+
+    @property
+    def tokens(self) -> int:
+        if isinstance(self.payload, list):
+            return len(self.payload)
+        if isinstance(self.payload, pb.Tensor) and len(self.payload.shape) >= 2:
+            return int(self.payload.shape[1])
+        return 0
 
 
 @dataclass
@@ -67,22 +107,36 @@ def sampling_to_pb(params: SamplingParams) -> pb.Sampling:
 
 
 class StageEngine:
-    """Runs one stage for many requests.
+    """Runs one stage for many requests, batching their decode steps.
 
     Args:
         stage: the loaded stage (built on the worker thread via :meth:`create`).
         executor: the single-thread executor that owns MLX.
         max_tensor_bytes: the largest incoming hidden-states payload accepted, bytes.
+        max_batch: the most decode steps run as one forward (1 = no batching: one
+            request per forward, each bit-identical to running it alone).
     """
 
     def __init__(self, stage: Stage | None, executor: concurrent.futures.ThreadPoolExecutor,
-                 max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES):
+                 max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.stage = stage
         self.executor = executor
         self.max_tensor_bytes = max_tensor_bytes
+        self.max_batch = max_batch
         self._requests: dict[str, _RequestState] = {}
+        self._queue: deque[_Work] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task | None = None
         self.tokens_processed = 0
         self.busy_s = 0.0
+        self.forwards = 0
+        #: decode batch size -> forwards run with that many requests (since start)
+        self.batch_histogram: Counter[int] = Counter()
+        #: (monotonic time, batch size) of recent decode forwards
+        self.recent_batches: deque[tuple[float, int]] = deque(maxlen=256)
+        self.last_batch = 0
 
     @staticmethod
     def new_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -102,9 +156,111 @@ class StageEngine:
         """Ids of the requests holding a KV cache on this stage."""
         return list(self._requests)
 
+    @property
+    def queued(self) -> int:
+        """Steps waiting for the worker."""
+        return len(self._queue)
+
     async def run(self, fn: Callable, *args: Any):
-        """Run ``fn(*args)`` on the MLX worker thread."""
+        """Run ``fn(*args)`` on the MLX worker thread (outside the scheduler's queue)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # --- scheduler (event loop) -----------------------------------------------------------
+
+    def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
+               sampling: SamplingParams | None, more: bool = False) -> asyncio.Future:
+        """Queue one step of a request; see :meth:`step` for the arguments and result.
+
+        Returns:
+            A future with :meth:`step`'s result, or its exception (and
+            :class:`RequestDropped` when the request is released or the plan
+            changes before the step runs).
+        """
+        work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more)
+        self._enqueue(work)
+        return work.future
+
+    def submit_release(self, request_id: str) -> asyncio.Future:
+        """Drop a request's KV cache and any of its steps still waiting, after the step
+        running now (if any). The future's result says whether a cache was held."""
+        work = _Work(request_id, asyncio.get_running_loop().create_future(), release=True)
+        self._enqueue(work)
+        return work.future
+
+    async def release_now(self, request_id: str) -> bool:
+        """:meth:`submit_release` and wait for it."""
+        return await self.submit_release(request_id)
+
+    async def swap_stage(self, stage: Stage | None) -> None:
+        """Serve ``stage`` from now on: waiting steps are dropped (their requests belong
+        to the old plan) and every KV cache goes (see :meth:`swap`)."""
+        self._drop(lambda w: True, "the plan changed")
+        await self.run(self.swap, stage)
+
+    def _enqueue(self, work: _Work) -> None:
+        self._queue.append(work)
+        if self._dispatcher is None or self._dispatcher.done():
+            self._wakeup = asyncio.Event()
+            self._dispatcher = asyncio.ensure_future(self._dispatch())
+        self._wakeup.set()
+
+    def _drop(self, which: Callable[[_Work], bool], why: str) -> None:
+        keep: deque[_Work] = deque()
+        for work in self._queue:
+            if work.release or not which(work):
+                keep.append(work)
+            elif not work.future.done():
+                work.future.set_exception(RequestDropped(f"request {work.request_id}: {why}"))
+        self._queue = keep
+
+    def _take_round(self) -> tuple[list[_Work], list[_Work]]:
+        """Releases to apply now, and the steps of the next forward (FCFS)."""
+        releases = [w for w in self._queue if w.release]
+        if releases:
+            released = {w.request_id for w in releases}
+            self._queue = deque(w for w in self._queue if not w.release)
+            self._drop(lambda w: w.request_id in released, "released")
+        if not self._queue:
+            return releases, []
+        first = self._queue.popleft()
+        batch = [first]
+        if first.tokens == 1 and not first.more and self.max_batch > 1:
+            seen = {first.request_id}
+            rest: deque[_Work] = deque()
+            for work in self._queue:
+                if (len(batch) < self.max_batch and work.tokens == 1 and not work.more
+                        and work.request_id not in seen):
+                    batch.append(work)
+                    seen.add(work.request_id)
+                else:
+                    rest.append(work)
+            self._queue = rest
+        return releases, batch
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            releases, batch = self._take_round()
+            if releases:
+                try:
+                    held = await loop.run_in_executor(self.executor, self._release_many,
+                                                      [w.request_id for w in releases])
+                except Exception as exc:  # noqa: BLE001 - reported to each waiter
+                    held = [exc] * len(releases)
+                for work, result in zip(releases, held, strict=True):
+                    _resolve(work.future, result)
+            if batch:
+                try:
+                    results = await loop.run_in_executor(self.executor, self._run_batch, batch)
+                except Exception as exc:  # noqa: BLE001 - the worker itself failed; fail these steps only
+                    log.exception("stage forward failed")
+                    results = [exc] * len(batch)
+                for work, result in zip(batch, results, strict=True):
+                    _resolve(work.future, result)
 
     # --- worker-thread functions ---------------------------------------------------------
 
@@ -118,9 +274,7 @@ class StageEngine:
     def _state(self, request_id: str, step: int, offset: int, sampling: SamplingParams | None) -> _RequestState:
         if self.stage is None:
             raise RequestError("this node holds no stage of the current plan")
-        if step == 0:
-            if offset != 0:
-                raise RequestError(f"request {request_id}: prefill must start at offset 0, got {offset}")
+        if step == 0 and offset == 0:
             sampler = RequestSampler(sampling or SamplingParams()) if self.stage.last else None
             state = _RequestState(cache=self.stage.make_cache(), sampler=sampler)
             self._requests[request_id] = state
@@ -134,52 +288,154 @@ class StageEngine:
             )
         return state
 
+    def _input(self, payload: list[int] | pb.Tensor) -> mx.array:
+        if isinstance(payload, list):
+            return mx.array([payload], dtype=mx.int32)
+        x = codec.decode(payload, max_bytes=self.max_tensor_bytes, require_finite=True)
+        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.stage.hidden_size:
+            raise codec.TensorDecodeError(
+                f"hidden states must have shape (1, tokens, {self.stage.hidden_size}), got {tuple(x.shape)}"
+            )
+        return x
+
     def step(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
-             sampling: SamplingParams | None) -> pb.Tensor | int:
-        """Run one forward of this stage for one request.
+             sampling: SamplingParams | None, more: bool = False) -> pb.Tensor | int | None:
+        """Run one forward of this stage for one request (worker thread).
 
         Args:
             request_id: the request.
-            step: 0 for the prefill (creates the KV cache), n for the n-th decode step.
+            step: 0 for the prefill (its first chunk, at offset 0, creates the KV
+                cache), n for the n-th decode step.
             offset: tokens already in the request's KV cache (must match).
             payload: token ids on the first stage; a Tensor message with hidden states
                 ``(1, tokens, hidden_size)`` on the others.
-            sampling: the request's sampling parameters (used on step 0 of the last stage).
+            sampling: the request's sampling parameters (used when the last stage
+                creates the request's cache).
+            more: a prefill chunk that more chunks follow: the last stage fills its
+                cache and samples nothing.
 
         Returns:
-            The encoded hidden states for the next stage, or the sampled token id on
-            the last stage.
+            The encoded hidden states ``(1, tokens, hidden_size)`` for the next stage,
+            the sampled token id on the last stage, or ``None`` on the last stage
+            for a chunk with ``more``.
 
         Raises:
             codec.TensorDecodeError: malformed hidden states.
             RequestError: unknown request or offset mismatch.
         """
         t0 = time.perf_counter()
-        if isinstance(payload, list):
-            x = mx.array([payload], dtype=mx.int32)
-        else:
-            x = codec.decode(payload, max_bytes=self.max_tensor_bytes, require_finite=True)
-            if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.stage.hidden_size:
-                raise codec.TensorDecodeError(
-                    f"hidden states must have shape (1, tokens, {self.stage.hidden_size}), got {tuple(x.shape)}"
-                )
-        state = self._state(request_id, step, offset, sampling)
-        out = self.stage(x, state.cache)
-        state.offset += x.shape[1]
-        state.last_used = time.monotonic()
-        self.tokens_processed += x.shape[1]
         try:
-            if self.stage.last:
-                return state.sampler(out[0, -1])
-            return codec.encode(out)
+            x = self._input(payload)
+            state = self._state(request_id, step, offset, sampling)
+            out = self.stage(x, state.cache)
+            return self._finish_one(state, out, x.shape[1], more)
         finally:
             self.busy_s += time.perf_counter() - t0
 
+    def _finish_one(self, state: _RequestState, out: mx.array, tokens: int, more: bool) -> pb.Tensor | int | None:
+        state.offset += tokens
+        state.last_used = time.monotonic()
+        self.tokens_processed += tokens
+        self.forwards += 1
+        if not self.stage.last:
+            return codec.encode(out)
+        if more:
+            mx.eval([c.state for c in state.cache])  # fill the cache; the logits are never computed
+            return None
+        return state.sampler(out[0, -1])
+
+    def _run_batch(self, batch: list[_Work]) -> list[Any]:
+        """Run the steps of one round (worker thread): one multi-token step, or up to
+        ``max_batch`` one-token steps of different requests as one forward. Returns
+        each step's result or exception, in order."""
+        t0 = time.perf_counter()
+        results: list[Any] = [None] * len(batch)
+        ready: list[tuple[int, _RequestState, mx.array]] = []
+        for i, work in enumerate(batch):
+            try:
+                x = self._input(work.payload)
+                ready.append((i, self._state(work.request_id, work.step, work.offset, work.sampling), x))
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                results[i] = exc
+        try:
+            if len(ready) > 1 and _batchable(ready[0][1].cache) and all(_batchable(s.cache) for _, s, _ in ready):
+                self._forward_batched(ready, results)
+            else:
+                for i, state, x in ready:
+                    try:
+                        results[i] = self._finish_one(state, self.stage(x, state.cache), x.shape[1], batch[i].more)
+                    except Exception as exc:  # noqa: BLE001 - fails this request only
+                        log.exception("stage forward failed for request %s", batch[i].request_id)
+                        results[i] = exc
+            if batch[0].tokens == 1:
+                self.last_batch = len(ready)
+                self.batch_histogram[len(ready)] += 1
+                self.recent_batches.append((time.monotonic(), len(ready)))
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        return results
+
+    def _forward_batched(self, ready: list[tuple[int, _RequestState, mx.array]], results: list[Any]) -> None:
+        """One forward for several one-token steps: the requests' KV caches are merged
+        into left-padded ``BatchKVCache``s (mlx-lm's batching machinery), run, and
+        split back into each request's own cache."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        x = mx.concatenate([x for _, _, x in ready], axis=0)
+        layers = len(ready[0][1].cache)
+        merged = [BatchKVCache.merge([state.cache[layer] for _, state, _ in ready]) for layer in range(layers)]
+        out = self.stage(x, merged)
+        mx.eval(out)
+        for row, (i, state, _) in enumerate(ready):
+            state.cache = [c.extract(row) for c in merged]
+            state.offset += 1
+            state.last_used = time.monotonic()
+            results[i] = state.sampler(out[row, -1]) if self.stage.last else codec.encode(out[row:row + 1])
+        self.tokens_processed += len(ready)
+        self.forwards += 1
+
+    def _release_many(self, request_ids: list[str]) -> list[bool]:
+        return [self.release(rid) for rid in request_ids]
+
     def release(self, request_id: str) -> bool:
-        """Drop a request's KV cache. Returns whether it was held."""
+        """Drop a request's KV cache (worker thread). Returns whether it was held."""
         return self._requests.pop(request_id, None) is not None
 
+    def batch_stats(self, window_s: float = 10.0) -> dict:
+        """Decode batching figures for ``/v1/cluster``: the limit, the last batch, the
+        mean batch over the last ``window_s`` seconds, the histogram since start and
+        the steps waiting."""
+        now = time.monotonic()
+        recent = [n for t, n in self.recent_batches if now - t <= window_s]
+        return {
+            "max_batch": self.max_batch,
+            "last_batch": self.last_batch,
+            "mean_batch_recent": sum(recent) / len(recent) if recent else None,
+            "histogram": {str(k): v for k, v in sorted(self.batch_histogram.items())},
+            "queued": self.queued,
+        }
+
     def close(self) -> None:
-        """Drop every cache and stop the worker thread."""
+        """Drop every cache and waiting step and stop the worker thread."""
+        self._drop(lambda w: True, "the node is shutting down")
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
         self._requests.clear()
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _batchable(cache: list) -> bool:
+    """Whether a request's cache can join a batched forward: plain ``KVCache`` per
+    layer (rotating, quantized or state-space caches run one request at a time)."""
+    from mlx_lm.models.cache import KVCache
+
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

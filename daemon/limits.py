@@ -224,10 +224,11 @@ class ApiGuard:
     ``/openapi.json``, ``/docs``) only get the body limit.
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], limits: ApiLimits):
+    def __init__(self, app: Callable[..., Awaitable[None]], limits: ApiLimits,
+                 requests: ConcurrencyLimiter | None = None):
         self.app = app
         self.limits = limits
-        self.requests = ConcurrencyLimiter(limits.max_concurrent_requests, limits.max_queue)
+        self.requests = requests or ConcurrencyLimiter(limits.max_concurrent_requests, limits.max_queue)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http":
@@ -376,6 +377,8 @@ def document(app: Any, limits: ApiLimits) -> None:
 def install(app: Any, limits: ApiLimits) -> None:
     """Put :class:`ApiGuard` in front of ``app`` and document it (see :func:`document`).
 
+    The guard's admission queue is ``app.state.admission`` (shown by ``/v1/cluster``).
+
     Also gives the framework's own HTTP errors (unparsable JSON body, unknown path,
     wrong method) OpenAI's error shape instead of ``{"detail": ...}``.
     """
@@ -387,5 +390,6 @@ def install(app: Any, limits: ApiLimits) -> None:
                         headers=dict(exc.headers or {}), media_type="application/json")
 
     app.add_exception_handler(HTTPException, http_error)
-    app.add_middleware(ApiGuard, limits=limits)
+    app.state.admission = ConcurrencyLimiter(limits.max_concurrent_requests, limits.max_queue)
+    app.add_middleware(ApiGuard, limits=limits, requests=app.state.admission)
     document(app, limits)

@@ -39,11 +39,12 @@ import grpc
 import psutil
 
 from . import codec
-from .engine import RequestError, StageEngine, sampling_from_pb, sampling_to_pb
+from .engine import RequestDropped, RequestError, StageEngine, sampling_from_pb, sampling_to_pb
 from .hop import HopLink
 from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
 from .sampling import SamplingParams
+from .serving_defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from .sources import ModelLocation
 from .stage import Stage, load_stage
 from .static_plan import StageSpec
@@ -126,6 +127,9 @@ class NodeConfig:
         resume_attempts: how many times a request is resumed on a new plan.
         fetch: for a node without the model files, ``await fetch(start, end)`` pulls that
             stage's tensors from a member into the local sparse copy before loading.
+        max_batch: the most decode steps a stage runs as one forward (1: no batching).
+        prefill_chunk: prompt tokens per prefill chunk; stage 0 sends each chunk on
+            as soon as it is computed, so stages prefill in a pipeline.
     """
 
     host: str
@@ -139,6 +143,8 @@ class NodeConfig:
     plan_wait_s: float = 30.0
     resume_attempts: int = 8
     fetch: Callable[[int, int], Awaitable[None]] | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     @property
     def address(self) -> str:
@@ -191,6 +197,8 @@ class Node:
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
+        self._tasks: set[asyncio.Task] = set()
+        self._token_times: deque[float] = deque(maxlen=4096)  # monotonic time of each token headed here
 
     # --- plan views ------------------------------------------------------------------
 
@@ -228,7 +236,8 @@ class Node:
         # baseline the memory figures in info() are read against.
         await asyncio.get_running_loop().run_in_executor(executor, _warm_up_mlx)
         self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
-        self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes)
+        self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
+                                  max_batch=self.config.max_batch)
         if self.config.plan is not None:
             stages = tuple(self.config.plan)
             digest = ",".join(f"{s.address}={s.start}:{s.end}" for s in stages)
@@ -310,7 +319,7 @@ class Node:
         for old in [k for k in self._prepared if k[0] <= plan.epoch]:
             self._prepared.pop(old, None)
         old_index_spec = self.stage_spec
-        await self.engine.run(self.engine.swap, stage)
+        await self.engine.swap_stage(stage)
         self.plan = plan
         self.index = plan.index_of(self.node_id, self.config.address)
         for gen in list(self._generations.values()):
@@ -533,28 +542,38 @@ class Node:
 
     async def _advance(self, gen: _Generation, step: int, payload: list[int]) -> None:
         """Run stage 0 for ``payload`` and pass the result on (or take the token, on a
-        single-stage plan)."""
-        offset = 0 if step == 0 else len(gen.prompt) + len(gen.tokens) - 1
-        try:
-            out = await self.engine.run(self.engine.step, gen.request_id, step, offset, payload, gen.sampling)
-        except Exception as exc:  # fail this request only
-            if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
-                log.exception("stage 0 failed request %s", gen.request_id)
-            self._finish(gen, GenerationError(f"stage 0: {exc}"))
-            return
-        if gen.finished:
-            return
-        if isinstance(out, int):
-            self._on_token(gen, out)
-            return
-        message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
-                                hidden=out, stage=1, sent_at=time.time())
+        single-stage plan). A prompt longer than ``prefill_chunk`` goes in chunks, each
+        sent on as soon as it is computed (the next stage starts on it meanwhile)."""
         if step == 0:
-            message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
-        try:
-            await self._next.send(message)
-        except (ConnectionError, AttributeError) as exc:
-            self._finish(gen, GenerationError(f"next stage unreachable: {exc}"))
+            chunk = max(1, self.config.prefill_chunk)
+            pieces = [(off, payload[off:off + chunk]) for off in range(0, len(payload), chunk)]
+        else:
+            pieces = [(len(gen.prompt) + len(gen.tokens) - 1, payload)]
+        for k, (offset, piece) in enumerate(pieces):
+            more = k < len(pieces) - 1
+            try:
+                out = await self.engine.submit(gen.request_id, step, offset, piece, gen.sampling, more=more)
+            except Exception as exc:  # fail this request only
+                if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
+                    log.exception("stage 0 failed request %s", gen.request_id)
+                self._finish(gen, GenerationError(f"stage 0: {exc}"))
+                return
+            if gen.finished:
+                return
+            if out is None:  # a single-stage plan filling its cache chunk by chunk
+                continue
+            if isinstance(out, int):
+                self._on_token(gen, out)
+                return
+            message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
+                                    hidden=out, stage=1, sent_at=time.time(), more=more)
+            if step == 0 and offset == 0:
+                message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
+            try:
+                await self._next.send(message)
+            except (ConnectionError, AttributeError) as exc:
+                self._finish(gen, GenerationError(f"next stage unreachable: {exc}"))
+                return
 
     def _on_token(self, gen: _Generation, token: int) -> None:
         if gen.finished:
@@ -563,6 +582,7 @@ class Node:
             gen.ttft_s = time.perf_counter() - gen.started
         gen.tokens.append(token)
         self.tokens_generated_total += 1
+        self._token_times.append(time.monotonic())
         gen.queue.put_nowait(token)
         if token in gen.stop_ids or len(gen.tokens) >= gen.max_tokens:
             self._finish(gen, None)
@@ -579,7 +599,7 @@ class Node:
     async def _release(self, request_id: str) -> None:
         """Drop the request's cache here and send a release around the ring."""
         if self.engine is not None:
-            await self.engine.run(self.engine.release, request_id)
+            await self.engine.release_now(request_id)
         if self._next is not None and self.is_head:
             try:
                 await self._next.send(pb.Activation(request_id=request_id, epoch=self.epoch, release=True))
@@ -590,6 +610,10 @@ class Node:
 
     async def on_activation(self, message: pb.Activation) -> None:
         """Handle one activation from the previous stage.
+
+        Returns as soon as the step is queued on the engine (the result is sent on
+        by a task), so the hop stream keeps reading and the steps of concurrent
+        requests can meet in one batch.
 
         Raises:
             codec.TensorDecodeError: malformed hidden states (after the error has been
@@ -616,29 +640,47 @@ class Node:
                                                         f"{self.epoch}, not {message.epoch}"))
             return
         if message.release:
-            await self.engine.run(self.engine.release, rid)
-            if not self.is_last:
-                await self._forward(message)
+            self._spawn(self._release_and_forward(message))
             return
         if message.error:
             await self._forward(message)
             return
-        sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
-        payload = message.hidden if message.WhichOneof("payload") == "hidden" else None
-        if payload is None:
+        if message.WhichOneof("payload") != "hidden":
             raise codec.TensorDecodeError("activation carries no hidden states")
+        shape = tuple(message.hidden.shape)
+        hidden_size = self.engine.stage.hidden_size if self.engine.stage else None
+        if hidden_size is not None and (len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size):
+            error = f"hidden states must have shape (1, tokens, {hidden_size}), got {shape}"
+            await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
+                                              error=f"stage {self.index} ({self.config.address}): {error}"))
+            raise codec.TensorDecodeError(error)
+        sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
+        future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more)
+        self._spawn(self._complete(message, future))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _complete(self, message: pb.Activation, future: asyncio.Future) -> None:
+        """Send on the result of one queued step (hidden states, or the sampled token
+        from the last stage), or the error that failed the request."""
+        rid = message.request_id
         try:
-            out = await self.engine.run(self.engine.step, rid, message.step, message.offset, payload, sampling)
+            out = await future
+        except RequestDropped:
+            return  # released or re-planned while it waited: nobody wants the result
         except Exception as exc:  # any failure fails this request only; the node keeps serving
             if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
-                log.exception("stage %s failed request %s", self.index, rid)
+                log.error("stage %s failed request %s: %s", self.index, rid, exc)
             await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
                                               error=f"stage {self.index} ({self.config.address}): {exc}"))
-            if isinstance(exc, codec.TensorDecodeError):
-                raise
             return
+        if out is None:
+            return  # the last stage took a prefill chunk that more chunks follow
         nxt = pb.Activation(request_id=rid, epoch=message.epoch, step=message.step, offset=message.offset,
-                            stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time())
+                            stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time(), more=message.more)
         if isinstance(out, int):
             nxt.token = out
         else:
@@ -646,6 +688,11 @@ class Node:
             if message.HasField("sampling"):
                 nxt.sampling.CopyFrom(message.sampling)
         await self._forward(nxt)
+
+    async def _release_and_forward(self, message: pb.Activation) -> None:
+        await self.engine.release_now(message.request_id)
+        if not self.is_last:
+            await self._forward(message)
 
     async def _forward(self, message: pb.Activation) -> None:
         if self._next is None:
@@ -664,6 +711,12 @@ class Node:
         return json.dumps({"epoch": self.plan.epoch, "plan_id": self.plan.plan_id,
                            "infeasible": self.plan.infeasible,
                            "stages": [s.__dict__ for s in self.plan.stages]})
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        """Aggregate tokens/s of the requests this node heads (stage 0): tokens in the
+        last ``window_s`` seconds / ``window_s``, all requests together."""
+        now = time.monotonic()
+        return sum(1 for t in self._token_times if now - t <= window_s) / window_s
 
     def info(self) -> dict:
         """A JSON-safe summary of this node: stage, plan, state and live figures."""
@@ -686,6 +739,8 @@ class Node:
             "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),
             "kv_caches": self.engine.active_requests if self.engine else [],
+            "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
+                         "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,

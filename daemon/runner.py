@@ -25,6 +25,7 @@ from .memory_tuning import tune_allocator
 from .model_info import load_tokenizer, model_info
 from .node import Node, NodeConfig
 from .secret_cli import api_limits, transport_config
+from .serving_defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from .sources import resolve
 from .static_plan import parse_plan, validate
 
@@ -107,6 +108,8 @@ def build_config(args) -> tuple[NodeConfig, int]:
             raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
     return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=args.dtype,
                       node_id=getattr(args, "node_id", "") or "",
+                      max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
+                      prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
                       transport=transport_config(args, getattr(args, "node_id", "") or address)), \
         info.context_tokens
 

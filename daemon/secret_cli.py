@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- ringlet run
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -89,17 +90,17 @@ def add_run_arguments(run_parser: argparse.ArgumentParser) -> None:
                         "on gRPC, signed mDNS adverts. Without it the cluster runs open")
     g.add_argument("--api-key-file", default=None,
                    help="file of API keys, one per line: /v1/* then requires 'Authorization: Bearer <key>'")
-    g.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+    g.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest HTTP request body (default {DEFAULT_MAX_BODY_BYTES})")
-    g.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+    g.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="largest prompt in tokens (default: the model's context)")
-    g.add_argument("--max-completion-tokens", type=_positive_int, default=None,
+    g.add_argument("--max-completion-tokens", type=positive_int, default=None,
                    help="clamp max_tokens to this (default: what the context leaves)")
-    g.add_argument("--max-concurrent-requests", type=_positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+    g.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                    help=f"generations this node's API runs at once (default {DEFAULT_MAX_CONCURRENT_REQUESTS})")
     g.add_argument("--max-queue", type=_non_negative_int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting for a slot; beyond, HTTP 429 (default {DEFAULT_MAX_QUEUE})")
-    g.add_argument("--max-message-bytes", type=_positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
+    g.add_argument("--max-message-bytes", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help=f"largest gRPC message (default {DEFAULT_MAX_MESSAGE_BYTES})")
     g.add_argument("--control-rpc-rate", type=_positive_float, default=TransportConfig.control_rate_per_s,
                    help="control RPCs per second allowed per peer (default %(default)s)")

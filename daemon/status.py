@@ -27,6 +27,10 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                 "memory_total_bytes", "memory_usable_bytes", "memory_used_bytes",
                 "weights_bytes", "tokens_per_s", "tokens_generated_total",
                 "requests_in_flight", "hop_latency_median_s", "api_url",
+                "batch_mean" (mean decode batch over the node's last 10 s; None: idle or not
+                reported), "batch_last", "max_batch", "stage_queued" (steps waiting for the
+                stage's worker), "api_queued" (requests waiting for admission at its API),
+                "head_tokens_per_s" (tokens/s of the requests it heads),
                 "reachable" (None: no API URL known), "error"}],
      "hops": [{"from", "to", "from_name", "to_name", "returns", "kind",
                "bandwidth_bytes_per_s", "rtt_s", "hop_latency_s"}],
@@ -36,10 +40,12 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
 
 Tokens per second: the cluster's own ``tokens_per_s`` when reported; otherwise
 the rate of the monotonic counter ``tokens_generated_total`` between successive
-snapshots (so a single ``ringlet status`` has no rate unless the daemon reports
-one or nothing is in flight; the dashboard, polling, always has). A node's counter
-counts the tokens of the generations it heads, so the cluster's rate is the sum
-over nodes. In a pipeline every stage processes every token, so a stage with no
+snapshots (the dashboard, polling, always has one). A node's counter counts the
+tokens of every generation it heads, concurrent ones included, so the cluster's
+rate is the sum over nodes and over requests. A single ``ringlet status`` has no
+counter rate: it shows 0 when nothing is in flight, else the sum of the nodes'
+``batching.head_tokens_per_s`` (each node's own figure over its last 10 s), else
+none. In a pipeline every stage processes every token, so a stage with no
 ``tokens_per_s`` of its own shows the ring's rate.
 
 Exit status of ``ringlet status``: 0 every stage of the plan is ready or serving,
@@ -225,6 +231,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         m = member_by_addr.get(addr, {})
         url, info = own.get(addr, (None, {}))
         mem = info.get("memory") if isinstance(info.get("memory"), dict) else {}
+        batching = info.get("batching") if isinstance(info.get("batching"), dict) else {}
+        admission = info.get("api") if isinstance(info.get("api"), dict) else {}
         api_url = url or member_api_url(m)
         if api_url is None:
             api_url = next((u for u, a in (addresses or {}).items() if a == addr), None)
@@ -266,6 +274,12 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "tokens_generated_total": _int(info.get("tokens_generated_total")),
             "requests_in_flight": _int(info.get("requests_in_flight")),
             "hop_latency_median_s": _num(info.get("hop_latency_median_s")),
+            "batch_mean": _num(batching.get("mean_batch_recent")),
+            "batch_last": _int(batching.get("last_batch")),
+            "max_batch": _int(batching.get("max_batch")),
+            "stage_queued": _int(batching.get("queued")),
+            "api_queued": _int(admission.get("queued")),
+            "head_tokens_per_s": _num(batching.get("head_tokens_per_s")),
             "api_url": api_url,
             "reachable": reachable,
             "error": error,
@@ -285,7 +299,9 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
 
     # The ring's rate: the cluster's own figure, else the client-side counter rate, else
     # the stages' own figures (every stage of a pipeline processes every token: the
-    # fastest report is the ring's), else 0 when counters exist and nothing is in flight.
+    # fastest report is the ring's), else 0 when counters exist and nothing is in flight,
+    # else the sum of the rates the nodes give for the requests they head (a 10 s window:
+    # lags the counters, hence last).
     in_flight = [n["requests_in_flight"] for n in nodes]
     ring_rate = _first(_num(base.get("tokens_per_s")), cluster_rate)
     if ring_rate is None:
@@ -293,6 +309,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         ring_rate = max(own_rates) if own_rates else None
     if ring_rate is None and any(n["tokens_generated_total"] is not None for n in nodes) and not _sum(in_flight):
         ring_rate = 0.0
+    if ring_rate is None:
+        ring_rate = _sum([n["head_tokens_per_s"] for n in nodes])
     for n in nodes:
         if n["tokens_per_s"] is None and n["in_plan"] and n["reachable"] is not False and ring_rate is not None:
             n["tokens_per_s"] = ring_rate
@@ -570,7 +588,7 @@ def exit_status(snap: dict) -> int:
 def format_status(snap: dict) -> str:
     """The snapshot as plain text: a summary line and one aligned row per node, never
     truncated (for people and ``grep``)."""
-    from .dashboard import fmt_bytes, fmt_range, fmt_rate, policy_text
+    from .dashboard import fmt_batch, fmt_bytes, fmt_range, fmt_rate, policy_text
 
     if not snap["reachable"]:
         return f"unreachable: {snap['error']}\n"
@@ -596,13 +614,14 @@ def format_status(snap: dict) -> str:
         lines.append(" · ".join(mode))
         if c.get("mode_reason"):
             lines.append(f"why: {c['mode_reason']}")
-    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "grpc", "api")]
+    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "grpc", "api")]
     for n in snap["nodes"]:
         mem = fmt_bytes(n["memory_used_bytes"]).replace(" ", "")
         if n["memory_total_bytes"]:
             mem += "/" + fmt_bytes(n["memory_total_bytes"]).replace(" ", "")
         rows.append((v(n["stage"]), n["name"], v(n["state"]), fmt_range(n["layer_range"]).replace(" ", ""), mem,
-                     fmt_rate(n["tokens_per_s"]), n["address"], v(n["api_url"])))
+                     fmt_rate(n["tokens_per_s"]), fmt_batch(n.get("batch_mean"), n.get("max_batch")), n["address"],
+                     v(n["api_url"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())

@@ -540,6 +540,9 @@ class TPServing:
                     ttft = time.perf_counter() - started
                 count += 1
                 self.node.tokens_generated_total += 1
+                times = getattr(self.node, "_token_times", None)  # the node's tokens/s window (batched decode)
+                if times is not None:
+                    times.append(time.monotonic())
                 yield token
                 if token in stop_ids:
                     return

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from rich.console import Console
-from test_status import FakeNode, studio_infos, today_info
+from test_status import FakeNode, batched_infos, batching_of, studio_infos, today_info
 
 from ringlet.daemon import dashboard
 from ringlet.daemon.dashboard import (
@@ -99,6 +99,44 @@ def test_many_nodes_at_80x24_switch_to_one_line_per_node():
         assert f"[{n['layer_range'][0]}, {n['layer_range'][1]})" in node_line(lines, n["name"])
 
 
+def test_batch_per_stage_at_80x24_under_the_tokens_per_s():
+    snap = build_snapshot("http://a0", batched_infos(), {}, now=1_700_000_100)
+    lines = frame(snap, 80, 24)
+    assert len(lines) <= 24 and all(len(ln) <= 80 for ln in lines)
+    assert lines[1].endswith("3/3 ready · in flight 3 · 7.5 tok/s")
+    second = [ln for ln in lines if ln.startswith("   —  ")]  # a stage's second line (no chip reported)
+    assert [ln.split("  ")[-1].strip() for ln in second] == ["batch 2.4/8", "batch 12/16", "batch —"]
+    assert second[0].endswith("▼ hop 410 µs                   batch 2.4/8")
+    assert second[2].endswith("↩ 127.0.0.1:7100 · hop 400 µs      batch —")  # the older node
+
+
+def test_batch_column_in_the_wide_layout():
+    snap = build_snapshot("http://a0", batched_infos(), {}, now=1_700_000_100)
+    for width in (120, 160, 220):
+        lines = frame(snap, width)
+        assert all(len(ln) <= width for ln in lines)
+        header = next(ln for ln in lines if ln.lstrip().startswith("# node"))
+        assert re.search(r" tok/s batch hop to next stage", header), header
+        assert re.search(r" 7\.5 2\.4/8 ▼ hop 410 µs", node_line(lines, "127.0.0.1:7100"))
+        assert re.search(r" 7\.5 12/16 ▼ hop 420 µs", node_line(lines, "127.0.0.1:7101"))
+        assert re.search(r" 7\.5     — ↩ 127\.0\.0\.1:7100", node_line(lines, "127.0.0.1:7102"))
+        assert "in flight 3 · 7.5 tok/s" in lines[0]
+
+
+def test_batch_column_when_many_nodes_take_one_line_each_at_80x24():
+    infos = {f"http://a{i}": today_info(i, n=8, layers=64, batching=batching_of(1.0 + i if i < 7 else None, 1))
+             for i in range(8)}
+    del infos["http://a3"]["batching"]  # an older daemon
+    snap = build_snapshot("http://a0", infos, {})
+    lines = frame(snap, 80, 24)
+    assert len(lines) <= 24 and all(len(ln) <= 80 for ln in lines)
+    for n in snap["nodes"]:
+        line = node_line(lines, n["name"])
+        assert f"[{n['layer_range'][0]}, {n['layer_range'][1]})" in line
+        want = "batch —" if n["stage"] in (3, 7) else f"batch {1.0 + n['stage']:.1f}/8"
+        assert re.search(rf"0\.0 tok/s +{re.escape(want)}$", line), line
+
+
 def test_layer_bars_tile_the_depth():
     for depth in (1, 7, 30, 80, 126):
         for width in (5, 17, 40):
@@ -120,7 +158,8 @@ def test_layer_bars_tile_the_depth():
 def test_missing_fields_are_dashes():
     snap = build_snapshot("http://a", {"http://a": {"plan": [{"address": "h:1", "start": 0, "end": 4}]}}, {})
     text = "\n".join(frame(snap, 80))
-    assert "h:1" in text and "[0, 4)" in text and "epoch —" in text and "— tok/s" in text
+    assert "h:1" in text and "[0, 4)" in text and "epoch —" in text and "— tok/s" in text and "batch —" in text
+    assert re.search(r" — +— +$", node_line(frame(snap, 160), "h:1"))  # tok/s and batch, no hop
 
 
 def test_unreachable_with_and_without_the_last_good_frame():
@@ -281,6 +320,11 @@ def test_live_frames_never_overflow_the_terminal(width, height):
     lines = frame(studios(n_events=30, recent=9), width, height)
     assert len(lines) <= height and max(len(ln) for ln in lines) <= width
     assert "epoch 7" in lines[0]
+    infos = batched_infos()
+    infos["http://a0"]["batching"].update(mean_batch_recent=100.0, max_batch=128)  # the widest batch figure
+    lines = frame(build_snapshot("http://a0", infos, {}), width, height)
+    assert len(lines) <= height and max(len(ln) for ln in lines) <= width
+    assert "100/128" in "\n".join(lines)
 
 
 def test_tensor_mode_backend_and_ranks_are_drawn():

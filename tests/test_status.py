@@ -99,6 +99,27 @@ def today_info(i: int, n: int = 3, layers: int = 30, epoch: int = 1, state: str 
     return info
 
 
+def batching_of(mean: float | None, last: int, max_batch: int = 8, queued: int = 0, head: float = 0.0) -> dict:
+    """``/v1/cluster``'s ``batching`` (a stage's decode batches and the tokens/s of the requests it heads)."""
+    return {"max_batch": max_batch, "last_batch": last, "mean_batch_recent": mean,
+            "histogram": {"1": 120, "2": 40, "3": 7}, "queued": queued, "prefill_chunk": 512,
+            "head_tokens_per_s": head}
+
+
+def batched_infos() -> dict[str, dict]:
+    """Three stages serving three concurrent requests; stages 0 and 1 report batching and API
+    admission, stage 2 is an older daemon that reports neither."""
+    api = {"running": 3, "queued": 2, "max_concurrent_requests": 8, "max_queue": 32}
+    return {
+        "http://a0": today_info(0, state="serving", requests_in_flight=3, tokens_generated_total=400,
+                                batching=batching_of(2.4, 3, queued=1, head=7.5), api=api),
+        "http://a1": today_info(1, state="serving", tokens_generated_total=0,
+                                batching=batching_of(12.4, 12, max_batch=16),
+                                api=dict(api, running=0, queued=0)),
+        "http://a2": today_info(2, state="serving"),
+    }
+
+
 def studio_infos(n: int = 4) -> dict[str, dict]:
     """``{api_url: /v1/cluster}`` of four Mac Studios with the members/links schema."""
     names = [f"studio-{k + 1}" for k in range(n)]
@@ -197,6 +218,62 @@ def test_a_node_that_stops_answering_keeps_its_place_marked_unreachable():
     assert exit_status(snap) == EXIT_DEGRADED
 
 
+def test_batch_figures_per_node_and_an_old_node_without_them():
+    snap = build_snapshot("http://a0", batched_infos(), {})
+    json.dumps(snap)
+    n0, n1, old = snap["nodes"]
+    assert (n0["batch_mean"], n0["batch_last"], n0["max_batch"], n0["stage_queued"], n0["api_queued"]) == (
+        2.4, 3, 8, 1, 2)
+    assert (n1["batch_mean"], n1["batch_last"], n1["max_batch"], n1["stage_queued"], n1["api_queued"]) == (
+        12.4, 12, 16, 0, 0)
+    assert n0["head_tokens_per_s"] == 7.5 and n1["head_tokens_per_s"] == 0.0
+    for key in ("batch_mean", "batch_last", "max_batch", "stage_queued", "api_queued", "head_tokens_per_s"):
+        assert old[key] is None, key
+    # one snapshot, no counter rate yet, requests in flight: the heads' own aggregate figure
+    assert snap["cluster"]["tokens_per_s"] == 7.5 and snap["cluster"]["requests_in_flight"] == 3
+    assert format_status(snap) == (
+        "model smollm2-135m · layers 30 · epoch 1 · policy — · nodes 3/3 ready · in flight 3 · tokens/s 7.5\n"
+        "stage  node            state    layers   memory  tok/s  batch  grpc            api\n"
+        "0      127.0.0.1:7100  serving  [0,10)   280MiB  7.5    2.4/8  127.0.0.1:7100  http://a0\n"
+        "1      127.0.0.1:7101  serving  [10,20)  281MiB  7.5    12/16  127.0.0.1:7101  http://a1\n"
+        "2      127.0.0.1:7102  serving  [20,30)  282MiB  7.5    —      127.0.0.1:7102  http://a2\n")
+
+
+def test_batch_column_dash_when_idle_or_unknown():
+    from ringlet.daemon.dashboard import fmt_batch
+
+    assert fmt_batch(2.4, 8) == "2.4/8" and fmt_batch(1.0, 8) == "1.0/8" and fmt_batch(12.4, 16) == "12/16"
+    assert fmt_batch(None, 8) == "—" and fmt_batch(None, None) == "—" and fmt_batch(3.0, None) == "3.0"
+    infos = batched_infos()
+    infos["http://a0"]["batching"]["mean_batch_recent"] = None  # no forward in the last 10 s
+    infos["http://a1"]["batching"] = None  # a node without an engine yet
+    snap = build_snapshot("http://a0", infos, {})
+    assert [n["batch_mean"] for n in snap["nodes"]] == [None, None, None]
+    assert snap["nodes"][0]["max_batch"] == 8 and snap["nodes"][1]["max_batch"] is None
+    rows = format_status(snap).splitlines()[2:]
+    assert [r.split()[6] for r in rows] == ["—", "—", "—"]
+
+
+def test_ring_rate_is_the_sum_over_concurrent_requests_and_heads():
+    """The ring's tokens/s counts every token of every request in flight: per node, the
+    ``tokens_generated_total`` delta (one per token of each generation it heads), summed."""
+    c = Collector(["http://x"])
+    a, b = today_info(0, n=2), today_info(1, n=2)  # both head requests (each is some client's API node)
+    c.rates({"http://a": dict(a, tokens_generated_total=100), "http://b": dict(b, tokens_generated_total=50)}, 100.0)
+    rates, total = c.rates({"http://a": dict(a, tokens_generated_total=130),
+                            "http://b": dict(b, tokens_generated_total=70)}, 102.0)
+    assert rates == {"127.0.0.1:7100": 15.0, "127.0.0.1:7101": 10.0} and total == 25.0
+    infos = batched_infos()
+    # the counter rate wins over the heads' own (lagging, 10 s) figures
+    assert build_snapshot("http://a0", infos, {}, cluster_rate=total)["cluster"]["tokens_per_s"] == 25.0
+    # no counter rate: the sum of what each node says of the requests it heads
+    infos["http://a1"]["batching"]["head_tokens_per_s"] = 2.5
+    assert build_snapshot("http://a0", infos, {})["cluster"]["tokens_per_s"] == 10.0
+    # nothing in flight: 0, whatever the 10 s window still remembers
+    infos["http://a0"]["requests_in_flight"] = 0
+    assert build_snapshot("http://a0", infos, {})["cluster"]["tokens_per_s"] == 0.0
+
+
 def test_nothing_answers():
     snap = build_snapshot(None, {}, {"http://x": "connection refused"})
     assert not snap["reachable"] and "connection refused" in snap["error"]
@@ -209,6 +286,9 @@ def test_nothing_answers():
     {"plan": [{"address": 5}, {"address": "h:1", "start": "a", "end": None}], "members": [1, None, "x"],
      "links": "x", "events": [None, {"ts": "garbage"}], "layer_range": [1], "tokens_per_s": float("nan")},
     {"plan": [{"address": "h:1", "start": 0, "end": 3}], "address": "h:1", "state": 3, "loading_progress": 250},
+    {"plan": [{"address": "h:1", "start": 0, "end": 3}], "address": "h:1", "batching": "8", "api": [1, 2]},
+    {"plan": [{"address": "h:1", "start": 0, "end": 3}], "address": "h:1", "api": {"queued": "2"},
+     "batching": {"mean_batch_recent": "2.4", "max_batch": True, "queued": None, "head_tokens_per_s": float("inf")}},
 ])
 def test_garbage_fields_degrade_instead_of_raising(garbage):
     from rich.console import Console

@@ -33,7 +33,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage")
+    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Activation(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     step: int
@@ -56,7 +57,8 @@ class Activation(_message.Message):
     error: str
     sent_at: float
     stage: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ...) -> None: ...
+    more: bool
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class HopAck(_message.Message):
     __slots__ = ("received",)
