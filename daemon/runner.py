@@ -186,7 +186,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from .probes import probe_local
     from .stage import build_lazy_model
     from .tp_group import model_tp_spec
-    from .tp_serving import TPServing
+    from .tp_serving import TPServing, thunderbolt_record
 
     loop = asyncio.get_running_loop()
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
@@ -212,6 +212,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
         "flops": speed.matmul_flops if speed else None,
         "api_url": f"http://{api_host}:{args.api_port}", "links": {},
+        "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
     }
     model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
     spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),

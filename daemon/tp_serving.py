@@ -101,10 +101,41 @@ def _links_of(records: Mapping[str, dict], node_id: str) -> dict:
     return (records.get(node_id) or {}).get("links") or {}
 
 
+#: ThunderboltPort fields a node publishes in its record (``record["thunderbolt"]``): what
+#: ``probes.match_links`` needs to pair cables across members, and whether RDMA works.
+TB_FIELDS = ("port_id", "interface", "own_domain_uuid", "peer_domain_uuid", "link_speed_bytes_per_s", "peer_rdma")
+
+
+def thunderbolt_record(ports: Sequence[Any]) -> list[dict]:
+    """This node's cabled Thunderbolt ports (``probe.thunderbolt``) for its membership record."""
+    return [{f: getattr(p, f, None) for f in TB_FIELDS} for p in ports
+            if getattr(p, "own_domain_uuid", None) and getattr(p, "peer_domain_uuid", None)]
+
+
+def _ports_of(record: Mapping[str, Any]) -> tuple:
+    from .probes.common import ThunderboltPort
+
+    out = []
+    for d in record.get("thunderbolt") or ():
+        if not isinstance(d, dict):
+            continue
+        speed = d.get("link_speed_bytes_per_s")
+        out.append(ThunderboltPort(
+            port_id=str(d["port_id"]) if d.get("port_id") is not None else None,
+            interface=str(d["interface"]) if d.get("interface") else None,
+            own_domain_uuid=str(d.get("own_domain_uuid") or "") or None,
+            peer_domain_uuid=str(d.get("peer_domain_uuid") or "") or None,
+            link_speed_bytes_per_s=int(speed) if isinstance(speed, (int, float)) and speed > 0 else None,
+            peer_rdma=d.get("peer_rdma") is True,
+        ))
+    return tuple(out)
+
+
 def cluster_inputs(
     ids: Sequence[str], records: Mapping[str, dict], addresses: Mapping[str, str]
 ) -> tuple[list[TPMember], list[TPLink]]:
-    """TPMembers and one TPLink per pair of members, from membership records.
+    """TPMembers and one TPLink per pair of members, from membership records, plus one
+    per Thunderbolt cable both ends published (``record["thunderbolt"]``, with RDMA).
 
     Link kind and bandwidth come from either end's measured link (``record["links"]``);
     a pair not measured yet is ``loopback`` when both addresses are loopback or equal,
@@ -133,6 +164,11 @@ def cluster_inputs(
             kind = "loopback" if (_is_loopback(ha) and _is_loopback(hb)) or ha == hb else "ethernet"
             bandwidth = None
         links.append(TPLink(a, b, kind, bandwidth=bandwidth))
+    # Thunderbolt cables both ends published (RDMA on both ends makes JACCL possible)
+    from .probes.links import match_links
+
+    cables = match_links({i: _ports_of(records.get(i) or {}) for i in ids})
+    links.extend(tp_config.links_from_thunderbolt(cables))
     return members, links
 
 

@@ -118,3 +118,31 @@ def test_run_refuses_modes_it_cannot_serve(args, message):
     proc = ringlet("run", "--no-dashboard", "--port", "0", *args, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == message
+
+
+def test_thunderbolt_cables_in_records_make_jaccl_possible():
+    """The real MBP <-> Studio captures, published in each node's record: with RDMA on both
+    ends the pair is a JACCL group (as tp_config decides from the probes directly)."""
+    from dataclasses import replace
+
+    from test_tp_config import BIG, _captured_ports
+
+    from ringlet.daemon.tp_serving import thunderbolt_record
+
+    studio, mbp = _captured_ports()
+    ids = ["mbp-a", "studio-a"]
+    addresses = {"mbp-a": "192.168.1.20:7100", "studio-a": "192.168.1.10:7100"}
+    recs = {"mbp-a": {"usable_memory_bytes": 100 * GiB, "memory_bandwidth_bytes_per_s": 500e9,
+                      "thunderbolt": thunderbolt_record(mbp)},
+            "studio-a": {"usable_memory_bytes": 200 * GiB, "memory_bandwidth_bytes_per_s": 800e9,
+                         "thunderbolt": thunderbolt_record(studio)}}
+    _, links = cluster_inputs(ids, recs, addresses)
+    assert links[1:] == [TPLink("mbp-a", "studio-a", "thunderbolt", rdma=False, bandwidth=10e9, iface_a="en1",
+                                iface_b="en3")]
+    d = decide_mode("auto", ids, recs, addresses, BIG, "mbp-a")
+    assert (d["mode"], d["backend"], d["ranks"]) == ("tensor", "ring", ["mbp-a", "studio-a"])
+    recs["mbp-a"]["thunderbolt"] = thunderbolt_record(
+        tuple(replace(p, peer_rdma=True) if p.port_id == "1" else p for p in mbp))  # the Studio turned RDMA on
+    d = decide_mode("auto", ids, recs, addresses, BIG, "mbp-a")
+    assert (d["mode"], d["backend"], d["ranks"]) == ("tensor", "jaccl", ["mbp-a", "studio-a"])
+    assert d["reason"].startswith("tensor: 2 ranks over jaccl (every pair has an RDMA Thunderbolt link)")
