@@ -162,17 +162,18 @@ class Negotiator:
         """One proposal. Returns True to retry later (views differ, a vote failed)."""
         digest = self.membership.digest()
         plan, reason = self.compute_plan()
+        ids = self.membership.alive_ids()
+        mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
         if self.node.plan is not None and digest == self.committed_digest:
             same = (plan is not None and self.committed_plan is not None
                     and plan.plan_id == self.committed_plan.plan_id) or (plan is None and reason
                                                                           and self.committed_reason)
-            if same:
+            committed_mode = (self.node.plan.tp or {}).get("mode", "pipeline")
+            if same and committed_mode == (mode or {}).get("mode", "pipeline"):
                 return False
         epoch = max([self.node.epoch, *(m.committed_epoch for m in self.membership.members.values())]) + 1
-        ids = self.membership.alive_ids()
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
-        mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
                                tp_json=json.dumps(mode, sort_keys=True) if mode else "")

@@ -31,6 +31,9 @@ How a tensor plan is served
   ``max_restarts`` times in a row. A member that does not answer fails the group at
   once (it never shrinks by itself): in-flight requests get an error, the API node
   waits for the cluster's re-plan and resumes them on it by re-prefilling (Node.generate).
+  A group that gives up (restarts exhausted, or it never started) makes its leader, the
+  proposer, re-plan the same members on the pipeline, saying why; a membership change
+  tries tensor again.
 """
 
 from __future__ import annotations
@@ -422,7 +425,7 @@ class _DaemonGroup(TPGroup):
         self.restarts += 1
         if self.restarts > self.max_restarts:
             return TPDecision("pipeline", "none", (self.leader,),
-                              f"{why}; {self.restarts - 1} restarts failed; waiting for the cluster to re-plan")
+                              f"{why}; {self.restarts - 1} restarts failed")
         return self._initial
 
     async def _start_epoch(self, decision: TPDecision):
@@ -471,6 +474,11 @@ class TPServing:
         self._ranks: dict[tuple[int, int, int], _ProcHandle] = {}  # (plan epoch, group epoch, rank) -> rank here
         self._workdir = Path(tempfile.mkdtemp(prefix="ringlet-tp-ranks-"))
         self._closed = False
+        #: (membership digest, reason) of a tensor group that could not serve: that membership
+        #: gets the pipeline (a change of members tries tensor again).
+        self.failed: tuple[str, str] | None = None
+        #: called when this node's group gives up (the runner starts a negotiation round)
+        self.on_failed = None
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -495,7 +503,11 @@ class TPServing:
         """The proposer's mode decision for members ``ids`` (this node leads)."""
         records = {i: self.membership.record_of(i) or {} for i in ids}
         addresses = {i: self.membership.address_of(i) or "" for i in ids}
-        return decide_mode(self.requested, ids, records, addresses, self.spec, self.node.node_id)
+        out = decide_mode(self.requested, ids, records, addresses, self.spec, self.node.node_id)
+        if out["mode"] == "tensor" and self.failed is not None and self.failed[0] == self.membership.digest():
+            why = self.failed[1][:500]
+            return _pipeline(self.requested, f"{why}; serving the pipeline", refused=why)
+        return out
 
     @staticmethod
     def is_tensor(plan: ServingPlan | None) -> bool:
@@ -509,6 +521,8 @@ class TPServing:
         for key, handle in list(self._ranks.items()):
             if key[0] < plan.epoch:
                 handle.kill()
+        if self.failed is not None and self.failed[0] != self.membership.digest():
+            self.failed = None  # other members now: tensor may work again
         task = asyncio.create_task(self._switch(plan), name=f"tp-switch-{plan.epoch}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -544,9 +558,31 @@ class TPServing:
             self.group_error = str(exc)
             self.node.event("error", f"tensor group of epoch {plan.epoch} did not start: {exc}")
             log.error("tensor group of epoch %d did not start: %s", plan.epoch, exc)
+            await self._given_up(plan, f"tensor group did not start: {exc}")
             return
         self.node.event("tensor", f"epoch {plan.epoch}: group ready, ranks "
                                   f"{', '.join(r[:8] for r in decision.ranks)}")
+        while group is self.group and group.state not in ("failed", "closed"):
+            await asyncio.sleep(0.25)
+        if group is self.group and group.state == "failed":
+            self.group_error = group.reason
+            await self._given_up(plan, f"tensor group failed: {group.reason}")
+
+    async def _given_up(self, plan: ServingPlan, why: str) -> None:
+        """The group of ``plan`` cannot serve: while the membership stays the same, this node
+        (the proposer) decides pipeline with the reason, and a negotiation round starts. Not
+        when a member does not answer: its removal re-plans anyway."""
+        if self.node.plan is not plan or self._closed:
+            return
+        for node_id in plan.tp["ranks"]:
+            if node_id != self.node.node_id and not await self._reachable(node_id):
+                return
+        if self.node.plan is not plan:
+            return
+        self.failed = (self.membership.digest(), why)
+        self.node.event("mode", f"{why[:300]}; re-planning on the pipeline")
+        if self.on_failed is not None:
+            self.on_failed()
 
     # --- generation on rank 0 ----------------------------------------------------------------
 

@@ -285,3 +285,35 @@ def test_a_rejoin_forms_a_new_group_and_losing_rank_0_resumes(trio):
     while running(workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not running(workers), f"rank processes left: {running(workers)}"
+
+
+def test_a_group_that_keeps_crashing_gives_way_to_the_pipeline(trio):
+    """Rank 0's daemon is back (tensor again); then a member's rank process dies every time it
+    starts: after the group's restarts it gives up, and the leader re-plans the same members on
+    the pipeline, saying why."""
+    c, _, ranks, ids = trio
+    for i in range(3):
+        if c.procs[i].poll() is not None:
+            c.restart(i)
+    epoch = max(c.cluster_info(i)["epoch"] for i in c.alive())
+    info = c.wait_plan(stages=3, min_epoch=epoch + 1, timeout_s=60)
+    assert info["mode"] == "tensor"
+    leader, member = ids[ranks[0]], ids[ranks[1]]
+    wait_group_ready(c, leader)
+    killed: set[int] = set()
+    deadline = time.monotonic() + 60
+    while c.cluster_info(leader)["mode"] != "pipeline":
+        assert time.monotonic() < deadline, c.cluster_info(leader)["tp"]
+        for pid in rank_workers([c.procs[member].pid]) - killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        time.sleep(0.1)
+    assert len(killed) == 3  # the first group, then 2 restarts (max_restarts)
+    after = c.wait_plan(stages=3, min_epoch=info["epoch"] + 1)
+    tp = after["tp"]
+    assert (after["mode"], tp["mode"], tp["requested"]) == ("pipeline", "pipeline", "tensor")
+    assert tp["refused"].startswith(f"tensor group failed: rank 1 ({ranks[1]}) ")
+    assert tp["refused"].endswith("; 2 restarts failed") and tp["reason"] == f"{tp['refused']}; serving the pipeline"
+    got, finish, error = stream_ids(c.api_urls[member], FIRST)
+    assert (got, finish, error) == (RAW["completion_ids"][:FIRST], "length", None)
+    assert not rank_workers([p.pid for p in c.procs])
