@@ -213,6 +213,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         "flops": speed.matmul_flops if speed else None,
         "api_url": f"http://{api_host}:{args.api_port}", "links": {},
         "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
+        "whole_model": getattr(args, "fetched_location", None) is None,  # a tensor rank needs every layer
     }
     model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
     spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
@@ -401,8 +402,6 @@ async def serve(args) -> int:
                            "stage; use --mode tensor or auto")
     if args.plan and mode == "tensor":
         raise RingletError("--mode tensor needs negotiated plans; drop --plan (a static plan is a pipeline)")
-    if getattr(args, "fetch_model", False) and mode == "tensor":
-        raise RingletError("--mode tensor needs the whole model on every member; drop --fetch-model")
     if getattr(args, "fetch_model", False):
         await _bootstrap_fetch(args)
     config, context = build_config(args)

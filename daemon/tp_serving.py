@@ -198,6 +198,11 @@ def decide_mode(
     """
     if requested == "pipeline":
         return _pipeline(requested, "--mode pipeline")
+    partial = [i for i in ids if (records.get(i) or {}).get("whole_model") is False]
+    if partial and len(ids) > 1:
+        why = (f"tensor mode refused: {', '.join(i[:16] for i in partial)} hold(s) only part of the model "
+               "(--fetch-model); every rank needs all of it")
+        return _pipeline(requested, f"{why}; serving the pipeline", refused=why if requested == "tensor" else None)
     members, links = cluster_inputs(ids, records, addresses)
     try:
         decision = tp_config.decide(members, links, spec, None if requested == "auto" else requested, leader=leader)

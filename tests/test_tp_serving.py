@@ -72,6 +72,18 @@ def test_forced_tensor_that_cannot_run_serves_the_pipeline_and_says_why():
         "mode": "pipeline", "backend": "none", "ranks": [], "reason": "--mode pipeline", "requested": "pipeline"}
 
 
+def test_a_member_with_part_of_the_model_keeps_the_pipeline():
+    ids = ["a", "b", "c"]
+    addresses = {i: f"127.0.0.1:{7100 + k}" for k, i in enumerate(ids)}
+    recs = records(ids)
+    recs["b"]["whole_model"] = False
+    why = "tensor mode refused: b hold(s) only part of the model (--fetch-model); every rank needs all of it"
+    assert decide_mode("tensor", ids, recs, addresses, SMOL, "a") == {
+        "mode": "pipeline", "backend": "none", "ranks": [], "requested": "tensor", "refused": why,
+        "reason": f"{why}; serving the pipeline"}
+    assert decide_mode("auto", ids, recs, addresses, SMOL, "a")["reason"] == f"{why}; serving the pipeline"
+
+
 def test_auto_picks_tensor_across_machines_when_predicted_faster():
     ids = ["a", "b"]
     addresses = {"a": "10.0.0.1:7100", "b": "10.0.0.2:7100"}
