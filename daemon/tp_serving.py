@@ -50,7 +50,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -377,7 +377,8 @@ class ClusterLauncher:
         self.serving = serving
         self.plan_epoch = plan_epoch
 
-    async def start(self, node_id: str, argv: list[str], env: dict[str, str], log_path: Path):
+    async def start(self, node_id: str, argv: list[str], env: dict[str, str],
+                    log_path: Path) -> _ProcHandle | _RemoteHandle:
         """Start one rank; raises :class:`TPGroupError` when its member refuses or is unreachable."""
         if node_id == self.serving.node.node_id:
             return await spawn_rank(argv, env, log_path)
@@ -422,7 +423,7 @@ class _DaemonGroup(TPGroup):
     ``max_restarts`` times in a row. Otherwise it fails, and the cluster's re-plan decides
     what serves next (requests resume on that plan)."""
 
-    def __init__(self, *args, reachable, **kwargs):
+    def __init__(self, *args: Any, reachable: Callable[[str], Awaitable[bool]], **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._reachable = reachable
 
@@ -433,7 +434,7 @@ class _DaemonGroup(TPGroup):
                               f"{why}; {self.restarts - 1} restarts failed")
         return self._initial
 
-    async def _start_epoch(self, decision: TPDecision):
+    async def _start_epoch(self, decision: TPDecision):  # -> tp_group._Epoch
         if self._epoch is not None:  # a restart: do not start ranks while a member is gone
             gone = [n for n in decision.ranks if n != self.leader and not await self._reachable(n)]
             if gone:
