@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 
 from . import tp_config
 from .node import GenerationError, ServingPlan
@@ -715,8 +716,18 @@ class TPServing:
             out["group"]["plan_epoch"] = self.group_epoch
         elif self.group_error:
             out["group"] = {"state": "failed", "reason": self.group_error}
-        out["local_ranks"] = [{"plan_epoch": k[0], "group_epoch": k[1], "rank": k[2], "pid": h.pid}
-                              for k, h in sorted(self._ranks.items())]
+        local = [{"plan_epoch": k[0], "group_epoch": k[1], "rank": k[2], "pid": h.pid}
+                 for k, h in sorted(self._ranks.items())]
+        if self.group is not None and self.group.rank_pids().get(0):
+            g = self.group.info()
+            local.insert(0, {"plan_epoch": self.group_epoch, "group_epoch": g["epoch"], "rank": 0,
+                             "pid": self.group.rank_pids()[0]})
+        for r in local:  # what the rank processes on this machine hold (the daemon's own RSS excludes them)
+            try:
+                r["rss_bytes"] = psutil.Process(r["pid"]).memory_info().rss
+            except psutil.Error:
+                r["rss_bytes"] = None
+        out["local_ranks"] = local
         return out
 
     async def close(self) -> None:

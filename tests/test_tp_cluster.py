@@ -142,6 +142,9 @@ def test_three_daemons_serve_tensor_parallel_through_any_node(trio):
     assert choice["message"]["content"] == CHAT["completion_text"]
     group = wait_group_ready(c, leader)["group"]
     assert (group["state"], group["size"], group["ranks"]) == ("ready", 3, ranks)
+    for rank, node_id in enumerate(ranks):  # each node reports the rank process it runs, and its memory
+        (local,) = c.cluster_info(ids[node_id])["tp"]["local_ranks"]
+        assert local["rank"] == rank and local["rss_bytes"] > 0
     # each rank runs under its own member's daemon
     for rank, node_id in enumerate(ranks):
         daemon = psutil.Process(c.procs[ids[node_id]].pid)
