@@ -170,6 +170,17 @@ def policy_text(policy: Any) -> str:
     return _compact(policy)
 
 
+def mode_text(cluster: dict) -> str:
+    """``pipeline``, ``tensor/ring``, or ``pipeline (tensor refused)``."""
+    mode = _compact(cluster.get("mode"))
+    backend = cluster.get("backend")
+    if backend and backend != "none":
+        mode += f"/{backend}"
+    if cluster.get("mode_refused") and not cluster.get("ranks"):
+        mode += " (tensor refused)"
+    return mode
+
+
 def _main_word(value: Any) -> str:
     """The headline of a dict-shaped status (its ``state`` / ``name``), else :func:`_compact`."""
     if isinstance(value, dict):
@@ -365,7 +376,7 @@ class Dashboard:
             f" · in flight {DASH if flight is None else flight} · ",
             (f"{fmt_rate(c.get('tokens_per_s'))} tok/s", "bold"),
         )
-        second = Text(f"policy {policy_text(c.get('policy'))} · mode {_compact(c.get('mode'))} · "
+        second = Text(f"policy {policy_text(c.get('policy'))} · mode {mode_text(c)} · "
                       f"negotiation {_main_word(c.get('negotiation'))}", style="dim")
         def line(a: Text, b: Text) -> Table:
             grid = Table.grid(expand=True, padding=(0, 0, 0, 1))
@@ -382,6 +393,13 @@ class Dashboard:
 
     def _ring_rule(self, snap: dict) -> Rule:
         names = [n["name"] for n in snap.get("nodes", []) if n.get("in_plan")]
+        c = snap.get("cluster", {})
+        if c.get("ranks"):
+            by_id = {n["node_id"]: n["name"] for n in snap.get("nodes", [])}
+            ranks = " ↔ ".join(f"{i}:{by_id.get(r, r[:8])}" for i, r in enumerate(c["ranks"]))
+            state = f", {c['tensor_group']}" if c.get("tensor_group") else ""
+            title = f"tensor group ({c.get('backend') or DASH}{state}): {ranks}"
+            return Rule(Text(title, overflow="ellipsis", no_wrap=True), align="left", style="dim")
         if len(names) > 1:
             title = "ring: " + " → ".join(names + names[:1])
         elif names:

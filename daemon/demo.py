@@ -51,12 +51,13 @@ class LocalCluster:
         dynamic: no ``--plan``: discovery (mDNS on 127.0.0.1 only) and negotiation;
             each node gets its own data dir; nodes can be added, killed and restarted.
         cluster_name: the ``--cluster`` of a dynamic cluster (default: unique per instance).
+        env: extra environment of every node (``add_node`` can add more per node).
     """
 
     def __init__(self, nodes: int, model: str | None = None, dtype: str | None = None,
                  extra_args: list[str] | None = None, ranges: list[tuple[int, int]] | None = None,
                  log_dir: str | None = None, per_node_args: list[list[str]] | None = None,
-                 dynamic: bool = False, cluster_name: str | None = None):
+                 dynamic: bool = False, cluster_name: str | None = None, env: dict[str, str] | None = None):
         self.n = nodes
         self.per_node_args = per_node_args or [[] for _ in range(nodes)]
         self.model = model
@@ -73,6 +74,7 @@ class LocalCluster:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._logs: list = []
         self._env: dict[int, dict[str, str]] = {}
+        self._common_env = dict(env or {})
         #: Headers of the API calls made here (e.g. ``Authorization`` when nodes have ``--api-key-file``).
         self.api_headers: dict[str, str] = {}
 
@@ -103,7 +105,7 @@ class LocalCluster:
     def _spawn(self, i: int) -> None:
         log = open(self.log_path(i), "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env.get(i, {}))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self._common_env, **self._env.get(i, {}))
         proc = subprocess.Popen(self._command(i), stdout=log, stderr=subprocess.STDOUT,  # noqa: S603 - argv of this Python and ringlet flags, no shell
                                 env=env, start_new_session=True)
         if i < len(self.procs):

@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -68,11 +69,14 @@ class Negotiator:
         settle_s: seconds the membership must be stable before proposing.
         initial_settle_s: the same for the very first plan (lets discovery find peers).
         prepare_timeout_s: how long the proposer waits for every member to load.
+        tp: tensor-parallel serving (:class:`ringlet.daemon.tp_serving.TPServing`): the
+            proposer's mode decision travels in the proposal, and commits start or stop
+            tensor groups; ``None`` = pipeline only.
     """
 
     def __init__(self, node: Node, membership: Membership, model_spec: ModelSpec, model_name: str,
                  num_layers: int, policy: Policy | None = None, *, settle_s: float = 0.3,
-                 initial_settle_s: float = 1.0, prepare_timeout_s: float = 300.0):
+                 initial_settle_s: float = 1.0, prepare_timeout_s: float = 300.0, tp=None):
         self.node = node
         self.membership = membership
         self.model_spec = model_spec
@@ -82,6 +86,7 @@ class Negotiator:
         self.settle_s = settle_s
         self.initial_settle_s = initial_settle_s
         self.prepare_timeout_s = prepare_timeout_s
+        self.tp = tp
         self.state = "idle"
         self.committed_plan: Plan | None = None
         self.committed_digest = ""
@@ -157,22 +162,25 @@ class Negotiator:
         """One proposal. Returns True to retry later (views differ, a vote failed)."""
         digest = self.membership.digest()
         plan, reason = self.compute_plan()
+        ids = self.membership.alive_ids()
+        mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
         if self.node.plan is not None and digest == self.committed_digest:
             same = (plan is not None and self.committed_plan is not None
                     and plan.plan_id == self.committed_plan.plan_id) or (plan is None and reason
                                                                           and self.committed_reason)
-            if same:
+            committed_mode = (self.node.plan.tp or {}).get("mode", "pipeline")
+            if same and committed_mode == (mode or {}).get("mode", "pipeline"):
                 return False
         epoch = max([self.node.epoch, *(m.committed_epoch for m in self.membership.members.values())]) + 1
-        ids = self.membership.alive_ids()
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
-                               plan_json=body, model=self.model_name, addresses=addresses)
+                               plan_json=body, model=self.model_name, addresses=addresses,
+                               tp_json=json.dumps(mode, sort_keys=True) if mode else "")
         self.state = f"proposing epoch {epoch}"
         members = [self.membership.members[i] for i in ids if i != self.node.node_id]
-        log.info("proposing epoch %d to %d member(s): %s", epoch, len(members) + 1,
-                 "infeasible" if plan is None else plan.ranges)
+        log.info("proposing epoch %d to %d member(s): %s%s", epoch, len(members) + 1,
+                 "infeasible" if plan is None else plan.ranges, f"; {mode['reason']}" if mode else "")
 
         async def ask(member) -> pb.Vote:
             try:
@@ -251,6 +259,27 @@ class Negotiator:
             stages = tuple(StageSpec(address=addresses[s.node_id], start=s.start, end=s.end, node_id=s.node_id)
                            for s in plan.stages)
             serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=plan.plan_id, detail=plan.to_dict())
+            if p.tp_json:
+                from .tp_serving import check_tp_dict
+
+                try:
+                    mode = json.loads(p.tp_json)
+                except ValueError:
+                    mode = None
+                bad = check_tp_dict(mode, ids, p.proposer_id)
+                if bad:
+                    return self._refuse(f"malformed mode decision: {bad}")
+                if mode["mode"] == "tensor":
+                    missing = [r for r in mode["ranks"] if not addresses.get(r)]
+                    if missing:
+                        return self._refuse(f"tensor plan names ranks without addresses: {missing}")
+                    # every rank holds every layer (split by model.shard in its rank process)
+                    stages = tuple(StageSpec(address=addresses[r], start=0, end=self.num_layers, node_id=r)
+                                   for r in mode["ranks"])
+                    serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=f"tensor:{plan.plan_id}",
+                                          detail=plan.to_dict(), tp=mode)
+                else:
+                    serving = replace(serving, tp=mode)
             reason = None
         self._prepared_key = key
         self.state = f"preparing epoch {p.epoch}"
@@ -275,6 +304,8 @@ class Negotiator:
         if (plan.plan_id if plan is not None else "") != c.plan_id:
             return self._refuse("commit names another plan than the one prepared")
         await self.node.commit(serving)
+        if self.tp is not None:
+            self.tp.committed(serving)
         for k in [k for k in self._prepared if k <= key]:
             self._prepared.pop(k, None)
         self._prepared_key = None
@@ -284,10 +315,15 @@ class Negotiator:
         self.state = "idle"
         if serving.infeasible:
             self.node.event("unplanned", serving.infeasible)
+        elif serving.is_tensor:
+            ranks = ", ".join(f"{i} {r[:8]}" for i, r in enumerate(serving.tp["ranks"]))
+            self.node.event("replan", f"epoch {serving.epoch}: tensor over {serving.tp['backend']}, ranks {ranks}")
         else:
             ranges = ", ".join(f"{s.node_id[:8]} [{s.start},{s.end})" for s in serving.stages)
             self.node.event("replan", f"epoch {serving.epoch}: {ranges}; this node read "
                                       f"{self.bytes_loaded_last / 1e6:.1f} MB")
+            if serving.tp and serving.tp.get("refused"):
+                self.node.event("mode", serving.tp["reason"])
         self.bytes_loaded_last = 0
         return pb.Vote(ok=True, node_id=self.node.node_id)
 
@@ -308,8 +344,10 @@ class Negotiator:
                 "memory_usable_bytes": rec.get("usable_memory_bytes"),
                 "silent_s": m.get("silent_s"), "record_version": m["record_version"],
             })
+        tp = self.tp.info() if self.tp is not None else {"mode": "pipeline", "backend": "none", "ranks": []}
         return {
-            "mode": "pipeline",
+            "mode": tp["mode"],
+            "tp": tp,
             "policy": self.policy.name,
             "members": members,
             "links": graph["links"],

@@ -91,6 +91,9 @@ class ServingPlan:
         plan_id: the planner's stable id (or a digest for static plans).
         infeasible: when set, no plan can serve the model; the reason for users.
         detail: the planner's plan as a dict (``Plan.to_dict()``), if any.
+        tp: the mode decision (:mod:`ringlet.daemon.tp_serving`), if any. When its
+            ``mode`` is ``tensor``, ``stages`` are the ranks in rank order (each holds
+            every layer, in its rank process) and stage 0 (rank 0) drives the group.
     """
 
     epoch: int
@@ -98,6 +101,11 @@ class ServingPlan:
     plan_id: str
     infeasible: str | None = None
     detail: dict | None = None
+    tp: dict | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return bool(self.tp) and self.tp.get("mode") == "tensor"
 
     def index_of(self, node_id: str, address: str) -> int | None:
         for i, s in enumerate(self.stages):
@@ -178,6 +186,7 @@ class Node:
         self.plan: ServingPlan | None = None
         self.index: int | None = None
         self.cluster = None
+        self.tp = None  # tensor-parallel serving (tp_serving.TPServing) in negotiated mode
         self.cluster_id = ""
         self.incarnation = ""
         self._server: grpc.aio.Server | None = None
@@ -270,7 +279,7 @@ class Node:
         """
         key = (plan.epoch, plan.plan_id)
         index = plan.index_of(self.node_id, self.config.address)
-        if plan.infeasible or index is None:
+        if plan.infeasible or index is None or plan.is_tensor:  # tensor: the rank processes load
             self._prepared[key] = None
             return 0
         spec = plan.stages[index]
@@ -435,7 +444,7 @@ class Node:
             raise _PlanChanged("the plan changed before the request started")
         head = plan.stages[0]
         if plan.index_of(self.node_id, self.config.address) == 0:
-            source = self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids)
+            source = self._head_source(request_id, prompt, max_tokens, sampling, stop_ids)
         else:
             source = self._generate_remote(head.address, plan.epoch, request_id, prompt, max_tokens, sampling,
                                            stop_ids)
@@ -486,6 +495,13 @@ class Node:
             ch = make_channel(self.config.transport, address)
             self._channels[address] = ch
         return ch
+
+    def _head_source(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                     stop_ids: frozenset[int]) -> AsyncIterator[int]:
+        """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group."""
+        if self.plan is not None and self.plan.is_tensor and self.tp is not None:
+            return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids)
+        return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids)
 
     # --- stage 0: heading a generation --------------------------------------------------
 
@@ -791,9 +807,9 @@ class _RingServicer(pb_grpc.RingServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node serves epoch {node.epoch}, not {request.epoch}")
         try:
-            async for token in node._generate_local(request.request_id or uuid.uuid4().hex, list(request.prompt),
-                                                    request.max_tokens, sampling_from_pb(request.sampling),
-                                                    frozenset(request.stop_ids)):
+            async for token in node._head_source(request.request_id or uuid.uuid4().hex, list(request.prompt),
+                                                 request.max_tokens, sampling_from_pb(request.sampling),
+                                                 frozenset(request.stop_ids)):
                 yield pb.GenerateEvent(token=token)
         except GenerationError as exc:
             yield pb.GenerateEvent(error=str(exc))
@@ -846,3 +862,10 @@ class _RingServicer(pb_grpc.RingServicer):
         if self.node.cluster is None:
             return pb.Vote(ok=False, reason="this node runs a static plan", node_id=self.node.node_id)
         return await self.node.cluster.on_commit(request)
+
+    async def RunRank(self, request, context):  # noqa: N802
+        if self.node.tp is None:
+            yield pb.RankEvent(error="this node runs no tensor-parallel serving (static plan)")
+            return
+        async for event in self.node.tp.run_rank(request, context):
+            yield event

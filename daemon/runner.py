@@ -185,6 +185,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from .negotiation import Negotiator
     from .probes import probe_local
     from .stage import build_lazy_model
+    from .tp_group import model_tp_spec
+    from .tp_serving import TPServing, thunderbolt_record
 
     loop = asyncio.get_running_loop()
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
@@ -210,11 +212,14 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
         "flops": speed.matmul_flops if speed else None,
         "api_url": f"http://{api_host}:{args.api_port}", "links": {},
+        "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
+        "whole_model": getattr(args, "fetched_location", None) is None,  # a tensor rank needs every layer
     }
     model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
     spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
                                  name=node.config.model.name, config=config)
     num_layers = len(spec.layer_bytes)
+    tp_spec = await loop.run_in_executor(None, model_tp_spec, node.config.model, node.config.dtype)
 
     advertise = f"{public}:{args.port}"
     membership = Membership(
@@ -232,6 +237,9 @@ async def _start_cluster(args, node: Node, context_tokens: int):
 
     membership.on_change = on_change
     node.cluster = negotiator
+    node.tp = tp = TPServing(node, membership, args.mode, tp_spec, str(node.config.model.path), node.config.dtype)
+    negotiator.tp = tp
+    tp.on_failed = negotiator.membership_changed  # a group that gave up: re-plan (on the pipeline)
     if getattr(args, "fetched_location", None) is not None:
         node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
         for message in getattr(args, "fetch_events", []):
@@ -288,6 +296,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     async def stop() -> None:
         for t in tasks:
             t.cancel()
+        await tp.close()
         await negotiator.stop()
         if discovery is not None:
             with contextlib.suppress(Exception):
@@ -386,6 +395,13 @@ async def _bootstrap_fetch(args) -> None:
 async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
     tune_allocator()
+    mode = getattr(args, "mode", "auto")
+    if mode == "hybrid":
+        raise RingletError("--mode hybrid is not served yet: the daemon runs one tensor group per plan, and "
+                           "chaining groups as pipeline stages needs a stage engine that drives a group per "
+                           "stage; use --mode tensor or auto")
+    if args.plan and mode == "tensor":
+        raise RingletError("--mode tensor needs negotiated plans; drop --plan (a static plan is a pipeline)")
     if getattr(args, "fetch_model", False):
         await _bootstrap_fetch(args)
     config, context = build_config(args)

@@ -14,12 +14,15 @@ what ``ringlet status --json`` prints for scripts. It is built in two steps:
 Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
 
     {"source": primary URL, "taken_at": unix s, "reachable": bool, "error": str|None,
-     "healthy": bool,                       # reachable and every plan stage ready/serving
-     "cluster": {"model", "num_layers", "epoch", "policy", "mode", "negotiation",
+     "healthy": bool,                       # reachable, every plan stage ready/serving, tensor group ready
+     "cluster": {"model", "num_layers", "epoch", "policy", "mode", "backend",
+                 "ranks" [node ids, rank order; empty unless tensor], "mode_reason",
+                 "mode_refused" (why --mode tensor could not run, or None),
+                 "tensor_group" (the leader's group state, or None), "negotiation",
                  "nodes", "nodes_ready", "requests_in_flight", "tokens_per_s",
                  "tokens_generated_total", "memory_total_bytes", "memory_usable_bytes",
                  "memory_used_bytes"},
-     "nodes": [{"stage", "in_plan", "address", "node_id", "name", "chip", "state",
+     "nodes": [{"stage", "rank" (tensor rank or None), "in_plan", "address", "node_id", "name", "chip", "state",
                 "loading_progress" (0..1), "layer_range" [start, end), "epoch",
                 "memory_total_bytes", "memory_usable_bytes", "memory_used_bytes",
                 "weights_bytes", "tokens_per_s", "tokens_generated_total",
@@ -331,6 +334,16 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "hop_latency_s": b["hop_latency_median_s"],
         })
 
+    tp = base.get("tp") if isinstance(base.get("tp"), dict) else {}
+    ranks = [str(r) for r in tp.get("ranks") or [] if isinstance(r, str)]
+    for n in nodes:
+        n["rank"] = ranks.index(n["node_id"]) if n["node_id"] in ranks else None
+    group_state = None
+    for info in infos.values():  # the leader (rank 0) reports its group
+        g = info.get("tp", {}).get("group") if isinstance(info.get("tp"), dict) else None
+        if isinstance(g, dict) and _int(g.get("plan_epoch")) == _int(base.get("epoch")):
+            group_state = _str(g.get("state"))
+
     in_plan = [n for n in nodes if n["in_plan"]]
     ready = [n for n in in_plan if n["state"] in HEALTHY_STATES]
     counters = [n["tokens_generated_total"] for n in nodes]
@@ -340,6 +353,11 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "epoch": _int(base.get("epoch")),
         "policy": base.get("policy"),
         "mode": base.get("mode"),
+        "backend": _str(tp.get("backend")),
+        "ranks": ranks,
+        "mode_reason": _str(tp.get("reason")),
+        "mode_refused": _str(tp.get("refused")),
+        "tensor_group": group_state,
         "negotiation": base.get("negotiation"),
         "nodes": len(in_plan),
         "nodes_ready": len(ready),
@@ -369,7 +387,9 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
 
     events = [e for e in _dicts(base.get("events"))] + list(extra_events or [])
     snap.update(
-        healthy=bool(in_plan) and len(ready) == len(in_plan),
+        # a tensor plan serves only through its group: a group not ready (starting, failed) is not healthy
+        healthy=bool(in_plan) and len(ready) == len(in_plan) and (
+            not ranks or group_state is None or group_state == "ready"),
         cluster=cluster, nodes=nodes, hops=hops, recent_requests=recent, events=events,
     )
     unreached = {u: e for u, e in url_errors.items() if u != primary}
@@ -582,6 +602,18 @@ def format_status(snap: dict) -> str:
         f"policy {policy_text(c['policy'])}", f"nodes {c['nodes_ready']}/{c['nodes']} ready",
         f"in flight {v(c['requests_in_flight'])}", f"tokens/s {fmt_rate(c['tokens_per_s'])}",
     ])]
+    if c.get("mode") is not None:
+        mode = [f"mode {c['mode']}"]
+        if c.get("backend") and c["backend"] != "none":
+            mode.append(f"backend {c['backend']}")
+        if c.get("ranks"):
+            names = {n["node_id"]: n["name"] for n in snap["nodes"]}
+            mode.append("ranks " + ", ".join(f"{i} {names.get(r, r)}" for i, r in enumerate(c["ranks"])))
+        if c.get("tensor_group"):
+            mode.append(f"group {c['tensor_group']}")
+        lines.append(" · ".join(mode))
+        if c.get("mode_reason"):
+            lines.append(f"why: {c['mode_reason']}")
     rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "grpc", "api")]
     for n in snap["nodes"]:
         mem = fmt_bytes(n["memory_used_bytes"]).replace(" ", "")

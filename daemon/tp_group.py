@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import itertools
 import logging
 import os
@@ -250,6 +251,8 @@ class TPGroup:
             that one process before giving up).
         max_resumes: times one request is resumed before it fails on its own (a request
             that crashes the ranks must not take the group down in a loop).
+        decision: a tensor decision made already (the daemon's negotiated plan): used as
+            the first epoch's ranks instead of deciding again.
     """
 
     def __init__(
@@ -275,6 +278,7 @@ class TPGroup:
         max_resumes: int = 3,
         prefill_chunk: int = 512,
         extra_env: Mapping[str, str] | None = None,
+        decision: TPDecision | None = None,
     ):
         if fallback not in ("single", "none"):
             raise ValueError("fallback must be 'single' or 'none'")
@@ -300,6 +304,7 @@ class TPGroup:
         self.max_resumes = max_resumes
         self.prefill_chunk = prefill_chunk
         self.extra_env = dict(extra_env or {})
+        self._initial = decision
 
         self.decision: TPDecision | None = None
         self.state = "new"
@@ -338,7 +343,7 @@ class TPGroup:
 
             loop = asyncio.get_running_loop()
             self.spec = await loop.run_in_executor(None, model_tp_spec, resolve(self.model), self.dtype)
-        decision = tp_config.decide(self.alive, self.links, self.spec, self.mode, leader=self.leader)
+        decision = self._initial or tp_config.decide(self.alive, self.links, self.spec, self.mode, leader=self.leader)
         if decision.mode != "tensor":
             if self.fallback != "single":
                 raise TPGroupError(f"not a tensor plan: {decision.reason}")
@@ -411,6 +416,7 @@ class TPGroup:
                 "seed": seed,
             },
             stop=[int(t) for t in stop_ids],
+            extra={"steps_done": int(sampling.steps_done)},
         )
         async for item in self._run(req):
             yield item
@@ -499,7 +505,7 @@ class TPGroup:
                 max_tokens=req.max_tokens - len(req.generated),
                 sampling=req.sampling,
                 stop=req.stop,
-                skip=len(req.generated),
+                skip=len(req.generated) + int(req.extra.get("steps_done", 0)),
             )
         elif req.kind == "logits":
             msg.update(prompt=req.prompt)
@@ -529,7 +535,7 @@ class TPGroup:
                 not isinstance(hello, dict)
                 or hello.get("t") != "hello"
                 or ep is None
-                or hello.get("token") != ep.token
+                or not hmac.compare_digest(str(hello.get("token", "")), ep.token)
                 or hello.get("epoch") != ep.number
             ):
                 writer.close()
@@ -792,6 +798,10 @@ class TPGroup:
                     req.done = True
                     req.queue.put_nowait(("error", f"tensor group failed: {exc}"))
             log.error("tensor group failed: %s", exc)
+            ep = self._epoch
+            if ep is not None and not ep.torn:  # e.g. a rank of a new epoch could not start: stop the others
+                with contextlib.suppress(Exception):
+                    await self._teardown(ep)
 
     async def _wait_ready(self, ep: _Epoch) -> bool:
         """Release the MLX group once every rank loaded; True when all are ready."""

@@ -520,6 +520,16 @@ class Rank:
                 finish(slot, "length")
 
 
+def _exit_on_stdin_eof() -> None:
+    """Block reading stdin; at end of file (the launcher died, even by SIGKILL) leave at once."""
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    os._exit(3)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="ringlet tensor-parallel rank (started by the supervisor)")
     p.add_argument("--control", required=True, help="supervisor control address host:port")
@@ -532,7 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hb-interval", type=float, default=0.2)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--side-host", default="127.0.0.1", help="rank 0: address to listen on for the other ranks")
+    p.add_argument(
+        "--exit-with-stdin",
+        action="store_true",
+        help="exit when stdin closes (the launching daemon holds its other end: a rank never outlives it)",
+    )
     args = p.parse_args(argv)
+    if args.exit_with_stdin:
+        threading.Thread(target=_exit_on_stdin_eof, name="tp-parent-watch", daemon=True).start()
 
     ctrl = Control(args.control)
     health = Health(phase="loading")

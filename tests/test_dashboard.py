@@ -325,3 +325,14 @@ def test_live_frames_never_overflow_the_terminal(width, height):
     lines = frame(build_snapshot("http://a0", infos, {}), width, height)
     assert len(lines) <= height and max(len(ln) for ln in lines) <= width
     assert "100/128" in "\n".join(lines)
+
+
+def test_tensor_mode_backend_and_ranks_are_drawn():
+    from test_status import tensor_infos
+
+    snap = build_snapshot("http://10.0.0.1:8000", tensor_infos(), {}, now=1_700_000_100)
+    lines = frame(snap, 80, 24)
+    assert len(lines) <= 24 and all(len(ln) <= 80 for ln in lines)
+    text = "\n".join(lines)
+    assert "policy balanced · mode tensor/jaccl" in text
+    assert "tensor group (jaccl, ready): 0:studio-1 ↔ 1:studio-2 ↔ 2:studio-3 ↔ 3:studio-4" in text

@@ -434,3 +434,48 @@ def test_the_default_node_is_the_installed_services(tmp_path, monkeypatch):
     assert default_api_url() == "http://127.0.0.1:8123"
     (cdir / "service.toml").write_text("api_port = [\n")  # broken: not this command's problem
     assert default_api_url() == DEFAULT_API
+
+
+def tensor_infos() -> dict[str, dict]:
+    """The four studios serving a tensor plan (ranks in ring order, rank 0 leads the group)."""
+    infos = studio_infos()
+    base = infos["http://10.0.0.1:8000"]
+    ids = [s["node_id"] for s in base["plan"]]
+    for s in base["plan"]:
+        s.update(start=0, end=80)
+    base.update(mode="tensor", plan_id="tensor:abc", tp={
+        "requested": "auto", "mode": "tensor", "backend": "jaccl", "ranks": ids,
+        "reason": "tensor: 4 ranks over jaccl (every pair has an RDMA Thunderbolt link)",
+        "group": {"state": "ready", "epoch": 1, "size": 4, "plan_epoch": 7}})
+    return infos
+
+
+def test_tensor_mode_backend_and_ranks():
+    infos = tensor_infos()
+    snap = build_snapshot("http://10.0.0.1:8000", infos, {})
+    c = snap["cluster"]
+    ids = [f"{k + 1:016x}" for k in range(4)]
+    assert (c["mode"], c["backend"], c["ranks"], c["tensor_group"]) == ("tensor", "jaccl", ids, "ready")
+    assert c["mode_reason"] == "tensor: 4 ranks over jaccl (every pair has an RDMA Thunderbolt link)"
+    assert c["mode_refused"] is None
+    assert [n["rank"] for n in snap["nodes"]] == [0, 1, 2, 3]
+    assert exit_status(snap) == EXIT_OK
+    text = format_status(snap)
+    assert "mode tensor · backend jaccl · ranks 0 studio-1, 1 studio-2, 2 studio-3, 3 studio-4 · group ready" in text
+    infos["http://10.0.0.1:8000"]["tp"]["group"]["state"] = "recovering"
+    down = build_snapshot("http://10.0.0.1:8000", infos, {})
+    assert down["cluster"]["tensor_group"] == "recovering" and exit_status(down) == EXIT_DEGRADED
+    assert "why: tensor: 4 ranks over jaccl (every pair has an RDMA Thunderbolt link)" in text
+
+
+def test_refused_tensor_mode_is_said():
+    infos = studio_infos()
+    why = "tensor mode refused: m: 9 attention heads do not divide by 4 ranks; group sizes that work: 3"
+    infos["http://10.0.0.1:8000"]["tp"] = {"requested": "tensor", "mode": "pipeline", "backend": "none",
+                                           "ranks": [], "refused": why, "reason": f"{why}; serving the pipeline"}
+    snap = build_snapshot("http://10.0.0.1:8000", infos, {})
+    c = snap["cluster"]
+    assert (c["mode"], c["backend"], c["ranks"], c["mode_refused"]) == ("pipeline", "none", [], why)
+    assert all(n["rank"] is None for n in snap["nodes"])
+    text = format_status(snap)
+    assert "mode pipeline\n" in text and f"why: {why}; serving the pipeline" in text

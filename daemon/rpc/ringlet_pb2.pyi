@@ -177,20 +177,22 @@ class Heartbeat(_message.Message):
     def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses")
+    __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TP_JSON_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     proposer_id: str
     membership_digest: str
     plan_json: str
     model: str
     addresses: _containers.RepeatedCompositeFieldContainer[LayerRange]
-    def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
+    tp_json: str
+    def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ...) -> None: ...
 
 class Vote(_message.Message):
     __slots__ = ("ok", "reason", "node_id")
@@ -301,3 +303,59 @@ class ShardChunk(_message.Message):
     data: bytes
     sha256: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class RankStart(_message.Message):
+    __slots__ = ("leader_id", "plan_epoch", "group_epoch", "rank", "size", "backend", "control", "token", "dtype", "hb_interval", "prefill_chunk", "side_host", "files", "env")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HB_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SIDE_HOST_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    leader_id: str
+    plan_epoch: int
+    group_epoch: int
+    rank: int
+    size: int
+    backend: str
+    control: str
+    token: str
+    dtype: str
+    hb_interval: float
+    prefill_chunk: int
+    side_host: str
+    files: _containers.ScalarMap[str, str]
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, leader_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., group_epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ..., control: _Optional[str] = ..., token: _Optional[str] = ..., dtype: _Optional[str] = ..., hb_interval: _Optional[float] = ..., prefill_chunk: _Optional[int] = ..., side_host: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RankEvent(_message.Message):
+    __slots__ = ("pid", "exit_code", "error")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    exit_code: int
+    error: str
+    def __init__(self, pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,11 @@ class RingStub:
                 request_serializer=ringlet__pb2.ShardRequest.SerializeToString,
                 response_deserializer=ringlet__pb2.ShardChunk.FromString,
                 _registered_method=True)
+        self.RunRank = channel.unary_stream(
+                '/ringlet.v1.Ring/RunRank',
+                request_serializer=ringlet__pb2.RankStart.SerializeToString,
+                response_deserializer=ringlet__pb2.RankEvent.FromString,
+                _registered_method=True)
 
 
 class RingServicer:
@@ -142,6 +147,13 @@ class RingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunRank(self, request, context):
+        """Tensor parallelism: run one rank of the leader's group on this machine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +201,11 @@ def add_RingServicer_to_server(servicer, server):
                     servicer.FetchShard,
                     request_deserializer=ringlet__pb2.ShardRequest.FromString,
                     response_serializer=ringlet__pb2.ShardChunk.SerializeToString,
+            ),
+            'RunRank': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunRank,
+                    request_deserializer=ringlet__pb2.RankStart.FromString,
+                    response_serializer=ringlet__pb2.RankEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +451,33 @@ class Ring:
             '/ringlet.v1.Ring/FetchShard',
             ringlet__pb2.ShardRequest.SerializeToString,
             ringlet__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunRank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ringlet.v1.Ring/RunRank',
+            ringlet__pb2.RankStart.SerializeToString,
+            ringlet__pb2.RankEvent.FromString,
             options,
             channel_credentials,
             insecure,
