@@ -2,7 +2,9 @@
 concurrent requests on 2 and 3 local daemons, each as a ratio to 1 request in the
 same run; mean TTFT per concurrency; batch figures the nodes publish.
 
-Every request is a greedy streamed ``/v1/completions`` call on the default model
+The clusters negotiate their plans as ``ringlet run`` does (balanced policy: the
+last stage, which also runs the 49152-word head, gets fewer layers). Every request
+is a greedy streamed ``/v1/completions`` call on the default model
 (SmolLM2-135M GGUF) to stage 0's API, with its own prompt (request 0's is the
 spine's) and ``max_tokens`` = the spine's 48. The API has no ``ignore_eos``, so the
 prompts are ones whose greedy continuation runs past 48 tokens, and the tokens
@@ -151,8 +153,12 @@ async def _run_point(urls: list[str], k: int, max_tokens: int = TOKENS, snapshot
 
 
 def measure_cluster(stages: int) -> dict:
-    with LocalCluster(stages) as c:
-        urls = c.api_urls
+    # negotiated plans, as `ringlet run` gives: the balanced planner puts fewer layers on
+    # the stage with the head (an even split leaves the last stage the bottleneck)
+    with LocalCluster(stages, dynamic=True) as c:
+        c.wait_plan(stages)
+        order = sorted(range(stages), key=lambda i: c.cluster_info(i)["stage"])
+        urls = [c.api_urls[i] for i in order]  # stage 0's API first: requests go there
         asyncio.run(_run_point(urls, 1, 8, snapshot=False))  # warm-up, as the spine
         asyncio.run(_run_point(urls, max(CONCURRENCY), 4, snapshot=False))  # and every concurrent shape once
         runs: dict[int, list[dict]] = {k: [] for k in CONCURRENCY}
