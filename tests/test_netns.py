@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 
-import httpx
 import pytest
 from netns import NetnsLab, cleanup_stale, in_namespace, skip_reason, summarise
+from streaming import Stream
 
 _reason = skip_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pytest.mark.timeout(170)]
@@ -115,53 +114,6 @@ def test_shaped_node_links_are_measured_slow(lab: NetnsLab):
 # --------------------------------------------------------------------------- issue 5 item 7
 
 
-class Stream:
-    """A streamed greedy completion read in a thread inside the hub namespace:
-    token ids and their arrival times."""
-
-    def __init__(self, lab: NetnsLab, url: str, max_tokens: int):
-        self.ids: list[int] = []
-        self.times: list[float] = []
-        self.error: str | None = None
-        self.finish: str | None = None
-        self.thread = threading.Thread(target=self._run, args=(lab.hub, url, max_tokens), daemon=True)
-        self.thread.start()
-
-    def _run(self, ns: str, url: str, max_tokens: int) -> None:
-        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "return_token_ids": True}
-        try:
-            with in_namespace(ns), httpx.Client(trust_env=False) as client, \
-                    client.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = event["error"]["message"]
-                        continue
-                    choice = event["choices"][0]
-                    for t in choice.get("token_ids") or []:
-                        self.ids.append(t)
-                        self.times.append(time.monotonic())
-                    self.finish = choice.get("finish_reason") or self.finish
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            self.error = repr(exc)
-
-    def wait_tokens(self, n: int, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.ids) < n and self.thread.is_alive():
-            assert time.monotonic() < deadline, f"only {len(self.ids)} tokens after {timeout_s} s"
-            time.sleep(0.02)
-
-    def join(self, timeout_s: float = 120) -> None:
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the stream did not finish"
-
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
-
-
 def _reference(max_tokens: int) -> subprocess.Popen:
     """``ringlet generate`` (one process, no network) for the undisturbed ids, started now."""
     return subprocess.Popen([sys.executable, "-m", "ringlet.daemon.cli", "generate", "--json", "--max-tokens",
@@ -198,12 +150,12 @@ def test_cut_link_mid_stream_then_restore_rejoins(lab: NetnsLab):
               f"cutting node {middle.index} ({middle.ip}, stage 1) on the switch side; "
               f"streaming through node {api.index}")
 
-        stream = Stream(lab, api.api_url, LONG)
-        stream.wait_tokens(15)
+        stream = Stream(api.api_url, PROMPT, LONG, timeout_s=120, context=lambda: in_namespace(lab.hub))
+        stream.wait_tokens(15, timeout_s=60)
         lab.cut(middle.index)
         cut_wall, cut_at = time.time(), time.monotonic()
         tokens_at_cut = len(stream.ids)
-        stream.join()
+        stream.join(120)
 
         gaps = stream.gaps()
         longest = max(gaps, default=0.0)

@@ -14,6 +14,7 @@ import grpc
 import httpx
 import pytest
 from conftest import ringlet
+from streaming import Stream
 
 from ringlet.daemon.demo import LocalCluster
 from ringlet.daemon.rpc import ringlet_pb2 as pb
@@ -35,53 +36,6 @@ def undisturbed() -> list[int]:
     return ids
 
 
-class Stream:
-    """A streamed greedy completion read in a thread: token ids and their arrival times."""
-
-    def __init__(self, url: str, max_tokens: int):
-        self.ids: list[int] = []
-        self.times: list[float] = []
-        self.error: str | None = None
-        self.finish: str | None = None
-        self.thread = threading.Thread(target=self._run, args=(url, max_tokens), daemon=True)
-        self.thread.start()
-
-    def _run(self, url: str, max_tokens: int) -> None:
-        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "return_token_ids": True}
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = event["error"]["message"]
-                        continue
-                    choice = event["choices"][0]
-                    for t in choice.get("token_ids") or []:
-                        self.ids.append(t)
-                        self.times.append(time.monotonic())
-                    self.finish = choice.get("finish_reason") or self.finish
-        except httpx.HTTPError as exc:
-            self.error = repr(exc)
-
-    def wait_tokens(self, n: int, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.ids) < n and self.thread.is_alive():
-            if time.monotonic() > deadline:
-                pytest.fail(f"only {len(self.ids)} tokens after {timeout_s} s")
-            time.sleep(0.05)
-
-    def join(self, timeout_s: float = 300) -> None:
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the stream did not finish"
-
-    @property
-    def max_gap_s(self) -> float:
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
-
-
 def index_of(cluster: LocalCluster, node_id: str) -> int:
     for i in cluster.alive():
         if cluster.cluster_info(i)["node_id"] == node_id:
@@ -93,11 +47,11 @@ def test_join_mid_stream_keeps_the_stream(undisturbed):
     expected = undisturbed
     with LocalCluster(2, dynamic=True) as c:
         before = c.wait_plan(stages=2)
-        stream = Stream(c.api_urls[0], LONG)
-        stream.wait_tokens(20)
+        stream = Stream(c.api_urls[0], PROMPT, LONG)
+        stream.wait_tokens(20, timeout_s=120)
         joined_at = time.monotonic()
         c.add_node(wait=False)
-        stream.join()
+        stream.join(300)
         after = c.wait_plan(stages=3, timeout_s=60)
         assert stream.error is None, stream.error
         assert after["epoch"] > before["epoch"]
@@ -117,10 +71,10 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed):
         plan = c.wait_plan(stages=3)
         middle = index_of(c, plan["plan"][1]["node_id"])
         api = next(i for i in range(3) if i != middle)
-        stream = Stream(c.api_urls[api], 100)
-        stream.wait_tokens(15)
+        stream = Stream(c.api_urls[api], PROMPT, 100)
+        stream.wait_tokens(15, timeout_s=120)
         c.kill(middle)
-        stream.join()
+        stream.join(300)
         assert stream.error is None, stream.error
         assert stream.ids == expected
         print(f"longest gap between tokens: {stream.max_gap_s:.2f} s")

@@ -15,7 +15,6 @@ model, MLX's ring backend over loopback, each rank started by its own member's d
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -26,6 +25,7 @@ import httpx
 import psutil
 import pytest
 from conftest import REFERENCE
+from streaming import Streamed, completion_body, read_events
 from tp_support import poll_shim
 
 from ringlet.daemon.demo import LocalCluster
@@ -80,26 +80,27 @@ def wait_group_ready(c: LocalCluster, leader: int, timeout_s: float = 120) -> di
 
 def stream_ids(url: str, max_tokens: int, on_token=None) -> tuple[list[int], str | None, str | None]:
     """A streamed greedy completion of the raw reference prompt: (ids, finish_reason, error)."""
-    ids: list[int] = []
-    finish = error = None
-    body = {"prompt": RAW["raw"], "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "return_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=completion_body(RAW["raw"], max_tokens),
+                      timeout=300) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]["message"]
-                continue
-            choice = event["choices"][0]
-            for t in choice.get("token_ids") or []:
-                ids.append(t)
-                if on_token is not None:
-                    on_token(len(ids))
-            finish = choice.get("finish_reason") or finish
-    return ids, finish, error
+        got = read_events(r.iter_lines(), Streamed(), on_token)
+    return got.ids, got.finish, got.error
+
+
+def assert_stream_survives(url: str, kill) -> None:
+    """Stream the reference prompt through ``url``, call ``kill()`` after the 5th token,
+    and assert the stream still ends with the reference ids and no error."""
+    killed = threading.Event()
+
+    def on_token(n: int) -> None:
+        if n == 5 and not killed.is_set():
+            killed.set()
+            kill()
+
+    got, finish, error = stream_ids(url, FIRST, on_token)
+    assert killed.is_set()
+    assert error is None, error
+    assert (got, finish) == (RAW["completion_ids"][:FIRST], "length")
 
 
 @pytest.fixture(scope="module")
@@ -189,16 +190,7 @@ def test_a_crashed_rank_process_restarts_the_group_on_the_same_members(trio):
     epoch = c.cluster_info(member)["epoch"]
     old = rank_workers([p.pid for p in c.procs])
     (victim,) = rank_workers([c.procs[member].pid])
-    killed = threading.Event()
-
-    def on_token(n: int) -> None:
-        if n == 5 and not killed.is_set():
-            killed.set()
-            os.kill(victim, signal.SIGKILL)
-
-    got, finish, error = stream_ids(c.api_urls[ids[ranks[2]]], FIRST, on_token)
-    assert killed.is_set() and error is None, error
-    assert (got, finish) == (RAW["completion_ids"][:FIRST], "length")
+    assert_stream_survives(c.api_urls[ids[ranks[2]]], lambda: os.kill(victim, signal.SIGKILL))
     after = wait_group_ready(c, leader)["group"]
     assert after["epoch"] > group["epoch"] and after["ranks"] == ranks and after["restarts"] >= 1
     assert all(c.cluster_info(i)["epoch"] == epoch for i in range(3))  # no re-plan
@@ -214,17 +206,7 @@ def test_kill_a_rank_daemon_mid_stream_resumes_on_the_pipeline(trio):
     workers = rank_workers(daemons)
     assert len(workers) == 3
     epoch = c.cluster_info(api)["epoch"]
-    killed = threading.Event()
-
-    def on_token(n: int) -> None:
-        if n == 5 and not killed.is_set():
-            killed.set()
-            c.kill(victim)
-
-    got, finish, error = stream_ids(c.api_urls[api], FIRST, on_token)
-    assert killed.is_set()
-    assert error is None, error
-    assert (got, finish) == (RAW["completion_ids"][:FIRST], "length")
+    assert_stream_survives(c.api_urls[api], lambda: c.kill(victim))
     survivors = [i for i in range(3) if i != victim]
     after = c.wait_plan(stages=2, nodes=survivors, timeout_s=30)
     assert after["epoch"] > epoch
@@ -272,16 +254,7 @@ def test_a_rejoin_forms_a_new_group_and_losing_rank_0_resumes(trio):
     wait_group_ready(c, leader)
     workers = rank_workers([p.pid for p in c.procs])
     assert len(workers) == 3
-    killed = threading.Event()
-
-    def on_token(n: int) -> None:
-        if n == 5 and not killed.is_set():
-            killed.set()
-            c.kill(leader)
-
-    got, finish, error = stream_ids(c.api_urls[api], FIRST, on_token)
-    assert killed.is_set() and error is None, error
-    assert (got, finish) == (RAW["completion_ids"][:FIRST], "length")
+    assert_stream_survives(c.api_urls[api], lambda: c.kill(leader))
     after = c.wait_plan(stages=2, nodes=[i for i in range(3) if i != leader], timeout_s=30)
     assert after["mode"] == "pipeline"
     deadline = time.monotonic() + 15
