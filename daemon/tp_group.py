@@ -117,13 +117,19 @@ class RankLauncher(Protocol):
     async def start(self, node_id: str, argv: list[str], env: dict[str, str], log_path: Path) -> RankHandle: ...
 
 
-class _LocalHandle:
+class LocalRankHandle:
+    """A rank process started on this machine (its own session and process group)."""
+
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
         self.pid = proc.pid
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        code = await self.proc.wait()
+        if self.proc.stdin is not None:  # a rank that watches its stdin pipe (--exit-with-stdin)
+            with contextlib.suppress(Exception):
+                self.proc.stdin.close()
+        return code
 
     def kill(self) -> None:
         """SIGKILL the rank's whole process group (it leads its own session)."""
@@ -138,17 +144,24 @@ class LocalLauncher:
     this node's own rank). Each rank gets its own session/process group."""
 
     async def start(self, node_id: str, argv: list[str], env: dict[str, str], log_path: Path) -> RankHandle:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as out:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return _LocalHandle(proc)
+        return await start_rank_process(argv, env, log_path)
+
+
+async def start_rank_process(argv: list[str], env: dict[str, str], log_path: Path,
+                             stdin_pipe: bool = False) -> LocalRankHandle:
+    """Start one rank process here in its own session, output appended to ``log_path``;
+    stdin is a pipe this process holds when ``stdin_pipe``, else /dev/null."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=env,
+            stdin=asyncio.subprocess.PIPE if stdin_pipe else asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return LocalRankHandle(proc)
 
 
 def free_port_block(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:

@@ -63,7 +63,7 @@ from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
 from .sampling import SamplingParams
 from .tp_config import TPDecision, TPLink, TPMember, TPModelSpec, TPRefused
-from .tp_group import TPGroup, TPGroupError
+from .tp_group import LocalRankHandle, TPGroup, TPGroupError, start_rank_process
 from .tp_worker import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -258,44 +258,12 @@ def check_tp_dict(d: Any, member_ids: Sequence[str], proposer: str) -> str | Non
 # ---------------------------------------------------------------------------------------- processes
 
 
-class _ProcHandle:
-    """A rank process started here (its own session; stdin is a pipe it watches)."""
-
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-        self.pid = proc.pid
-
-    async def wait(self) -> int:
-        code = await self.proc.wait()
-        if self.proc.stdin is not None:
-            with contextlib.suppress(Exception):
-                self.proc.stdin.close()
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL the rank's process group."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-
-
-async def spawn_rank(argv: list[str], env: dict[str, str], log_path: Path) -> _ProcHandle:
+async def spawn_rank(argv: list[str], env: dict[str, str], log_path: Path) -> LocalRankHandle:
     """Start a rank process: own session, output to ``log_path``, stdin a pipe this
     process holds (``--exit-with-stdin``: the rank leaves when this daemon dies)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     if "--exit-with-stdin" not in argv:
         argv = [*argv, "--exit-with-stdin"]
-    with open(log_path, "ab") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=env,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return _ProcHandle(proc)
+    return await start_rank_process(argv, env, log_path, stdin_pipe=True)
 
 
 def rank_base_env() -> dict[str, str]:
@@ -379,7 +347,7 @@ class ClusterLauncher:
         self.plan_epoch = plan_epoch
 
     async def start(self, node_id: str, argv: list[str], env: dict[str, str],
-                    log_path: Path) -> _ProcHandle | _RemoteHandle:
+                    log_path: Path) -> LocalRankHandle | _RemoteHandle:
         """Start one rank; raises :class:`TPGroupError` when its member refuses or is unreachable."""
         if node_id == self.serving.node.node_id:
             return await spawn_rank(argv, env, log_path)
@@ -478,7 +446,7 @@ class TPServing:
         self.group_error = ""
         self._switch_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
-        self._ranks: dict[tuple[int, int, int], _ProcHandle] = {}  # (plan epoch, group epoch, rank) -> rank here
+        self._ranks: dict[tuple[int, int, int], LocalRankHandle] = {}  # (plan epoch, group epoch, rank) -> rank here
         self._workdir = Path(tempfile.mkdtemp(prefix="ringlet-tp-ranks-"))
         self._closed = False
         #: (membership digest, reason) of a tensor group that could not serve: that membership
