@@ -28,7 +28,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -78,7 +78,6 @@ class _RequestState:
     cache: list
     sampler: RequestSampler | None
     offset: int = 0
-    last_used: float = field(default_factory=time.monotonic)
 
 
 def sampling_from_pb(message: pb.Sampling | None) -> SamplingParams:
@@ -129,9 +128,6 @@ class StageEngine:
         self._queue: deque[_Work] = deque()
         self._wakeup: asyncio.Event | None = None
         self._dispatcher: asyncio.Task | None = None
-        self.tokens_processed = 0
-        self.busy_s = 0.0
-        self.forwards = 0
         #: decode batch size -> forwards run with that many requests (since start)
         self.batch_histogram: Counter[int] = Counter()
         #: (monotonic time, batch size) of recent decode forwards
@@ -169,12 +165,27 @@ class StageEngine:
 
     def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
                sampling: SamplingParams | None, more: bool = False) -> asyncio.Future:
-        """Queue one step of a request; see :meth:`step` for the arguments and result.
+        """Queue one forward of this stage for one request.
+
+        Args:
+            request_id: the request.
+            step: 0 for the prefill (its first chunk, at offset 0, creates the KV
+                cache), n for the n-th decode step.
+            offset: tokens already in the request's KV cache (must match).
+            payload: token ids on the first stage; a Tensor message with hidden states
+                ``(1, tokens, hidden_size)`` on the others.
+            sampling: the request's sampling parameters (used when the last stage
+                creates the request's cache).
+            more: a prefill chunk that more chunks follow: the last stage fills its
+                cache and samples nothing.
 
         Returns:
-            A future with :meth:`step`'s result, or its exception (and
-            :class:`RequestDropped` when the request is released or the plan
-            changes before the step runs).
+            A future with the encoded hidden states ``(1, tokens, hidden_size)`` for
+            the next stage, the sampled token id on the last stage, or ``None`` on the
+            last stage for a chunk with ``more``. Its exception:
+            codec.TensorDecodeError (malformed hidden states), RequestError (unknown
+            request or offset mismatch), RequestDropped (released, or the plan
+            changed, before the step ran).
         """
         work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more)
         self._enqueue(work)
@@ -186,10 +197,6 @@ class StageEngine:
         work = _Work(request_id, asyncio.get_running_loop().create_future(), release=True)
         self._enqueue(work)
         return work.future
-
-    async def release_now(self, request_id: str) -> bool:
-        """:meth:`submit_release` and wait for it."""
-        return await self.submit_release(request_id)
 
     async def swap_stage(self, stage: Stage | None) -> None:
         """Serve ``stage`` from now on: waiting steps are dropped (their requests belong
@@ -292,51 +299,22 @@ class StageEngine:
         if isinstance(payload, list):
             return mx.array([payload], dtype=mx.int32)
         x = codec.decode(payload, max_bytes=self.max_tensor_bytes, require_finite=True)
-        if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.stage.hidden_size:
-            raise codec.TensorDecodeError(
-                f"hidden states must have shape (1, tokens, {self.stage.hidden_size}), got {tuple(x.shape)}"
-            )
+        if (error := self.shape_error(tuple(x.shape))) is not None:
+            raise codec.TensorDecodeError(error)
         return x
 
-    def step(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
-             sampling: SamplingParams | None, more: bool = False) -> pb.Tensor | int | None:
-        """Run one forward of this stage for one request (worker thread).
-
-        Args:
-            request_id: the request.
-            step: 0 for the prefill (its first chunk, at offset 0, creates the KV
-                cache), n for the n-th decode step.
-            offset: tokens already in the request's KV cache (must match).
-            payload: token ids on the first stage; a Tensor message with hidden states
-                ``(1, tokens, hidden_size)`` on the others.
-            sampling: the request's sampling parameters (used when the last stage
-                creates the request's cache).
-            more: a prefill chunk that more chunks follow: the last stage fills its
-                cache and samples nothing.
-
-        Returns:
-            The encoded hidden states ``(1, tokens, hidden_size)`` for the next stage,
-            the sampled token id on the last stage, or ``None`` on the last stage
-            for a chunk with ``more``.
-
-        Raises:
-            codec.TensorDecodeError: malformed hidden states.
-            RequestError: unknown request or offset mismatch.
-        """
-        t0 = time.perf_counter()
-        try:
-            x = self._input(payload)
-            state = self._state(request_id, step, offset, sampling)
-            out = self.stage(x, state.cache)
-            return self._finish_one(state, out, x.shape[1], more)
-        finally:
-            self.busy_s += time.perf_counter() - t0
+    def shape_error(self, shape: tuple[int, ...]) -> str | None:
+        """Why hidden states of ``shape`` cannot enter this stage (it takes
+        ``(1, tokens, hidden_size)``), or ``None`` (also when no stage is loaded)."""
+        if self.stage is None:
+            return None
+        hidden = self.stage.hidden_size
+        if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden:
+            return f"hidden states must have shape (1, tokens, {hidden}), got {shape}"
+        return None
 
     def _finish_one(self, state: _RequestState, out: mx.array, tokens: int, more: bool) -> pb.Tensor | int | None:
         state.offset += tokens
-        state.last_used = time.monotonic()
-        self.tokens_processed += tokens
-        self.forwards += 1
         if not self.stage.last:
             return codec.encode(out)
         if more:
@@ -348,7 +326,6 @@ class StageEngine:
         """Run the steps of one round (worker thread): one multi-token step, or up to
         ``max_batch`` one-token steps of different requests as one forward. Returns
         each step's result or exception, in order."""
-        t0 = time.perf_counter()
         results: list[Any] = [None] * len(batch)
         ready: list[tuple[int, _RequestState, mx.array]] = []
         for i, work in enumerate(batch):
@@ -357,22 +334,19 @@ class StageEngine:
                 ready.append((i, self._state(work.request_id, work.step, work.offset, work.sampling), x))
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 results[i] = exc
-        try:
-            if len(ready) > 1 and _batchable(ready[0][1].cache) and all(_batchable(s.cache) for _, s, _ in ready):
-                self._forward_batched(ready, results)
-            else:
-                for i, state, x in ready:
-                    try:
-                        results[i] = self._finish_one(state, self.stage(x, state.cache), x.shape[1], batch[i].more)
-                    except Exception as exc:  # noqa: BLE001 - fails this request only
-                        log.exception("stage forward failed for request %s", batch[i].request_id)
-                        results[i] = exc
-            if batch[0].tokens == 1:
-                self.last_batch = len(ready)
-                self.batch_histogram[len(ready)] += 1
-                self.recent_batches.append((time.monotonic(), len(ready)))
-        finally:
-            self.busy_s += time.perf_counter() - t0
+        if len(ready) > 1 and all(_batchable(state.cache) for _, state, _ in ready):
+            self._forward_batched(ready, results)
+        else:
+            for i, state, x in ready:
+                try:
+                    results[i] = self._finish_one(state, self.stage(x, state.cache), x.shape[1], batch[i].more)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    log.exception("stage forward failed for request %s", batch[i].request_id)
+                    results[i] = exc
+        if batch[0].tokens == 1:
+            self.last_batch = len(ready)
+            self.batch_histogram[len(ready)] += 1
+            self.recent_batches.append((time.monotonic(), len(ready)))
         return results
 
     def _forward_batched(self, ready: list[tuple[int, _RequestState, mx.array]], results: list[Any]) -> None:
@@ -389,10 +363,7 @@ class StageEngine:
         for row, (i, state, _) in enumerate(ready):
             state.cache = [c.extract(row) for c in merged]
             state.offset += 1
-            state.last_used = time.monotonic()
             results[i] = state.sampler(out[row, -1]) if self.stage.last else codec.encode(out[row:row + 1])
-        self.tokens_processed += len(ready)
-        self.forwards += 1
 
     def _release_many(self, request_ids: list[str]) -> list[bool]:
         return [self.release(rid) for rid in request_ids]

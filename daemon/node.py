@@ -605,7 +605,7 @@ class Node:
     async def _release(self, request_id: str) -> None:
         """Drop the request's cache here and send a release around the ring."""
         if self.engine is not None:
-            await self.engine.release_now(request_id)
+            await self.engine.submit_release(request_id)
         if self._next is not None and self.is_head:
             try:
                 await self._next.send(pb.Activation(request_id=request_id, epoch=self.epoch, release=True))
@@ -653,10 +653,7 @@ class Node:
             return
         if message.WhichOneof("payload") != "hidden":
             raise codec.TensorDecodeError("activation carries no hidden states")
-        shape = tuple(message.hidden.shape)
-        hidden_size = self.engine.stage.hidden_size if self.engine.stage else None
-        if hidden_size is not None and (len(shape) != 3 or shape[0] != 1 or shape[2] != hidden_size):
-            error = f"hidden states must have shape (1, tokens, {hidden_size}), got {shape}"
+        if (error := self.engine.shape_error(tuple(message.hidden.shape))) is not None:
             await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
                                               error=f"stage {self.index} ({self.config.address}): {error}"))
             raise codec.TensorDecodeError(error)
@@ -696,7 +693,7 @@ class Node:
         await self._forward(nxt)
 
     async def _release_and_forward(self, message: pb.Activation) -> None:
-        await self.engine.release_now(message.request_id)
+        await self.engine.submit_release(message.request_id)
         if not self.is_last:
             await self._forward(message)
 
