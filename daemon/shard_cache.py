@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelFormatError, RingletError
-from .sources import ModelLocation
+from .sources import ModelLocation, read_safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -268,30 +268,6 @@ def gguf_layout(path: Path, rel: str | None = None) -> FileLayout:
     return FileLayout(rel or path.name, path, st.st_size, "gguf", header.header_bytes, tuple(regions), st.st_mtime_ns)
 
 
-def safetensors_header(path: Path) -> tuple[int, dict]:
-    """``(header_bytes, header JSON)`` of a ``.safetensors`` file; ``header_bytes`` = 8 + N.
-
-    Raises:
-        ModelFormatError: no or a malformed header.
-    """
-    try:
-        with path.open("rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ModelFormatError(f"{path}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100 * 1024 * 1024:
-                raise ModelFormatError(f"{path}: safetensors header of {n} bytes")
-            header = json.loads(fh.read(n))
-    except OSError as exc:
-        raise ModelFormatError(f"{path}: cannot read: {exc}") from None
-    except ValueError:
-        raise ModelFormatError(f"{path}: malformed safetensors header") from None
-    if not isinstance(header, dict):
-        raise ModelFormatError(f"{path}: malformed safetensors header")
-    return 8 + n, header
-
-
 def safetensors_layout(path: Path, rel: str) -> FileLayout:
     """Regions of a ``.safetensors`` file (header, then tensors by offset).
 
@@ -299,7 +275,7 @@ def safetensors_layout(path: Path, rel: str) -> FileLayout:
         ModelFormatError: malformed header, or a tensor beyond the end of the file.
     """
     st = path.stat()
-    header_bytes, header = safetensors_header(path)
+    header_bytes, header = read_safetensors_header(path)
     regions = [Region(HEADER, 0, header_bytes)]
     tensors = []
     for name, meta in header.items():

@@ -108,15 +108,14 @@ def read_config(location: ModelLocation) -> dict:
     return config
 
 
-def check_safetensors(path: Path) -> None:
-    """Check a ``.safetensors`` file is complete: its JSON header parses and every
-    tensor's byte range lies inside the file.
+def read_safetensors_header(path: Path) -> tuple[int, dict]:
+    """``(header_bytes, header JSON)`` of a ``.safetensors`` file; ``header_bytes`` = 8 + N.
 
     Format (safetensors spec): 8-byte little-endian header length N, N bytes of JSON
     ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 
     Raises:
-        ModelFormatError: truncated or malformed file, naming it.
+        ModelFormatError: unreadable, truncated or malformed header, naming the file.
     """
     try:
         size = path.stat().st_size
@@ -132,7 +131,23 @@ def check_safetensors(path: Path) -> None:
         raise ModelFormatError(f"{path}: cannot read: {exc}") from None
     except ValueError:
         raise ModelFormatError(f"{path}: malformed safetensors header") from None
-    data_size = size - 8 - n
+    if not isinstance(header, dict):
+        raise ModelFormatError(f"{path}: malformed safetensors header")
+    return 8 + n, header
+
+
+def check_safetensors(path: Path) -> None:
+    """Check a ``.safetensors`` file is complete: its JSON header parses and every
+    tensor's byte range lies inside the file.
+
+    Raises:
+        ModelFormatError: truncated or malformed file, naming it.
+    """
+    header_bytes, header = read_safetensors_header(path)
+    try:
+        data_size = path.stat().st_size - header_bytes
+    except OSError as exc:
+        raise ModelFormatError(f"{path}: cannot read: {exc}") from None
     for name, meta in header.items():
         if name == "__metadata__":
             continue
