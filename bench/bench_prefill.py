@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_spine import stream_times
 
 from ringlet.daemon.demo import LocalCluster
 
@@ -34,23 +35,8 @@ LONG = 300
 RUNS = 3
 CHUNKS = (64, 65536)
 PROMPT_A = "Once upon a time"
-# ~7 tokens per sentence: a long, plain prompt of about LONG tokens
+# ~10 tokens per sentence: a long, plain prompt of about LONG tokens
 PROMPT_B = " ".join(["The quick brown fox jumps over the lazy dog."] * (LONG // 10)) + " Summarise:"
-
-
-def _stream(url: str, prompt: str, max_tokens: int, times: list[float], started: threading.Event | None = None,
-            after: int = 0) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    raise RuntimeError(payload["error"].get("message", payload["error"]))
-                ids = payload["choices"][0].get("token_ids") or []
-                times.extend([time.perf_counter()] * len(ids))
-                if started is not None and len(times) >= after:
-                    started.set()
 
 
 def one_run(url: str) -> dict:
@@ -59,9 +45,13 @@ def one_run(url: str) -> dict:
     go = threading.Event()
     errors: list[str] = []
 
+    def eighth_token(n: int) -> None:
+        if n >= 8:
+            go.set()
+
     def run_a() -> None:
         try:
-            _stream(url, PROMPT_A, TOKENS, a_times, go, 8)
+            stream_times(url, PROMPT_A, TOKENS, a_times, on_token=eighth_token)
         except Exception as exc:  # noqa: BLE001 - reported in the results
             errors.append(str(exc))
             go.set()
@@ -70,7 +60,7 @@ def one_run(url: str) -> dict:
     a.start()
     go.wait(300)
     t_send = time.perf_counter()
-    _stream(url, PROMPT_B, 4, b_times)
+    stream_times(url, PROMPT_B, 4, b_times)
     a.join()
     gaps = [y - x for x, y in zip(a_times, a_times[1:], strict=False)]
     during = [y - x for x, y in zip(a_times, a_times[1:], strict=False) if y > t_send and x < b_times[0]]

@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -30,16 +31,33 @@ TOKENS = 48
 RUNS = 3
 
 
-def stream_once(url: str, max_tokens: int) -> tuple[float, float, int]:
-    """One greedy streamed completion: (TTFT s, decode tokens/s, tokens)."""
-    t0 = time.perf_counter()
-    times = []
-    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
+def stream_times(url: str, prompt: str, max_tokens: int, times: list[float] | None = None,
+                 on_token: Callable[[int], None] | None = None) -> list[float]:
+    """One greedy streamed completion: appends each token's arrival time
+    (``time.perf_counter()``) to ``times`` and calls ``on_token(n)`` after the n-th.
+
+    Raises:
+        RuntimeError: the stream carried an error event.
+    """
+    times = [] if times is None else times
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "return_token_ids": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    raise RuntimeError(payload["error"].get("message", payload["error"]))
+                ids = payload["choices"][0].get("token_ids") or []
                 times.extend([time.perf_counter()] * len(ids))
+                if ids and on_token is not None:
+                    on_token(len(times))
+    return times
+
+
+def stream_once(url: str, max_tokens: int) -> tuple[float, float, int]:
+    """One greedy streamed completion: (TTFT s, decode tokens/s, tokens)."""
+    t0 = time.perf_counter()
+    times = stream_times(url, PROMPT, max_tokens)
     ttft = times[0] - t0
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
     return ttft, decode, len(times)
