@@ -60,7 +60,7 @@ from . import tp_config
 from .errors import RingletError
 from .sampling import SamplingParams
 from .tp_config import TPDecision, TPLink, TPMember, TPModelSpec, TPRefused
-from .tp_worker import MAX_FRAME, TOKEN_ENV, encode_frame
+from .tp_worker import MAX_FRAME, TOKEN_ENV, encode_message
 
 log = logging.getLogger("ringlet.daemon.tp_group")
 
@@ -73,6 +73,11 @@ STABLE_AFTER = 60.0
 
 class TPGroupError(RingletError):
     """The tensor group cannot serve (could not start, or every recovery failed)."""
+
+
+class TPStageLost(TPGroupError):
+    """Stage mode: the group restarted since a KV-cache slot was created, so the slot's
+    cache is gone (the request must prefill again)."""
 
 
 # ---------------------------------------------------------------------------------------- model spec
@@ -195,6 +200,7 @@ class _Req:
     sampling: dict = field(default_factory=dict)
     stop: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    data: bytes | None = None  # stage mode: the hidden states attached to the request
     generated: list[int] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent_epoch: int = -1
@@ -266,6 +272,9 @@ class TPGroup:
             that crashes the ranks must not take the group down in a loop).
         decision: a tensor decision made already (the daemon's negotiated plan): used as
             the first epoch's ranks instead of deciding again.
+        layers: stage mode (a hybrid plan's group): the ranks hold only this half-open
+            layer range ``(start, end)`` and serve :meth:`stage_forward`; ``None`` = the
+            whole model, served by :meth:`generate`.
     """
 
     def __init__(
@@ -292,9 +301,12 @@ class TPGroup:
         prefill_chunk: int = 512,
         extra_env: Mapping[str, str] | None = None,
         decision: TPDecision | None = None,
+        layers: tuple[int, int] | None = None,
     ):
         if fallback not in ("single", "none"):
             raise ValueError("fallback must be 'single' or 'none'")
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise ValueError(f"layers must be a non-empty range (start, end), got {layers}")
         self.model = model
         self.members = list(members)
         self.alive = list(members)
@@ -318,6 +330,7 @@ class TPGroup:
         self.prefill_chunk = prefill_chunk
         self.extra_env = dict(extra_env or {})
         self._initial = decision
+        self.layers = layers
 
         self.decision: TPDecision | None = None
         self.state = "new"
@@ -449,6 +462,53 @@ class TPGroup:
         req = _Req(id=f"b{next(self._ids)}", kind="bench", prompt=[], extra={"iters": iters, "width": width})
         return float(await self._one(req))
 
+    async def stage_forward(self, slot: int, epoch: int | None, *, tokens: Sequence[int] | None = None,
+                            hidden=None, dtype: str = "float32", head: bool = True) -> tuple[int, Any]:
+        """Stage mode: one forward of this group's layer range for one KV-cache slot.
+
+        Args:
+            slot: the request's cache slot (any int the caller keeps unique).
+            epoch: the group epoch the slot's cache was created in, ``None`` to create it
+                now (the first prefill chunk).
+            tokens: token ids (first stage), or
+            hidden: hidden states, float32 numpy ``(1, tokens, hidden_size)``, whose
+                activation dtype is ``dtype`` (float32, float16 or bfloat16).
+            head: on the last stage, compute the logits (``False``: a prefill chunk that
+                only fills the cache).
+
+        Returns:
+            ``(epoch, out)``: the group epoch that ran it and float32 numpy hidden states
+            ``(1, tokens, hidden_size)``, or the last position's logits ``(1, 1, vocab)``
+            on the last stage (``None`` when ``head`` is false).
+
+        Raises:
+            TPStageLost: the group restarted since ``epoch`` (the slot's cache is gone).
+            TPGroupError: the group failed or closed, or the rank refused the step.
+        """
+        import numpy as np
+
+        if self.layers is None:
+            raise TPGroupError("stage_forward needs a group started with layers=(start, end)")
+        extra: dict[str, Any] = {"slot": int(slot), "new": epoch is None, "head": bool(head), "epoch": epoch}
+        data = None
+        if hidden is not None:
+            data = np.ascontiguousarray(hidden, dtype=np.float32).tobytes()
+            extra["dtype"] = dtype
+        else:
+            extra["tokens"] = [int(t) for t in tokens]
+        req = _Req(id=f"s{next(self._ids)}", kind="stage", prompt=[], extra=extra, data=data)
+        shape, out = await self._one(req)
+        ran = req.sent_epoch
+        if shape is None:
+            return ran, None
+        return ran, np.frombuffer(out, dtype=np.float32).reshape(shape)
+
+    def free_slot(self, slot: int, epoch: int) -> None:
+        """Stage mode: drop a slot's KV cache on every rank (nothing when ``epoch`` is gone)."""
+        ep = self._epoch
+        if ep is not None and ep.number == epoch and self.state == "ready" and not ep.failed.is_set():
+            self._write(ep.ranks[0], {"t": "free", "slot": int(slot)})
+
     def info(self) -> dict[str, Any]:
         """Mode, backend, ranks (node ids in rank order), size, epoch, state, reason, pids, restarts."""
         ep = self._epoch
@@ -466,6 +526,7 @@ class TPGroup:
             "pids": {r.rank: r.handle.pid for r in ep.ranks if r.handle} if ep else {},
             "in_flight": sum(not r.done for r in self._reqs.values()),
             "history": list(self.history),
+            "layers": list(self.layers) if self.layers else None,
         }
 
     def rank_pids(self) -> dict[int, int]:
@@ -492,6 +553,8 @@ class TPGroup:
                     return
                 if isinstance(item, tuple) and item and item[0] == "error":
                     raise TPGroupError(item[1])
+                if isinstance(item, tuple) and item and item[0] == "lost":
+                    raise TPStageLost(item[1])
                 yield item
                 if req.kind != "gen":
                     return
@@ -512,6 +575,17 @@ class TPGroup:
             req.queue.put_nowait(("done", "stop" if req.generated and req.generated[-1] in req.stop else "length"))
             return
         msg: dict[str, Any] = {"t": req.kind, "id": req.id}
+        if req.kind == "stage":
+            e = req.extra
+            if req.sent_epoch >= 0 or (e["epoch"] is not None and e["epoch"] != ep.number):
+                req.done = True  # the caches of the epoch it belongs to are gone
+                req.queue.put_nowait(("lost", f"tensor group restarted (epoch {ep.number}): "
+                                              "this request's KV cache is gone"))
+                return
+            msg.update({k: v for k, v in e.items() if k != "epoch"})
+            req.sent_epoch = ep.number
+            self._write(ep.ranks[0], msg, req.data)
+            return
         if req.kind == "gen":
             msg.update(
                 prompt=req.prompt + req.generated,
@@ -529,12 +603,14 @@ class TPGroup:
 
     def _cancel(self, req: _Req) -> None:
         ep = self._epoch
+        if req.kind == "stage":
+            return  # one step: rank 0 finishes it; the slot is freed by free_slot
         if ep is not None and req.sent_epoch == ep.number and ep.ranks and not ep.failed.is_set():
             self._write(ep.ranks[0], {"t": "cancel", "id": req.id})
 
-    def _write(self, r: _RankState, msg: dict) -> None:
+    def _write(self, r: _RankState, msg: dict, data: bytes | None = None) -> None:
         if r.writer is not None and not r.writer.is_closing():
-            r.writer.write(encode_frame(msg))
+            r.writer.write(encode_message(msg, data))
 
     # ------------------------------------------------------------------------------------ control server
 
@@ -592,7 +668,13 @@ class TPGroup:
         (n,) = struct.unpack(">I", head)
         if n > MAX_FRAME:
             raise ValueError("control frame too large")
-        return json.loads(await reader.readexactly(n))
+        msg = json.loads(await reader.readexactly(n))
+        if isinstance(msg, dict) and msg.get("bin") is not None:  # an attachment: raw bytes
+            (m,) = struct.unpack(">I", await reader.readexactly(4))
+            if m > MAX_FRAME:
+                raise ValueError("control frame too large")
+            msg["_data"] = await reader.readexactly(m)
+        return msg
 
     def _on_message(self, ep: _Epoch, rs: _RankState, msg: dict) -> None:
         t = msg.get("t")
@@ -614,7 +696,7 @@ class TPGroup:
                 ep.all_ready.set()
         elif t == "fatal":  # it leaves by itself: not a lost member (often it saw a peer vanish)
             self._fail(ep, set(), f"rank {rs.rank} ({rs.node_id}) failed: {msg.get('msg')}")
-        elif t in ("tok", "done", "logits", "bench", "error"):
+        elif t in ("tok", "done", "logits", "bench", "error", "out"):
             req = self._reqs.get(msg.get("id", ""))
             if req is None or req.done:
                 return
@@ -631,6 +713,10 @@ class TPGroup:
             elif t == "bench":
                 req.done = True
                 req.queue.put_nowait(msg["seconds_per_allreduce"])
+            elif t == "out":
+                req.done = True
+                shape = msg.get("shape")
+                req.queue.put_nowait((tuple(shape) if shape is not None else None, msg.get("_data")))
             else:
                 req.done = True
                 req.queue.put_nowait(("error", msg.get("msg", "error")))
@@ -761,7 +847,8 @@ class TPGroup:
                     self.reason = decision.reason
                     self._ready.set()
                     for req in list(self._reqs.values()):
-                        if not req.done and req.sent_epoch >= 0 and req.sent_epoch != ep.number:
+                        if (req.kind != "stage" and not req.done and req.sent_epoch >= 0
+                                and req.sent_epoch != ep.number):
                             req.resumes += 1
                             if req.resumes > self.max_resumes:  # it may be what kills the group
                                 req.done = True
@@ -897,6 +984,8 @@ class TPGroup:
             ]
             if self.model is not None:
                 argv += ["--model", str(self.model)]
+            if self.layers is not None:
+                argv += ["--layers", f"{self.layers[0]}:{self.layers[1]}"]
             launch = asyncio.ensure_future(
                 self.launcher.start(rs.node_id, argv, env, directory / f"rank-{rs.rank}.log")
             )

@@ -35,9 +35,20 @@ so heartbeats keep flowing from a rank stuck in a dead ring -- the supervisor
 sees the step not finishing (mlx issue #3862). If the control socket closes the
 rank exits at once (``os._exit``), even from inside a hung collective.
 
-Control protocol: frames of a 4-byte big-endian length and UTF-8 JSON. Side channel:
-``HEADER`` little-endian int32 (op, slot, flags, n, token, arg, free), then ``n``
-int32 token ids when ``n > 1``.
+Stage mode (``--layers START:END``, hybrid plans): the rank loads only the layer range
+``[START, END)`` and ``model.shard(group)`` splits it, so a group is one *stage* of a
+pipeline. Rank 0 then serves ``stage`` requests one at a time, in order: the input of one
+forward (token ids on the first stage, hidden states on the others) for one KV-cache
+slot, and answers ``out`` with the stage's output (hidden states, or the last position's
+logits on the last stage); ``free`` drops a slot's cache. Sampling, batching and the
+ring between stages stay with the daemon (:mod:`ringlet.daemon.group_stage`).
+
+Control protocol: frames of a 4-byte big-endian length and UTF-8 JSON; a message with
+``"bin": n`` is followed by one more length-prefixed frame of ``n`` raw bytes (hidden
+states and logits, float32, C order). Side channel: ``HEADER`` little-endian int32 (op,
+slot, flags, n, token, arg, free), then ``n`` int32 token ids when ``n > 1``, or, with
+``F_HIDDEN``, ``arg`` bytes of float32 hidden states ``(1, n, hidden_size)`` whose
+activation dtype is ``DTYPE_CODES[token]``.
 """
 
 from __future__ import annotations
@@ -60,7 +71,9 @@ from typing import Any
 H_OP, H_SLOT, H_FLAGS, H_N, H_TOK, H_ARG, H_FREE = range(7)
 HEADER = 7
 OP_STEP, OP_FREE, OP_STOP, OP_BENCH = 1, 2, 4, 5
-F_NEW_CACHE, F_HEAD = 1, 2
+F_NEW_CACHE, F_HEAD, F_HIDDEN = 1, 2, 4
+#: Activation dtypes of hidden states on the wire (they travel as float32, which holds each exactly).
+DTYPE_CODES = ("float32", "float16", "bfloat16")
 
 #: Architectures whose ``Model.__call__`` is ``self.model(...)`` then the output head and
 #: nothing else: ranks other than 0 run only ``model.model`` (same collectives, no head).
@@ -91,15 +104,35 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> Any | None:
+def encode_message(obj: dict, data: bytes | None = None) -> bytes:
+    """A control message, with ``data`` (raw bytes) attached as a second frame when given."""
+    if data is None:
+        return encode_frame(obj)
+    return encode_frame({**obj, "bin": len(data)}) + struct.pack(">I", len(data)) + data
+
+
+def _recv_raw(sock: socket.socket) -> bytes | None:
     head = recv_exact(sock, 4)
     if head is None:
         return None
     (n,) = struct.unpack(">I", head)
     if n > MAX_FRAME:
         raise ValueError(f"control frame of {n} bytes is too large")
-    body = recv_exact(sock, n)
-    return None if body is None else json.loads(body)
+    return recv_exact(sock, n)
+
+
+def recv_frame(sock: socket.socket) -> Any | None:
+    """The next control message (``None`` at end of stream); an attachment is put in ``msg["_data"]``."""
+    body = _recv_raw(sock)
+    if body is None:
+        return None
+    msg = json.loads(body)
+    if isinstance(msg, dict) and msg.get("bin") is not None:
+        data = _recv_raw(sock)
+        if data is None:
+            return None
+        msg["_data"] = data
+    return msg
 
 
 class Control:
@@ -127,8 +160,8 @@ class Control:
         # The supervisor is gone: leave now, even if the main thread is stuck in a collective.
         os._exit(3)
 
-    def send(self, obj: Any) -> None:
-        frame = encode_frame(obj)
+    def send(self, obj: Any, data: bytes | None = None) -> None:
+        frame = encode_message(obj, data)
         with self._lock:
             try:
                 self.sock.sendall(frame)
@@ -178,27 +211,33 @@ class SideChannel:
         self.leader.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.leader.sendall(struct.pack("<i", self.rank))
 
-    def send(self, header: list[int], tokens: list[int] | None = None) -> None:
+    def send(self, header: list[int], tokens: list[int] | None = None, hidden: bytes | None = None) -> None:
         n = header[H_N]
         data = struct.pack(f"<{HEADER}i", *header)
-        if n > 1:
+        if header[H_FLAGS] & F_HIDDEN:
+            data += hidden
+        elif n > 1:
             data += struct.pack(f"<{n}i", *tokens)
         for p in self.peers:
             p.sendall(data)
 
-    def recv(self) -> tuple[list[int], list[int] | None] | None:
-        """The next header and its tokens; ``None`` when rank 0 closed the channel."""
+    def recv(self) -> tuple[list[int], list[int] | None, bytes | None] | None:
+        """The next header, its tokens and its hidden states; ``None`` when rank 0 closed the channel."""
         head = recv_exact(self.leader, 4 * HEADER)
         if head is None:
             return None
         header = list(struct.unpack(f"<{HEADER}i", head))
-        tokens = None
-        if header[H_N] > 1:
+        tokens = hidden = None
+        if header[H_FLAGS] & F_HIDDEN:
+            hidden = recv_exact(self.leader, header[H_ARG])
+            if hidden is None:
+                return None
+        elif header[H_N] > 1:
             body = recv_exact(self.leader, 4 * header[H_N])
             if body is None:
                 return None
             tokens = list(struct.unpack(f"<{header[H_N]}i", body))
-        return header, tokens
+        return header, tokens, hidden
 
 
 # ---------------------------------------------------------------------------------------- rank state
@@ -262,16 +301,24 @@ class Rank:
         self.inner = None
         self.side: SideChannel | None = None
         self.caches: dict[int, list] = {}
+        self.stage_mode = False
+        self.first = self.last = True
+        self.hidden_size = 0
 
     # -- setup
     def load(self) -> None:
+        """Load the whole model, or only the layer range ``--layers`` (stage mode)."""
         from .sources import resolve
         from .stage import load_stage
 
         dtype = None if self.args.dtype in ("", "auto", "model") else self.args.dtype
-        stage = load_stage(resolve(self.args.model), 0, None, dtype)
+        start, end = parse_layers(self.args.layers)
+        stage = load_stage(resolve(self.args.model), start, end, dtype)
         self.model = stage.model
         self.config = stage.config
+        self.stage_mode = bool(self.args.layers)
+        self.first, self.last = stage.first, stage.last
+        self.hidden_size = stage.hidden_size
 
     def open_side(self, host: str) -> int | None:
         """Rank 0: listen for the other ranks' side-channel connections; returns the port."""
@@ -303,24 +350,32 @@ class Rank:
         inner = getattr(self.model, "model", None)
         self.inner = inner if (model_type in HEADLESS_OK and callable(inner)) else None
 
-    def step(self, header, tokens: list[int] | None):
-        """Run one STEP on this rank; returns logits (rank 0, head requested) or None."""
+    def step(self, header, tokens: list[int] | None, hidden: bytes | None = None):
+        """Run one STEP on this rank; returns the output on rank 0 (logits when the head was
+        asked for, hidden states in stage mode) or None."""
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
         slot, flags, n = int(header[H_SLOT]), int(header[H_FLAGS]), int(header[H_N])
-        ids = mx.array([[int(header[H_TOK])]] if n == 1 else [tokens], dtype=mx.int32)
+        if flags & F_HIDDEN:
+            import numpy as np
+
+            x = mx.array(np.frombuffer(hidden, dtype=np.float32).reshape(1, n, self.hidden_size))
+            x = x.astype(getattr(mx, DTYPE_CODES[int(header[H_TOK])]))
+        else:
+            x = mx.array([[int(header[H_TOK])]] if n == 1 else [tokens], dtype=mx.int32)
         if flags & F_NEW_CACHE:
             self.caches[slot] = make_prompt_cache(self.model)
         cache = self.caches[slot]
-        if self.rank == 0 and flags & F_HEAD:
-            out = self.model(ids, cache=cache)
+        head = self.rank == 0 and bool(flags & F_HEAD)
+        if head or (self.rank == 0 and self.stage_mode and not self.last):
+            out = self.model(x, cache=cache)  # a stage that is not the last has no head: hidden states
         elif self.inner is not None:
-            out = self.inner(ids, cache=cache)
+            out = self.inner(x, cache=cache)
         else:
-            out = self.model(ids, cache=cache)
+            out = self.model(x, cache=cache)
         mx.eval(out)
-        return out if (self.rank == 0 and flags & F_HEAD) else None
+        return out if self.rank == 0 and (head or self.stage_mode) else None
 
     def bench(self, iters: int, width: int) -> float:
         import mlx.core as mx
@@ -333,14 +388,14 @@ class Rank:
             mx.eval(mx.distributed.all_sum(v, group=self.group))
         return (time.perf_counter() - t0) / iters
 
-    def apply_header(self, header, tokens=None):
+    def apply_header(self, header, tokens=None, hidden=None):
         """Run whatever a header says on this rank (all ranks call this in lockstep)."""
         free = int(header[H_FREE])
         if free >= 0:
             self.caches.pop(free, None)
         op = int(header[H_OP])
         if op == OP_STEP:
-            return self.step(header, tokens)
+            return self.step(header, tokens, hidden)
         if op == OP_FREE:
             self.caches.pop(int(header[H_SLOT]), None)
         elif op == OP_BENCH:
@@ -357,14 +412,61 @@ class Rank:
                 return False
             if got[0][H_OP] == OP_STOP:
                 return True
-            header, tokens = got
+            header, tokens, hidden = got
             self.health.begin()
             self.health.phase = "lockstep"
-            self.apply_header(header, tokens)
+            self.apply_header(header, tokens, hidden)
             self.health.end()
             self.health.phase = "idle"
 
     # -- rank 0
+    def lead_stage(self) -> None:
+        """Stage mode: run each ``stage`` request as it comes (the daemon's engine orders and
+        times them) and answer with the stage's output; ``free`` drops a slot's cache."""
+        import mlx.core as mx
+        import numpy as np
+
+        while True:
+            self.health.phase = "idle"
+            msg = self.ctrl.inbox.get()
+            t = msg.get("t")
+            if t == "shutdown":
+                self.side.send([OP_STOP, 0, 0, 0, 0, 0, -1])
+                return
+            if t == "free":
+                slot = int(msg["slot"])
+                if slot in self.caches:
+                    self.side.send([OP_FREE, slot, 0, 0, 0, 0, -1])
+                    self.caches.pop(slot, None)
+                continue
+            if t != "stage":
+                continue
+            slot, new, head = int(msg["slot"]), bool(msg.get("new")), bool(msg.get("head"))
+            if not new and slot not in self.caches:
+                self.ctrl.send({"t": "error", "id": msg["id"], "msg": f"no KV cache for slot {slot} in this group"})
+                continue
+            flags = (F_NEW_CACHE if new else 0) | (F_HEAD if head and self.last else 0)
+            data: bytes | None = msg.get("_data")
+            if data is not None:
+                n = len(data) // (4 * self.hidden_size)
+                header = [OP_STEP, slot, flags | F_HIDDEN, n, DTYPE_CODES.index(msg["dtype"]), len(data), -1]
+                tokens = None
+            else:
+                tokens = [int(x) for x in msg["tokens"]]
+                header = [OP_STEP, slot, flags, len(tokens), tokens[0], 0, -1]
+            self.health.phase = "lockstep"
+            self.health.begin()
+            self.side.send(header, tokens, data)
+            out = self.apply_header(header, tokens, data)
+            self.health.end()
+            if self.last and not head:
+                self.ctrl.send({"t": "out", "id": msg["id"], "shape": None})  # a prefill chunk: cache only
+                continue
+            if self.last:
+                out = out[:, -1:, :]  # the last position's logits: all the daemon samples from
+            arr = np.array(out.astype(mx.float32))
+            self.ctrl.send({"t": "out", "id": msg["id"], "shape": list(arr.shape)}, arr.tobytes())
+
     def lead(self) -> None:
         import mlx.core as mx
 
@@ -520,6 +622,23 @@ class Rank:
                 finish(slot, "length")
 
 
+def parse_layers(text: str | None) -> tuple[int, int | None]:
+    """``"START:END"`` -> ``(START, END)``; empty -> ``(0, None)`` (every layer).
+
+    Raises:
+        ValueError: not two integers with ``0 <= START < END``.
+    """
+    if not text:
+        return 0, None
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--layers must be START:END, got {text!r}") from None
+    if not 0 <= a < b:
+        raise ValueError(f"--layers {text}: need 0 <= START < END")
+    return a, b
+
+
 def _exit_on_stdin_eof() -> None:
     """Block reading stdin; at end of file (the launcher died, even by SIGKILL) leave at once."""
     try:
@@ -542,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hb-interval", type=float, default=0.2)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--side-host", default="127.0.0.1", help="rank 0: address to listen on for the other ranks")
+    p.add_argument("--layers", default="", help="stage mode: hold only the layer range START:END (hybrid plans)")
     p.add_argument(
         "--exit-with-stdin",
         action="store_true",
@@ -582,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         if args.rank == 0:
-            rank.lead()
+            rank.lead_stage() if rank.stage_mode else rank.lead()
         elif not rank.follow():
             # rank 0 vanished: say so, so that this rank is not taken for the lost one
             ctrl.send({"t": "fatal", "rank": args.rank, "phase": "idle", "msg": "rank 0 closed the side channel"})

@@ -33,7 +33,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more")
+    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class Activation(_message.Message):
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     step: int
@@ -58,7 +59,8 @@ class Activation(_message.Message):
     sent_at: float
     stage: int
     more: bool
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    retry: bool
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ...) -> None: ...
 
 class HopAck(_message.Message):
     __slots__ = ("received",)
@@ -305,7 +307,7 @@ class ShardChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[bytes] = ...) -> None: ...
 
 class RankStart(_message.Message):
-    __slots__ = ("leader_id", "plan_epoch", "group_epoch", "rank", "size", "backend", "control", "token", "dtype", "hb_interval", "prefill_chunk", "side_host", "files", "env")
+    __slots__ = ("leader_id", "plan_epoch", "group_epoch", "rank", "size", "backend", "control", "token", "dtype", "hb_interval", "prefill_chunk", "side_host", "files", "env", "layer_start", "layer_end")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +336,8 @@ class RankStart(_message.Message):
     SIDE_HOST_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     leader_id: str
     plan_epoch: int
     group_epoch: int
@@ -348,7 +352,9 @@ class RankStart(_message.Message):
     side_host: str
     files: _containers.ScalarMap[str, str]
     env: _containers.ScalarMap[str, str]
-    def __init__(self, leader_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., group_epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ..., control: _Optional[str] = ..., token: _Optional[str] = ..., dtype: _Optional[str] = ..., hb_interval: _Optional[float] = ..., prefill_chunk: _Optional[int] = ..., side_host: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    layer_start: int
+    layer_end: int
+    def __init__(self, leader_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., group_epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ..., control: _Optional[str] = ..., token: _Optional[str] = ..., dtype: _Optional[str] = ..., hb_interval: _Optional[float] = ..., prefill_chunk: _Optional[int] = ..., side_host: _Optional[str] = ..., files: _Optional[_Mapping[str, str]] = ..., env: _Optional[_Mapping[str, str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
 
 class RankEvent(_message.Message):
     __slots__ = ("pid", "exit_code", "error")
