@@ -63,9 +63,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="planner policy (default balanced)")
     run.add_argument("--context", type=int, default=None, help="context tokens to size KV caches for")
     run.add_argument("--mode", choices=["auto", "pipeline", "tensor", "hybrid"], default="auto",
-                     help="auto (default: decided from memory, links and predicted speed), pipeline, or tensor "
+                     help="auto (default: decided from memory, links and predicted speed), pipeline, tensor "
                           "(tensor parallel over MLX distributed whenever the members can; else the pipeline, "
-                          "saying why); hybrid is not served yet")
+                          "saying why), or hybrid (tensor groups chained as pipeline stages; needs 4+ members "
+                          "in equal groups whose size the heads divide by)")
     run.add_argument("--heartbeat-s", type=float, default=0.5, help="seconds between heartbeats")
     run.add_argument("--remove-after-s", type=float, default=2.0,
                      help="a member silent this long is removed and the cluster re-plans")

@@ -131,9 +131,9 @@ class LocalCluster:
                 raise RingletError(f"node {i} not ready in time:\n{tail}")
             time.sleep(0.1)
 
-    def start(self, timeout_s: float = 180.0) -> LocalCluster:
+    def start(self, timeout_s: float = 180.0, stages: int | None = None) -> LocalCluster:
         """Start every node and wait until all serve (dynamic: until all have
-        committed one plan with every node in it).
+        committed one plan of ``stages`` stages, default one per node).
 
         Raises:
             RingletError: a node exited or did not become ready in time (its log tail is included).
@@ -157,7 +157,7 @@ class LocalCluster:
         for i in range(self.n):
             self._wait_healthy(i, deadline)
         if self.dynamic:
-            self.wait_plan(stages=self.n, timeout_s=max(5.0, deadline - time.monotonic()))
+            self.wait_plan(stages=stages or self.n, timeout_s=max(5.0, deadline - time.monotonic()))
         return self
 
     def add_node(self, extra_args: list[str] | None = None, wait: bool = True, timeout_s: float = 120.0,

@@ -29,7 +29,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -38,6 +38,9 @@ from .rpc import ringlet_pb2 as pb
 from .sampling import RequestSampler, SamplingParams
 from .serving_defaults import DEFAULT_MAX_BATCH
 from .stage import Stage
+
+if TYPE_CHECKING:
+    from .group_stage import GroupStage
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,12 @@ class RequestError(Exception):
 
 class RequestDropped(RequestError):
     """The request's work was dropped before it ran: released, or the plan changed."""
+
+
+class RequestRetry(RequestError):
+    """The request's KV cache on this stage is gone but the plan still stands (a tensor
+    group restarted): stage 0 may resume the request on the same plan by prefilling it
+    again (``Activation.retry``)."""
 
 
 @dataclass
@@ -116,7 +125,7 @@ class StageEngine:
             request per forward, each bit-identical to running it alone).
     """
 
-    def __init__(self, stage: Stage | None, executor: concurrent.futures.ThreadPoolExecutor,
+    def __init__(self, stage: Stage | GroupStage | None, executor: concurrent.futures.ThreadPoolExecutor,
                  max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -318,7 +327,7 @@ class StageEngine:
         if not self.stage.last:
             return codec.encode(out)
         if more:
-            mx.eval([c.state for c in state.cache])  # fill the cache; the logits are never computed
+            self.stage.settle(state.cache)  # fill the cache; the logits are never computed
             return None
         return state.sampler(out[0, -1])
 
@@ -339,7 +348,8 @@ class StageEngine:
         else:
             for i, state, x in ready:
                 try:
-                    results[i] = self._finish_one(state, self.stage(x, state.cache), x.shape[1], batch[i].more)
+                    out = self.stage(x, state.cache, head=not batch[i].more)
+                    results[i] = self._finish_one(state, out, x.shape[1], batch[i].more)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     log.exception("stage forward failed for request %s", batch[i].request_id)
                     results[i] = exc

@@ -266,17 +266,26 @@ class Negotiator:
                     mode = json.loads(p.tp_json)
                 except ValueError:
                     mode = None
-                bad = check_tp_dict(mode, ids, p.proposer_id)
+                bad = check_tp_dict(mode, ids, p.proposer_id, self.num_layers)
                 if bad:
                     return self._refuse(f"malformed mode decision: {bad}")
-                if mode["mode"] == "tensor":
+                if mode["mode"] in ("tensor", "hybrid"):
                     missing = [r for r in mode["ranks"] if not addresses.get(r)]
                     if missing:
                         return self._refuse(f"tensor plan names ranks without addresses: {missing}")
+                    if self.tp is None:
+                        return self._refuse("this node does not run tensor groups")
+                if mode["mode"] == "tensor":
                     # every rank holds every layer (split by model.shard in its rank process)
                     stages = tuple(StageSpec(address=addresses[r], start=0, end=self.num_layers, node_id=r)
                                    for r in mode["ranks"])
                     serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=f"tensor:{plan.plan_id}",
+                                          detail=plan.to_dict(), tp=mode)
+                elif mode["mode"] == "hybrid":
+                    # the stages are the groups' leaders, each with its group's layer range
+                    stages = tuple(StageSpec(address=addresses[g[0]], start=int(a), end=int(b), node_id=g[0])
+                                   for g, (a, b) in zip(mode["groups"], mode["layer_ranges"], strict=True))
+                    serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=f"hybrid:{plan.plan_id}",
                                           detail=plan.to_dict(), tp=mode)
                 else:
                     serving = replace(serving, tp=mode)
@@ -318,6 +327,10 @@ class Negotiator:
         elif serving.is_tensor:
             ranks = ", ".join(f"{i} {r[:8]}" for i, r in enumerate(serving.tp["ranks"]))
             self.node.event("replan", f"epoch {serving.epoch}: tensor over {serving.tp['backend']}, ranks {ranks}")
+        elif serving.is_hybrid:
+            groups = "; ".join(f"[{s.start},{s.end}) on {'+'.join(r[:8] for r in g)} ({b})" for s, g, b in
+                               zip(serving.stages, serving.tp["groups"], serving.tp["group_backends"], strict=True))
+            self.node.event("replan", f"epoch {serving.epoch}: hybrid: {groups}")
         else:
             ranges = ", ".join(f"{s.node_id[:8]} [{s.start},{s.end})" for s in serving.stages)
             self.node.event("replan", f"epoch {serving.epoch}: {ranges}; this node read "

@@ -39,7 +39,7 @@ import grpc
 import psutil
 
 from . import codec
-from .engine import RequestDropped, RequestError, StageEngine, sampling_from_pb, sampling_to_pb
+from .engine import RequestDropped, RequestError, RequestRetry, StageEngine, sampling_from_pb, sampling_to_pb
 from .hop import HopLink
 from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
@@ -81,6 +81,11 @@ class _EpochSkew(GenerationError):
     commit a plan within moments of each other, so the request is simply retried."""
 
 
+class _Retry(GenerationError):
+    """A stage lost the request's KV cache while the plan stands (its tensor group
+    restarted): the request resumes on the same plan (``Activation.retry``)."""
+
+
 @dataclass(frozen=True)
 class ServingPlan:
     """A committed plan as the serving path needs it.
@@ -94,6 +99,9 @@ class ServingPlan:
         tp: the mode decision (:mod:`ringlet.daemon.tp_serving`), if any. When its
             ``mode`` is ``tensor``, ``stages`` are the ranks in rank order (each holds
             every layer, in its rank process) and stage 0 (rank 0) drives the group.
+            When it is ``hybrid``, ``stages`` are the tensor groups' leaders with the
+            groups' layer ranges (a pipeline whose stages run in their groups' rank
+            processes, :mod:`ringlet.daemon.group_stage`).
     """
 
     epoch: int
@@ -106,6 +114,10 @@ class ServingPlan:
     @property
     def is_tensor(self) -> bool:
         return bool(self.tp) and self.tp.get("mode") == "tensor"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.tp) and self.tp.get("mode") == "hybrid"
 
     def index_of(self, node_id: str, address: str) -> int | None:
         for i, s in enumerate(self.stages):
@@ -282,8 +294,11 @@ class Node:
         if plan.infeasible or index is None or plan.is_tensor:  # tensor: the rank processes load
             self._prepared[key] = None
             return 0
+        if plan.is_hybrid:  # the group's rank processes load, once the plan is committed
+            self._prepared[key] = self.tp.group_stage(plan, index)
+            return 0
         spec = plan.stages[index]
-        current = self.engine.stage
+        current = self.engine.stage if isinstance(self.engine.stage, Stage) else None
         if current is not None and (current.start, current.end) == (spec.start, spec.end):
             self._prepared[key] = current
             return 0
@@ -340,7 +355,8 @@ class Node:
         if plan.infeasible:
             self.state = "unplanned"
         elif self.index is None:
-            self.state = "standby"
+            in_group = plan.is_hybrid and any(self.node_id in g for g in plan.tp.get("groups", ()))
+            self.state = "ready" if in_group else "standby"  # a hybrid group's member runs a rank
         else:
             self.state = "ready"
         spec = self.stage_spec
@@ -421,6 +437,8 @@ class Node:
                 self.event("resume", f"request {request_id[:8]} resumes after {len(produced)} tokens: {exc}")
                 if skewed:
                     await asyncio.sleep(EPOCH_SKEW_RETRY_S)  # stage 0 commits the same plan momentarily
+                elif isinstance(exc, _Retry):
+                    pass  # the plan stands and its stage recovered: prefill again on it
                 elif self.plan is not None and self.plan.epoch == plan.epoch:
                     # A stage failure is followed by a re-plan within seconds (heartbeats,
                     # then negotiation). If none comes, the failure is not the cluster's
@@ -481,7 +499,7 @@ class Node:
         try:
             async for event in call:
                 if event.WhichOneof("event") == "error":
-                    raise GenerationError(event.error)
+                    raise (_Retry if event.retry else GenerationError)(event.error)
                 yield event.token
         except grpc.aio.AioRpcError as exc:
             error = _EpochSkew if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else GenerationError
@@ -562,7 +580,7 @@ class Node:
             except Exception as exc:  # fail this request only
                 if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
                     log.exception("stage 0 failed request %s", gen.request_id)
-                self._finish(gen, GenerationError(f"stage 0: {exc}"))
+                self._finish(gen, (_Retry if isinstance(exc, RequestRetry) else GenerationError)(f"stage 0: {exc}"))
                 return
             if gen.finished:
                 return
@@ -635,7 +653,7 @@ class Node:
             if gen is None or message.epoch != gen.epoch:
                 return  # a late token or error for a finished request or an old plan
             if message.error:
-                self._finish(gen, GenerationError(message.error))
+                self._finish(gen, (_Retry if message.retry else GenerationError)(message.error))
             elif message.WhichOneof("payload") == "token":
                 self._on_token(gen, message.token)
             return
@@ -678,7 +696,8 @@ class Node:
             if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
                 log.error("stage %s failed request %s: %s", self.index, rid, exc)
             await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
-                                              error=f"stage {self.index} ({self.config.address}): {exc}"))
+                                              error=f"stage {self.index} ({self.config.address}): {exc}",
+                                              retry=isinstance(exc, RequestRetry)))
             return
         if out is None:
             return  # the last stage took a prefill chunk that more chunks follow
@@ -809,7 +828,7 @@ class _RingServicer(pb_grpc.RingServicer):
                                                  frozenset(request.stop_ids)):
                 yield pb.GenerateEvent(token=token)
         except GenerationError as exc:
-            yield pb.GenerateEvent(error=str(exc))
+            yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, _Retry))
 
     async def GetNodeInfo(self, request, context):  # noqa: N802
         node = self.node

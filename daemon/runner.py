@@ -396,12 +396,8 @@ async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
     tune_allocator()
     mode = getattr(args, "mode", "auto")
-    if mode == "hybrid":
-        raise RingletError("--mode hybrid is not served yet: the daemon runs one tensor group per plan, and "
-                           "chaining groups as pipeline stages needs a stage engine that drives a group per "
-                           "stage; use --mode tensor or auto")
-    if args.plan and mode == "tensor":
-        raise RingletError("--mode tensor needs negotiated plans; drop --plan (a static plan is a pipeline)")
+    if args.plan and mode in ("tensor", "hybrid"):
+        raise RingletError(f"--mode {mode} needs negotiated plans; drop --plan (a static plan is a pipeline)")
     if getattr(args, "fetch_model", False):
         await _bootstrap_fetch(args)
     config, context = build_config(args)

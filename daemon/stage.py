@@ -153,19 +153,25 @@ class Stage:
 
         return make_prompt_cache(self.model)
 
-    def __call__(self, x: mx.array, cache: list) -> mx.array:
+    def __call__(self, x: mx.array, cache: list, head: bool = True) -> mx.array:
         """Run the stage.
 
         Args:
             x: token ids ``(batch, tokens)`` int32 on the first stage, hidden states
                 ``(batch, tokens, hidden_size)`` on the others.
             cache: this request's cache from :meth:`make_cache` (updated in place).
+            head: unused here (the output is lazy: a caller that needs only the cache
+                evaluates it with :meth:`settle`); a tensor-group stage skips the head.
 
         Returns:
             Hidden states ``(batch, tokens, hidden_size)``, or logits
             ``(batch, tokens, vocab)`` on the last stage. Lazy: evaluate it.
         """
         return self.model(x, cache=cache)
+
+    def settle(self, cache: list) -> None:
+        """Evaluate a request's KV cache after a forward whose output is not needed."""
+        mx.eval([c.state for c in cache])
 
     def nbytes(self) -> int:
         """Bytes of the parameters this stage holds."""

@@ -463,7 +463,7 @@ class TPGroup:
         return float(await self._one(req))
 
     async def stage_forward(self, slot: int, epoch: int | None, *, tokens: Sequence[int] | None = None,
-                            hidden=None, dtype: str = "float32", head: bool = True) -> tuple[int, Any]:
+                            hidden=None, dtype: str = "float32", head: bool = True) -> tuple[int, Any, str]:
         """Stage mode: one forward of this group's layer range for one KV-cache slot.
 
         Args:
@@ -477,9 +477,10 @@ class TPGroup:
                 only fills the cache).
 
         Returns:
-            ``(epoch, out)``: the group epoch that ran it and float32 numpy hidden states
-            ``(1, tokens, hidden_size)``, or the last position's logits ``(1, 1, vocab)``
-            on the last stage (``None`` when ``head`` is false).
+            ``(epoch, out, dtype)``: the group epoch that ran it; float32 numpy hidden
+            states ``(1, tokens, hidden_size)``, or the last position's logits
+            ``(1, 1, vocab)`` on the last stage (``None`` when ``head`` is false); and the
+            activation dtype the ranks computed in (``"float32"``, ``"bfloat16"``, ...).
 
         Raises:
             TPStageLost: the group restarted since ``epoch`` (the slot's cache is gone).
@@ -497,11 +498,11 @@ class TPGroup:
         else:
             extra["tokens"] = [int(t) for t in tokens]
         req = _Req(id=f"s{next(self._ids)}", kind="stage", prompt=[], extra=extra, data=data)
-        shape, out = await self._one(req)
+        shape, out, out_dtype = await self._one(req)
         ran = req.sent_epoch
         if shape is None:
-            return ran, None
-        return ran, np.frombuffer(out, dtype=np.float32).reshape(shape)
+            return ran, None, out_dtype
+        return ran, np.frombuffer(out, dtype=np.float32).reshape(shape), out_dtype
 
     def free_slot(self, slot: int, epoch: int) -> None:
         """Stage mode: drop a slot's KV cache on every rank (nothing when ``epoch`` is gone)."""
@@ -716,7 +717,8 @@ class TPGroup:
             elif t == "out":
                 req.done = True
                 shape = msg.get("shape")
-                req.queue.put_nowait((tuple(shape) if shape is not None else None, msg.get("_data")))
+                req.queue.put_nowait((tuple(shape) if shape is not None else None, msg.get("_data"),
+                                      str(msg.get("dtype") or "float32")))
             else:
                 req.done = True
                 req.queue.put_nowait(("error", msg.get("msg", "error")))

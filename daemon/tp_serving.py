@@ -10,12 +10,19 @@ How a tensor plan is served
   and becomes ``ServingPlan.tp``; a tensor plan lists the ranks as its stages, each
   holding every layer.
 * **Modes.** ``auto`` keeps the pipeline when members share a machine (loopback links:
-  their ranks would split one memory bus and gain nothing) and when the decision is
-  ``hybrid`` (not served by the daemon yet). ``--mode tensor`` runs tensor parallel
-  whenever the members can; when they cannot (heads do not divide by the group size, no
-  ring), the cluster serves the pipeline, and ``/v1/cluster`` says that tensor was
-  refused and why (``tp.refused``): the pipeline stays the fallback, so losing a member
-  of a tensor group keeps the cluster serving.
+  their ranks would split one memory bus and gain nothing). ``--mode tensor`` (or
+  ``hybrid``) runs that mode whenever the members can; when they cannot (heads do not
+  divide by the group size, no ring, fewer than 4 members for hybrid), the cluster
+  serves the pipeline, and ``/v1/cluster`` says the mode was refused and why
+  (``tp.refused``): the pipeline stays the fallback, so losing a member of a tensor
+  group keeps the cluster serving.
+* **Hybrid** (tensor groups chained as pipeline stages): the decision lists the groups
+  (``groups``, each in rank order, its leader first) and each group's layer range
+  (``layer_ranges``: an even split, :func:`hybrid_layer_ranges`). The plan's stages are
+  the group leaders with those ranges; each leader's engine runs a
+  :class:`~ringlet.daemon.group_stage.GroupStage` whose group (ranks started as for a
+  tensor plan, but loading only the group's layers) computes the stage, and hidden
+  states travel between leaders over the ordinary gRPC ring.
 * **Group** (leader = rank 0 = the proposer, :class:`TPServing`): on commit it starts a
   :class:`~ringlet.daemon.tp_group.TPGroup` whose :class:`ClusterLauncher` starts its own
   rank here and every other rank through that member's daemon (``RunRank``), so each
@@ -58,6 +65,7 @@ import grpc
 import psutil
 
 from . import tp_config
+from .group_stage import GroupStage
 from .node import GenerationError, ServingPlan
 from .rpc import ringlet_pb2 as pb
 from .rpc import ringlet_pb2_grpc as pb_grpc
@@ -69,7 +77,9 @@ from .tp_worker import TOKEN_ENV
 log = logging.getLogger(__name__)
 
 #: ``--mode`` values.
-REQUESTED_MODES = ("auto", "pipeline", "tensor")
+REQUESTED_MODES = ("auto", "pipeline", "tensor", "hybrid")
+#: Modes whose plans run tensor groups.
+GROUP_MODES = ("tensor", "hybrid")
 #: Environment variable of the daemon: a library preloaded into its rank processes only
 #: (tests use MLX's poll shim, tests/tp_support.py, to run more ranks than cores).
 PRELOAD_ENV = "RINGLET_TP_LD_PRELOAD"
@@ -215,34 +225,64 @@ def decide_mode(
         return {**_pipeline(requested, decision.reason), "predicted_s_per_token": dict(decision.predicted)}
     out = {**decision.to_dict(), "requested": requested}
     if decision.mode == "hybrid":
-        return _pipeline(
-            requested,
-            f"pipeline: {decision.reason} -- hybrid (tensor groups chained as pipeline stages) is not "
-            "served by the daemon yet",
-        )
-    if decision.mode == "tensor" and requested == "auto":
+        out["layer_ranges"] = [list(r) for r in hybrid_layer_ranges(spec.num_layers, len(decision.groups))]
+    if decision.mode in GROUP_MODES and requested == "auto":
         shared = [f"{x.a[:8]}-{x.b[:8]}" for x in links if x.kind == "loopback"]
         if shared:
             return _pipeline(
                 requested,
                 f"pipeline: members share a machine ({', '.join(shared)} over loopback), where tensor "
                 f"ranks would split one memory bus and gain nothing (would have been: {decision.reason}); "
-                "--mode tensor forces it",
+                f"--mode {decision.mode} forces it",
             )
     return out
 
 
-def decision_from_dict(d: Mapping[str, Any]) -> TPDecision:
-    """The :class:`TPDecision` of a tensor plan's ``tp`` dict (one group: every rank)."""
-    ranks = tuple(str(r) for r in d["ranks"])
-    backend = str(d["backend"])
-    return TPDecision(str(d["mode"]), backend, ranks, str(d.get("reason", "")), (ranks,), (backend,))
+def hybrid_layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """Half-open layer ranges of ``groups`` chained tensor groups: an even split, the
+    earlier groups taking one more layer when it does not divide (the last group also
+    runs the output head). E.g. 30 layers, 4 groups: [0, 8), [8, 16), [16, 23), [23, 30).
+
+    Raises:
+        ValueError: fewer layers than groups, or no group.
+    """
+    if groups < 1 or num_layers < groups:
+        raise ValueError(f"cannot split {num_layers} layers into {groups} groups")
+    base, extra = divmod(num_layers, groups)
+    out, start = [], 0
+    for i in range(groups):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
 
 
-def check_tp_dict(d: Any, member_ids: Sequence[str], proposer: str) -> str | None:
+def group_of(tp: Mapping[str, Any] | None, node_id: str) -> tuple[int, list[str], str, tuple[int, int] | None] | None:
+    """The tensor group of a plan's mode decision that ``node_id`` belongs to:
+    ``(index, ranks, backend, layer range or None for every layer)``; ``None`` when the
+    plan runs no group or the node is in none."""
+    if not tp or tp.get("mode") not in GROUP_MODES:
+        return None
+    if tp["mode"] == "tensor":
+        ranks = [str(r) for r in tp["ranks"]]
+        return (0, ranks, str(tp["backend"]), None) if node_id in ranks else None
+    for i, grp in enumerate(tp["groups"]):
+        if node_id in grp:
+            a, b = tp["layer_ranges"][i]
+            return i, [str(r) for r in grp], str(tp["group_backends"][i]), (int(a), int(b))
+    return None
+
+
+def group_decision(ranks: Sequence[str], backend: str, reason: str) -> TPDecision:
+    """The :class:`TPDecision` of one committed group (rank 0 first)."""
+    ranks = tuple(str(r) for r in ranks)
+    return TPDecision("tensor", backend, ranks, reason, (ranks,), (backend,))
+
+
+def check_tp_dict(d: Any, member_ids: Sequence[str], proposer: str, num_layers: int | None = None) -> str | None:
     """Why a proposal's mode decision is malformed (``None`` = fine)."""
-    if not isinstance(d, dict) or d.get("mode") not in ("pipeline", "tensor"):
-        return "mode decision is not pipeline or tensor"
+    if not isinstance(d, dict) or d.get("mode") not in ("pipeline", *GROUP_MODES):
+        return "mode decision is not pipeline, tensor or hybrid"
     if d["mode"] == "pipeline":
         return None
     ranks = d.get("ranks")
@@ -250,8 +290,25 @@ def check_tp_dict(d: Any, member_ids: Sequence[str], proposer: str) -> str | Non
         return "tensor ranks are not exactly the members"
     if ranks[0] != proposer:
         return "rank 0 of a tensor plan must be its proposer"
-    if d.get("backend") not in ("ring", "jaccl"):
-        return f"unknown tensor backend {str(d.get('backend'))[:16]!r}"
+    if d["mode"] == "tensor":
+        if d.get("backend") not in ("ring", "jaccl"):
+            return f"unknown tensor backend {str(d.get('backend'))[:16]!r}"
+        return None
+    groups, backends, layer_ranges = d.get("groups"), d.get("group_backends"), d.get("layer_ranges")
+    if (not isinstance(groups, list) or len(groups) < 2 or not all(isinstance(g, list) and len(g) >= 2 for g in groups)
+            or [str(r) for g in groups for r in g] != [str(r) for r in ranks]):
+        return "hybrid groups are not the ranks in order, in groups of 2 or more"
+    if not isinstance(backends, list) or len(backends) != len(groups) or any(b not in ("ring", "jaccl")
+                                                                             for b in backends):
+        return "unknown hybrid group backend"
+    try:
+        bounds = [(int(a), int(b)) for a, b in layer_ranges]
+    except (TypeError, ValueError):
+        return "hybrid layer ranges are not pairs of integers"
+    edges = [0] + [b for _, b in bounds]
+    if (len(bounds) != len(groups) or any(a != edges[i] or b <= a for i, (a, b) in enumerate(bounds))
+            or (num_layers is not None and edges[-1] != num_layers)):
+        return "hybrid layer ranges do not cover every layer exactly once, in order"
     return None
 
 
@@ -277,15 +334,19 @@ def rank_base_env() -> dict[str, str]:
 
 def worker_argv(
     model: str, *, control: str, rank: int, size: int, epoch: int, dtype: str, backend: str,
-    hb_interval: float, prefill_chunk: int, side_host: str,
+    hb_interval: float, prefill_chunk: int, side_host: str, layers: tuple[int, int] | None = None,
 ) -> list[str]:
-    """``python -m ringlet.daemon.tp_worker ...`` for this machine's Python and model."""
-    return [
+    """``python -m ringlet.daemon.tp_worker ...`` for this machine's Python and model
+    (``layers``: a hybrid group's half-open layer range; ``None`` = every layer)."""
+    argv = [
         sys.executable, "-m", "ringlet.daemon.tp_worker", "--control", control, "--rank", str(rank),
         "--size", str(size), "--epoch", str(epoch), "--dtype", dtype, "--backend", backend,
         "--hb-interval", str(hb_interval), "--prefill-chunk", str(prefill_chunk), "--side-host", side_host,
         "--model", model, "--exit-with-stdin",
     ]
+    if layers is not None:
+        argv += ["--layers", f"{layers[0]}:{layers[1]}"]
+    return argv
 
 
 def _argv_options(argv: Sequence[str]) -> dict[str, str]:
@@ -368,6 +429,8 @@ class ClusterLauncher:
             token=env.get(TOKEN_ENV, ""), dtype=opts["dtype"], hb_interval=float(opts["hb-interval"]),
             prefill_chunk=int(opts["prefill-chunk"]), side_host=opts["side-host"], files=files, env=rank_env,
         )
+        if opts.get("layers"):
+            request.layer_start, request.layer_end = (int(x) for x in opts["layers"].split(":"))
         address = self.serving.address_of(node_id)
         if not address:
             raise TPGroupError(f"rank {request.rank}: {node_id} is not a member")
@@ -447,6 +510,7 @@ class TPServing:
         self._switch_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self._ranks: dict[tuple[int, int, int], LocalRankHandle] = {}  # (plan epoch, group epoch, rank) -> rank here
+        self._stages: dict[int, GroupStage] = {}  # plan epoch -> the hybrid stage this node leads
         self._workdir = Path(tempfile.mkdtemp(prefix="ringlet-tp-ranks-"))
         self._closed = False
         #: (membership digest, reason) of a tensor group that could not serve: that membership
@@ -479,7 +543,7 @@ class TPServing:
         records = {i: self.membership.record_of(i) or {} for i in ids}
         addresses = {i: self.membership.address_of(i) or "" for i in ids}
         out = decide_mode(self.requested, ids, records, addresses, self.spec, self.node.node_id)
-        if out["mode"] == "tensor" and self.failed is not None and self.failed[0] == self.membership.digest():
+        if out["mode"] in GROUP_MODES and self.failed is not None and self.failed[0] == self.membership.digest():
             why = self.failed[1][:500]
             return _pipeline(self.requested, f"{why}; serving the pipeline", refused=why)
         return out
@@ -487,6 +551,19 @@ class TPServing:
     @staticmethod
     def is_tensor(plan: ServingPlan | None) -> bool:
         return plan is not None and bool(plan.tp) and plan.tp.get("mode") == "tensor"
+
+    def group_stage(self, plan: ServingPlan, index: int) -> GroupStage:
+        """The engine's stage for stage ``index`` of a hybrid ``plan`` (this node leads
+        that stage's group); its group is attached when the plan is committed."""
+        spec = plan.stages[index]
+        found = group_of(plan.tp, self.node.node_id)
+        if found is None or found[1][0] != self.node.node_id or found[3] != (spec.start, spec.end):
+            raise TPGroupError(f"epoch {plan.epoch}: this node does not lead the group of layers "
+                               f"[{spec.start}, {spec.end})")
+        stage = GroupStage(spec.start, spec.end, self.spec.num_layers, {"hidden_size": self.spec.hidden_size},
+                           asyncio.get_running_loop(), step_timeout_s=self.step_timeout)
+        self._stages[plan.epoch] = stage
+        return stage
 
     # --- commit: start / stop the group ---------------------------------------------------
 
@@ -507,13 +584,18 @@ class TPServing:
             if self.group is not None:
                 old, self.group = self.group, None
                 await old.close()
+            for epoch in [e for e in self._stages if e < plan.epoch]:
+                self._stages.pop(epoch).attach(None)  # steps still waiting for that group fail
             self.group_error = ""
-            if self._closed or not self.is_tensor(plan) or plan.tp["ranks"][0] != self.node.node_id:
+            found = group_of(plan.tp, self.node.node_id)
+            if self._closed or found is None or found[1][0] != self.node.node_id:
                 return
             if self.node.plan is not plan:
                 return  # already superseded
-            decision = decision_from_dict(plan.tp)
-            addresses = {s.node_id: s.address for s in plan.stages}
+            _, ranks, backend, layers = found
+            decision = group_decision(ranks, backend, str(plan.tp.get("reason", "")))
+            addresses = {i: self.address_of(i) or "" for i in ranks}
+            addresses.update({s.node_id: s.address for s in plan.stages})
             records = {i: self.membership.record_of(i) or {} for i in decision.ranks}
             members, links = cluster_inputs(decision.ranks, records, addresses)
             group = _DaemonGroup(
@@ -523,18 +605,26 @@ class TPServing:
                 control_host=_host(addresses[self.node.node_id]), hb_interval=self.hb_interval,
                 hb_timeout=self.hb_timeout, step_timeout=self.step_timeout, decision=decision,
                 extra_env={"LD_PRELOAD": os.environ[PRELOAD_ENV]} if os.environ.get(PRELOAD_ENV) else None,
+                layers=layers,
             )
             self.group, self.group_epoch = group, plan.epoch
+            what = f"layers [{layers[0]}, {layers[1]})" if layers else "every layer"
             self.node.event("tensor", f"epoch {plan.epoch}: starting a {len(decision.ranks)}-rank group over "
-                                      f"{decision.backend}")
+                                      f"{decision.backend} ({what})")
         try:
             await group.start()
         except (TPGroupError, TPRefused, OSError) as exc:
             self.group_error = str(exc)
             self.node.event("error", f"tensor group of epoch {plan.epoch} did not start: {exc}")
             log.error("tensor group of epoch %d did not start: %s", plan.epoch, exc)
+            stage = self._stages.get(plan.epoch)
+            if stage is not None:
+                stage.attach(None)
             await self._given_up(plan, f"tensor group did not start: {exc}")
             return
+        stage = self._stages.get(plan.epoch)
+        if stage is not None:
+            stage.attach(group)
         self.node.event("tensor", f"epoch {plan.epoch}: group ready, ranks "
                                   f"{', '.join(r[:8] for r in decision.ranks)}")
         while group is self.group and group.state not in ("failed", "closed"):
@@ -616,13 +706,16 @@ class TPServing:
         plan = self.node.plan
         if plan is None or plan.epoch != req.plan_epoch:
             return f"this node serves epoch {self.node.epoch}, not {req.plan_epoch}"
-        if not self.is_tensor(plan):
+        found = group_of(plan.tp, self.node.node_id)
+        if found is None:
             return f"epoch {plan.epoch} is not a tensor plan"
-        ranks = list(plan.tp["ranks"])
+        _, ranks, _, layers = found
         if req.leader_id != ranks[0] or req.leader_id not in self.membership.members:
             return "the caller does not lead this plan's tensor group"
         if req.size != len(ranks) or req.rank >= len(ranks) or ranks[req.rank] != self.node.node_id:
             return f"this node is not rank {req.rank} of {req.size}"
+        if (req.layer_start, req.layer_end) != (layers or (0, 0)):
+            return "the layer range is not this group's"
         leader_host = _host(self.membership.address_of(req.leader_id) or "")
         if _host(req.control) != leader_host or not req.control.rsplit(":", 1)[-1].isdigit():
             return "the control address is not on the leader's host"
@@ -652,7 +745,8 @@ class TPServing:
         env[TOKEN_ENV] = req.token
         argv = worker_argv(self.model, control=req.control, rank=req.rank, size=req.size, epoch=req.group_epoch,
                            dtype=req.dtype, backend=req.backend, hb_interval=req.hb_interval,
-                           prefill_chunk=req.prefill_chunk, side_host=req.side_host)
+                           prefill_chunk=req.prefill_chunk, side_host=req.side_host,
+                           layers=(req.layer_start, req.layer_end) if req.layer_end else None)
         handle = await spawn_rank(argv, env, directory / f"rank-{req.rank}.log")
         self._ranks[key] = handle
         self.node.event("tensor", f"epoch {req.plan_epoch}: running rank {req.rank}/{req.size} for "
@@ -674,13 +768,14 @@ class TPServing:
         plan = self.node.plan
         out: dict[str, Any] = {"requested": self.requested}
         if plan is not None and plan.tp:
-            out.update({k: plan.tp.get(k) for k in ("mode", "backend", "ranks", "reason", "refused") if k in plan.tp})
+            out.update({k: plan.tp.get(k) for k in ("mode", "backend", "ranks", "reason", "refused", "groups",
+                                                    "group_backends", "layer_ranges") if k in plan.tp})
         else:
             out.update({"mode": "pipeline", "backend": "none", "ranks": []})
         if self.group is not None:
             g = self.group.info()
             out["group"] = {k: g[k] for k in ("state", "epoch", "size", "backend", "ranks", "reason", "restarts",
-                                              "in_flight")}
+                                              "in_flight", "layers")}
             out["group"]["plan_epoch"] = self.group_epoch
         elif self.group_error:
             out["group"] = {"state": "failed", "reason": self.group_error}

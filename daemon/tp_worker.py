@@ -464,8 +464,9 @@ class Rank:
                 continue
             if self.last:
                 out = out[:, -1:, :]  # the last position's logits: all the daemon samples from
+            dtype = str(out.dtype).removeprefix("mlx.core.")
             arr = np.array(out.astype(mx.float32))
-            self.ctrl.send({"t": "out", "id": msg["id"], "shape": list(arr.shape)}, arr.tobytes())
+            self.ctrl.send({"t": "out", "id": msg["id"], "shape": list(arr.shape), "dtype": dtype}, arr.tobytes())
 
     def lead(self) -> None:
         import mlx.core as mx

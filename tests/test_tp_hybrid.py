@@ -69,18 +69,19 @@ def test_two_tiny_groups_chained_match_single_process(tmp_path, arch):
         try:
             await asyncio.gather(a.start(), b.start())
             assert (a.info()["mode"], a.info()["size"], a.info()["layers"]) == ("tensor", 2, [0, 2])
-            ea, h = await a.stage_forward(1, None, tokens=PROMPT[:9])
+            ea, h, _ = await a.stage_forward(1, None, tokens=PROMPT[:9])
             assert h.shape == (1, 9, 64)
-            eb, none = await b.stage_forward(1, None, hidden=h, head=False)  # a chunk: cache only
+            eb, none, _ = await b.stage_forward(1, None, hidden=h, head=False)  # a chunk: cache only
             assert none is None
-            _, h = await a.stage_forward(1, ea, tokens=PROMPT[9:])
-            _, prefill = await b.stage_forward(1, eb, hidden=h)
-            _, h = await a.stage_forward(1, ea, tokens=[7])
-            _, decode = await b.stage_forward(1, eb, hidden=h)
+            _, h, _ = await a.stage_forward(1, ea, tokens=PROMPT[9:])
+            _, prefill, _ = await b.stage_forward(1, eb, hidden=h)
+            _, h, _ = await a.stage_forward(1, ea, tokens=[7])
+            _, decode, dt = await b.stage_forward(1, eb, hidden=h)
             a.free_slot(1, ea)
             b.free_slot(1, eb)
             with pytest.raises(TPGroupError, match="no KV cache for slot 1"):
                 await a.stage_forward(1, ea, tokens=[7])
+            assert dt == "float32"
             return prefill, decode
         finally:
             await asyncio.gather(a.close(), b.close())
@@ -111,7 +112,7 @@ def test_default_model_group_as_first_stage_decodes_the_reference(reference, def
             cache = make_prompt_cache(tail.model)
             epoch, feed, out = None, case["prompt_ids"], []
             for _ in range(FIRST):
-                epoch, h = await group.stage_forward(5, epoch, tokens=feed)
+                epoch, h, _ = await group.stage_forward(5, epoch, tokens=feed)
                 logits = tail(mx.array(h), cache)
                 out.append(int(mx.argmax(logits[0, -1]).item()))
                 feed = [out[-1]]
@@ -131,11 +132,11 @@ def test_a_restarted_group_loses_its_caches_and_says_so(tmp_path):
         group = TPGroup.local(str(path), 2, extra_env=rank_env(2), layers=(0, 4))
         try:
             await group.start()
-            epoch, _ = await group.stage_forward(3, None, tokens=PROMPT)
+            epoch, _, _ = await group.stage_forward(3, None, tokens=PROMPT)
             os.kill(group.rank_pids()[1], signal.SIGKILL)
             with pytest.raises(TPStageLost, match="KV cache is gone"):
                 await group.stage_forward(3, epoch, tokens=[7])
-            again, logits = await group.stage_forward(3, None, tokens=[*PROMPT, 7])
+            again, logits, _ = await group.stage_forward(3, None, tokens=[*PROMPT, 7])
             assert again > epoch and group.info()["size"] == 1  # rank1's member counts as lost: one process
             return logits
         finally:

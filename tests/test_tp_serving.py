@@ -8,7 +8,7 @@ import pytest
 from conftest import ringlet
 
 from ringlet.daemon.tp_config import TPLink, TPMember, TPModelSpec
-from ringlet.daemon.tp_serving import check_tp_dict, cluster_inputs, decide_mode, decision_from_dict
+from ringlet.daemon.tp_serving import check_tp_dict, cluster_inputs, decide_mode, group_of, hybrid_layer_ranges
 
 GiB = 1 << 30
 
@@ -92,23 +92,64 @@ def test_auto_picks_tensor_across_machines_when_predicted_faster():
     assert (d["mode"], d["backend"], d["ranks"], d["requested"]) == ("tensor", "ring", ["b", "a"], "auto")
     assert d["reason"].startswith("tensor: 2 ranks over ring (thunderbolt links form a ring b -> a -> b)")
     assert check_tp_dict(d, ids, "b") is None
-    decision = decision_from_dict(d)
-    assert (decision.mode, decision.backend, decision.ranks, decision.groups) == ("tensor", "ring", ("b", "a"),
-                                                                                   (("b", "a"),))
+    assert group_of(d, "a") == (0, ["b", "a"], "ring", None)  # one group of every layer
+    assert group_of(d, "z") is None
 
 
-def test_hybrid_is_not_served_yet_so_auto_stays_on_the_pipeline():
+def test_auto_picks_hybrid_across_four_machines_for_a_model_that_needs_it():
+    """HYB's 6 heads do not divide by 4, and its 120 GB do not fit a 2-rank group of 64 GiB members:
+    2 groups of 2, each holding half the layers split two ways, chained as pipeline stages
+    (60 layers: [0, 30) and [30, 60)), predicted faster than the 4-stage pipeline."""
     ids = ["a", "b", "c", "d"]
     addresses = {i: f"10.0.0.{k + 1}:7100" for k, i in enumerate(ids)}
     d = decide_mode("auto", ids, records(ids), addresses, HYB, "a")
-    assert (d["mode"], d["backend"], d["ranks"]) == ("pipeline", "none", [])
-    assert d["reason"].startswith("pipeline: hybrid: 2 groups of 2 over ring/ring")
-    assert d["reason"].endswith("hybrid (tensor groups chained as pipeline stages) is not served by the daemon yet")
+    assert (d["mode"], d["backend"], d["ranks"], d["groups"], d["group_backends"], d["layer_ranges"]) == (
+        "hybrid", "ring", ["a", "b", "c", "d"], [["a", "b"], ["c", "d"]], ["ring", "ring"], [[0, 30], [30, 60]])
+    assert d["reason"].startswith("hybrid: 2 groups of 2 over ring/ring; predicted per token: hybrid")
+    assert check_tp_dict(d, ids, "a", num_layers=60) is None
+    assert group_of(d, "d") == (1, ["c", "d"], "ring", (30, 60))
+    # members on one machine: auto keeps the pipeline, --mode hybrid forces it
+    local = {i: f"127.0.0.1:{7100 + k}" for k, i in enumerate(ids)}
+    kept = decide_mode("auto", ids, records(ids), local, HYB, "a")
+    assert kept["mode"] == "pipeline" and kept["reason"].endswith("--mode hybrid forces it")
+    assert decide_mode("hybrid", ids, records(ids), local, HYB, "a")["groups"] == [["a", "b"], ["c", "d"]]
+    # three members cannot make equal groups
+    three = decide_mode("hybrid", ids[:3], records(ids[:3]), local, HYB, "a")
+    assert (three["mode"], three["refused"]) == ("pipeline", (
+        "hybrid mode refused: no split of 3 members into equal tensor groups (of a size the heads divide by) "
+        "where every group has a ring or RDMA mesh and memory for its share of the layers"))
+
+
+@pytest.mark.parametrize(("layers", "groups", "ranges"), [
+    (60, 2, [(0, 30), (30, 60)]),
+    (30, 4, [(0, 8), (8, 16), (16, 23), (23, 30)]),
+    (4, 2, [(0, 2), (2, 4)]),
+    (5, 3, [(0, 2), (2, 4), (4, 5)]),
+])
+def test_hybrid_layer_ranges_split_evenly(layers, groups, ranges):
+    assert hybrid_layer_ranges(layers, groups) == ranges
+
+
+HYBRID = {"mode": "hybrid", "backend": "ring", "ranks": ["a", "b", "c", "d"], "groups": [["a", "b"], ["c", "d"]],
+          "group_backends": ["ring", "ring"], "layer_ranges": [[0, 2], [2, 4]]}
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({}, None),
+    ({"groups": [["a", "c"], ["b", "d"]]}, "hybrid groups are not the ranks in order, in groups of 2 or more"),
+    ({"groups": [["a", "b", "c", "d"]]}, "hybrid groups are not the ranks in order, in groups of 2 or more"),
+    ({"group_backends": ["ring"]}, "unknown hybrid group backend"),
+    ({"layer_ranges": [[0, 2], [3, 4]]}, "hybrid layer ranges do not cover every layer exactly once, in order"),
+    ({"layer_ranges": [[0, 2], [2, 3]]}, "hybrid layer ranges do not cover every layer exactly once, in order"),
+    ({"layer_ranges": [[0, 2], ["x", 4]]}, "hybrid layer ranges are not pairs of integers"),
+])
+def test_a_member_checks_a_hybrid_decision(change, why):
+    assert check_tp_dict({**HYBRID, **change}, ["a", "b", "c", "d"], "a", num_layers=4) == why
 
 
 @pytest.mark.parametrize(("decision", "why"), [
-    ({"mode": "hybrid"}, "mode decision is not pipeline or tensor"),
-    ("tensor", "mode decision is not pipeline or tensor"),
+    ({"mode": "mixed"}, "mode decision is not pipeline, tensor or hybrid"),
+    ("tensor", "mode decision is not pipeline, tensor or hybrid"),
     ({"mode": "tensor", "backend": "ring", "ranks": ["a", "b"]}, "tensor ranks are not exactly the members"),
     ({"mode": "tensor", "backend": "ring", "ranks": ["b", "a", "c"]}, "rank 0 of a tensor plan must be its proposer"),
     ({"mode": "tensor", "backend": "mpi", "ranks": ["a", "b", "c"]}, "unknown tensor backend 'mpi'"),
@@ -120,9 +161,8 @@ def test_a_member_checks_the_decision_it_is_asked_to_prepare(decision, why):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--mode", "hybrid"], "error: --mode hybrid is not served yet: the daemon runs one tensor group per plan, and "
-                           "chaining groups as pipeline stages needs a stage engine that drives a group per stage; "
-                           "use --mode tensor or auto"),
+    (["--mode", "hybrid", "--plan", "127.0.0.1:7100=0:30"],
+     "error: --mode hybrid needs negotiated plans; drop --plan (a static plan is a pipeline)"),
     (["--mode", "tensor", "--plan", "127.0.0.1:7100=0:30"],
      "error: --mode tensor needs negotiated plans; drop --plan (a static plan is a pipeline)"),
 ])

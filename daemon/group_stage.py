@@ -1,0 +1,169 @@
+"""A pipeline stage computed by a tensor group: the stage of a hybrid plan's group leader.
+
+In a hybrid plan the pipeline's stages are tensor groups. The group's leader (rank 0's
+member) is the stage in the plan: it takes the hops from the previous stage and sends its
+output on, exactly like any stage, while the layers themselves run in the group's rank
+processes (:class:`ringlet.daemon.tp_group.TPGroup` with ``layers=(start, end)``), each
+holding ``1/size`` of every layer of ``[start, end)``.
+
+:class:`GroupStage` stands where the engine (:class:`ringlet.daemon.engine.StageEngine`)
+expects a :class:`ringlet.daemon.stage.Stage`: ``make_cache`` hands out a KV-cache *slot*
+(the cache itself lives in the ranks), ``__call__`` sends one forward to rank 0 and waits
+for its output, and a slot nobody holds any more (the request was released, or the plan
+changed) is freed in the ranks. The engine runs it on its worker thread, one step at a
+time (slots are not ``KVCache`` objects, so decode steps are not batched here), and
+keeps everything else: offsets, sampling, the scheduler, the ring.
+
+The group is started when the plan is committed (:mod:`ringlet.daemon.tp_serving`) and
+attached here; a step that comes before waits for it. When the group restarts (a rank
+process crashed, the members still answer) the caches of its earlier epoch are gone:
+a step on such a slot raises :class:`ringlet.daemon.engine.RequestRetry`, and stage 0
+resumes the request on the same plan by prefilling it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .engine import RequestError, RequestRetry
+from .tp_group import TPGroup, TPGroupError, TPStageLost
+
+#: Seconds a step waits for its group to be attached (it starts at commit, ranks load first).
+ATTACH_WAIT_S = 120.0
+
+
+class _Slot:
+    """One request's KV cache in the group's ranks (the engine keeps it in ``cache[0]``)."""
+
+    __slots__ = ("__weakref__", "number")
+
+    def __init__(self, number: int):
+        self.number = number
+
+
+class GroupStage:
+    """The layer range ``[start, end)`` of a model, computed by a tensor group.
+
+    Args:
+        start, end: the half-open layer range the group holds.
+        num_layers: layers in the whole model.
+        config: the model config (``hidden_size`` is read).
+        loop: the event loop the group lives on (steps come from the engine's thread).
+        step_timeout_s: seconds one forward may take once the group runs (a prefill
+            chunk of many tokens included); beyond it the step fails.
+    """
+
+    def __init__(self, start: int, end: int, num_layers: int, config: dict, loop: asyncio.AbstractEventLoop,
+                 step_timeout_s: float = 60.0):
+        self.start = start
+        self.end = end
+        self.num_layers = num_layers
+        self.config = config
+        self.reused_prefixes: frozenset[str] = frozenset()
+        self.loop = loop
+        self.step_timeout_s = step_timeout_s
+        self.group: TPGroup | None = None
+        self._attached = threading.Event()
+        self._numbers = itertools.count(1)
+        self._epochs: dict[int, int] = {}  # slot -> the group epoch holding its cache
+        self._lock = threading.Lock()
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    def attach(self, group: TPGroup | None) -> None:
+        """Run on ``group`` from now on (``None``: the group is gone; steps fail)."""
+        self.group = group
+        self._attached.set()
+
+    def make_cache(self) -> list:
+        """A fresh slot for one request; freed in the ranks once nothing holds it."""
+        slot = _Slot(next(self._numbers))
+        weakref.finalize(slot, self._free, slot.number)
+        return [slot]
+
+    def _free(self, number: int) -> None:
+        with self._lock:
+            epoch = self._epochs.pop(number, None)
+        group = self.group
+        if epoch is not None and group is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(group.free_slot, number, epoch)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: the ranks are gone too
+
+    def __call__(self, x: mx.array, cache: list, head: bool = True) -> mx.array | None:
+        """One forward of this stage for one request (blocks the calling thread).
+
+        Args:
+            x: token ids ``(1, tokens)`` int32 on the first stage, hidden states
+                ``(1, tokens, hidden_size)`` on the others.
+            cache: the request's ``[slot]`` from :meth:`make_cache`.
+            head: on the last stage, compute the logits (``False`` for a prefill chunk
+                that more chunks follow).
+
+        Returns:
+            Hidden states ``(1, tokens, hidden_size)`` in the activation dtype, the
+            last position's logits ``(1, 1, vocab)`` float32 on the last stage, or
+            ``None`` on the last stage without ``head``.
+
+        Raises:
+            RequestRetry: the group restarted since this request's cache was made.
+            RequestError: no group, the group failed, or the step timed out.
+        """
+        if x.shape[0] != 1:
+            raise RequestError("a tensor-group stage runs one request per forward")
+        if not self._attached.wait(ATTACH_WAIT_S) or self.group is None:
+            raise RequestError(f"the tensor group of layers [{self.start}, {self.end}) is not running")
+        slot = cache[0]
+        with self._lock:
+            epoch = self._epochs.get(slot.number)
+        kwargs: dict[str, Any] = {"head": head}
+        if x.ndim == 2:
+            kwargs["tokens"] = x[0].tolist()
+        else:
+            kwargs["hidden"] = np.array(x.astype(mx.float32))
+            kwargs["dtype"] = str(x.dtype).removeprefix("mlx.core.")
+        future = asyncio.run_coroutine_threadsafe(self.group.stage_forward(slot.number, epoch, **kwargs), self.loop)
+        try:
+            ran, out, dtype = future.result(ATTACH_WAIT_S + self.step_timeout_s)
+        except TPStageLost as exc:
+            raise RequestRetry(str(exc)) from None
+        except TPGroupError as exc:
+            raise RequestError(f"tensor group of layers [{self.start}, {self.end}): {exc}") from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise RequestError(f"tensor group of layers [{self.start}, {self.end}) did not answer") from None
+        with self._lock:
+            self._epochs[slot.number] = ran
+        if out is None:
+            return None
+        y = mx.array(out)
+        return y if self.last else y.astype(getattr(mx, dtype, mx.float32))
+
+    def settle(self, cache: list) -> None:
+        """Nothing to evaluate: the ranks computed the step already."""
+
+    def nbytes(self) -> int:
+        """0: the parameters live in the rank processes (``/v1/cluster`` ``tp.local_ranks``)."""
+        return 0
+
+    def loaded_bytes(self) -> int:
+        return 0

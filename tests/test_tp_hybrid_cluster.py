@@ -1,0 +1,178 @@
+"""Hybrid plans from ``ringlet run --mode hybrid``: tensor groups chained as pipeline stages,
+with real daemons (mDNS on loopback, negotiation), real rank processes started by each
+member's own daemon (MLX's ring backend over loopback) and a tiny random llama model
+(4 heads, 2 key/value heads, 4 layers: groups of 2).
+
+- 4 daemons, float32: the committed plan is hybrid, 2 groups of 2 over ring, layers [0, 2)
+  and [2, 4); the plan's stages are the groups' leaders; greedy completions through a node
+  that leads no group equal mlx-lm's single-process greedy ids (the independent reference);
+- kill -9 a rank process (its daemon lives): its group restarts on the same members, the
+  request resumes on the same plan (its KV caches were lost) with the same ids;
+- kill -9 a member's daemon mid-stream: 3 members cannot make equal groups, the cluster
+  re-plans a pipeline (saying why), the request completes with the same ids, and no rank
+  process of the cluster is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from streaming import Streamed, read_events
+from test_tp_cluster import rank_workers, running, tp_env
+from tp_support import make_model
+
+from ringlet.daemon.demo import LocalCluster
+
+pytestmark = pytest.mark.timeout(400)
+
+PROMPT = "Hello, world! The sky is"
+TOKENS = 24
+
+
+def mlx_greedy(path, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """mlx-lm's single-process greedy ids and the smallest top-1/top-2 logit margin seen."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    cache = make_prompt_cache(model)
+    x, out, margin = mx.array([prompt]), [], float("inf")
+    for _ in range(n):
+        logits = np.array(model(x, cache=cache)[0, -1])
+        top = np.sort(logits)[-2:]
+        margin = min(margin, float(top[1] - top[0]))
+        out.append(int(np.argmax(logits)))
+        x = mx.array([[out[-1]]])
+    return out, margin
+
+
+def stream(url: str, on_token=None) -> Streamed:
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True, "return_token_ids": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return read_events(r.iter_lines(), Streamed(), on_token)
+
+
+def wait_groups_ready(c: LocalCluster, leaders: list[int], timeout_s: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        groups = [c.cluster_info(i)["tp"].get("group", {}) for i in leaders]
+        if all(g.get("state") == "ready" for g in groups):
+            return groups
+        time.sleep(0.2)
+    raise AssertionError(f"groups not ready: {groups}\n" + "\n".join(c.tail(i) for i in leaders))
+
+
+@pytest.fixture(scope="module")
+def quad(tmp_path_factory):
+    # seed 4: no near-tie in the first 24 greedy tokens of PROMPT (smallest top-2 margin 3.4e-3)
+    path = make_model("llama", tmp_path_factory.mktemp("hybrid") / "llama", seed=4)
+    c = LocalCluster(4, model=str(path), dtype="float32", dynamic=True, extra_args=["--mode", "hybrid"],
+                     env=tp_env())
+    c.start(stages=2)  # a hybrid plan's stages are its 2 groups
+    try:
+        yield c, path
+    finally:
+        pids = [p.pid for p in c.procs]
+        c.stop()
+        left = rank_workers(pids)
+        assert not left, f"rank processes left after the daemons stopped: {left}"
+
+
+def test_four_daemons_serve_two_tensor_groups_as_pipeline_stages(quad):
+    c, path = quad
+    ids = {c.cluster_info(i)["node_id"]: i for i in range(4)}
+    groups = c.cluster_info(0)["tp"]["groups"]  # which pairs: by the measured links' bandwidth
+    assert sorted(n for g in groups for n in g) == sorted(ids) and [len(g) for g in groups] == [2, 2]
+    assert groups[0][0] == min(ids)  # the proposer (lowest id) leads the first group
+    for i in range(4):
+        view = c.cluster_info(i)
+        tp = view["tp"]
+        assert (view["mode"], tp["mode"], tp["backend"], tp["requested"]) == ("hybrid", "hybrid", "ring", "hybrid")
+        assert (tp["groups"], tp["group_backends"], tp["layer_ranges"]) == (groups, ["ring", "ring"],
+                                                                             [[0, 2], [2, 4]])
+        assert tp["reason"] == "--mode hybrid: 2 groups of 2 over ring/ring"
+        assert view["plan_id"].startswith("hybrid:")
+        assert [(s["node_id"], s["start"], s["end"]) for s in view["plan"]] == [
+            (groups[0][0], 0, 2), (groups[1][0], 2, 4)]
+    leaders = [ids[g[0]] for g in groups]
+    for g, info in zip(groups, wait_groups_ready(c, leaders), strict=True):
+        assert (info["size"], info["ranks"]) == (2, g)
+    assert [c.cluster_info(i)["tp"]["group"]["layers"] for i in leaders] == [[0, 2], [2, 4]]
+    for rank, node_id in [(r, n) for g in groups for r, n in enumerate(g)]:  # each member runs its own rank
+        (local,) = c.cluster_info(ids[node_id])["tp"]["local_ranks"]
+        assert local["rank"] == rank and local["rss_bytes"] > 0
+
+    api = ids[groups[1][1]]  # leads nothing: the request goes to stage 0 over Generate
+    r = httpx.post(f"{c.api_urls[api]}/v1/completions", timeout=300, json={
+        "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    want, margin = mlx_greedy(path, choice["prompt_token_ids"], TOKENS)
+    assert margin > 1e-3  # no near-tie: float32 sums in another order cannot flip a token
+    assert choice["token_ids"] == want
+    got = stream(c.api_urls[ids[groups[0][1]]])
+    assert (got.ids, got.finish, got.error) == (want, "length", None)
+
+
+def kill_after(n: int, kill) -> tuple[threading.Event, callable]:
+    done = threading.Event()
+
+    def on_token(k: int) -> None:
+        if k == n and not done.is_set():
+            done.set()
+            kill()
+
+    return done, on_token
+
+
+def test_a_crashed_rank_restarts_its_group_and_the_request_resumes_on_the_same_plan(quad):
+    c, path = quad
+    view = c.cluster_info(0)
+    groups = view["tp"]["groups"]
+    ids = {c.cluster_info(i)["node_id"]: i for i in range(4)}
+    epoch = view["epoch"]
+    before = wait_groups_ready(c, [ids[groups[1][0]]])[0]
+    (victim,) = rank_workers([c.procs[ids[groups[1][1]]].pid])  # rank 1 of the second group (stage 1)
+    want = stream(c.api_urls[0]).ids
+    killed, on_token = kill_after(5, lambda: os.kill(victim, signal.SIGKILL))
+    got = stream(c.api_urls[ids[groups[0][0]]], on_token)
+    assert killed.is_set()
+    assert (got.ids, got.finish, got.error) == (want, "length", None)
+    after = wait_groups_ready(c, [ids[groups[1][0]]])[0]
+    assert after["epoch"] > before["epoch"] and after["ranks"] == groups[1] and after["restarts"] >= 1
+    assert all(c.cluster_info(i)["epoch"] == epoch for i in range(4))  # no re-plan
+    resumes = [e["message"] for e in c.cluster_info(ids[groups[0][0]])["events"] if e["kind"] == "resume"]
+    assert any("KV cache is gone" in m for m in resumes), resumes  # it did lose its caches mid-stream
+    assert not running({victim})
+
+
+def test_losing_a_member_re_plans_a_pipeline_and_the_request_completes(quad):
+    c, path = quad
+    view = c.cluster_info(0)
+    groups = view["tp"]["groups"]
+    ids = {c.cluster_info(i)["node_id"]: i for i in range(4)}
+    wait_groups_ready(c, [ids[g[0]] for g in groups])
+    want = stream(c.api_urls[0]).ids
+    victim = ids[groups[1][1]]
+    old_ranks = rank_workers([p.pid for p in c.procs])
+    killed, on_token = kill_after(5, lambda: c.kill(victim))
+    got = stream(c.api_urls[ids[groups[0][0]]], on_token)
+    assert killed.is_set()
+    assert (got.ids, got.finish, got.error) == (want, "length", None)
+    survivors = [i for i in range(4) if i != victim]
+    after = c.wait_plan(stages=3, nodes=survivors, timeout_s=60)
+    assert (after["mode"], after["tp"]["mode"]) == ("pipeline", "pipeline")
+    assert after["tp"]["refused"].startswith("hybrid mode refused: no split of 3 members into equal tensor groups")
+    deadline = time.monotonic() + 15
+    while running(old_ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(old_ranks), "rank processes of the hybrid plan are still running"
