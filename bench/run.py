@@ -14,7 +14,7 @@ from pathlib import Path
 
 BENCHES = ["bench_spine", "bench_cluster", "bench_planner", "bench_probes", "bench_shard", "bench_tp",
            "bench_concurrency",
-           "bench_prefill"]
+           "bench_prefill", "bench_hybrid"]
 
 
 def main(argv: list[str]) -> int:

@@ -171,13 +171,15 @@ def policy_text(policy: Any) -> str:
 
 
 def mode_text(cluster: dict) -> str:
-    """``pipeline``, ``tensor/ring``, or ``pipeline (tensor refused)``."""
+    """``pipeline``, ``tensor/ring``, ``hybrid/ring`` or ``pipeline (tensor refused)``."""
     mode = _compact(cluster.get("mode"))
     backend = cluster.get("backend")
     if backend and backend != "none":
         mode += f"/{backend}"
-    if cluster.get("mode_refused") and not cluster.get("ranks"):
-        mode += " (tensor refused)"
+    refused = cluster.get("mode_refused")
+    if refused and not cluster.get("ranks"):
+        asked = str(refused).split()[0] if str(refused).split()[0] in ("tensor", "hybrid") else "tensor"
+        mode += f" ({asked} refused)"
     return mode
 
 
@@ -394,6 +396,13 @@ class Dashboard:
     def _ring_rule(self, snap: dict) -> Rule:
         names = [n["name"] for n in snap.get("nodes", []) if n.get("in_plan")]
         c = snap.get("cluster", {})
+        if c.get("groups"):
+            by_id = {n["node_id"]: n["name"] for n in snap.get("nodes", [])}
+            state = f" ({c['tensor_group']})" if c.get("tensor_group") else ""
+            chain = " → ".join(f"{fmt_range(g.get('layers'))} " + " ↔ ".join(by_id.get(r, r[:8]) for r in g["ranks"])
+                               for g in c["groups"])
+            title = f"hybrid{state}: {chain}"
+            return Rule(Text(title, overflow="ellipsis", no_wrap=True), align="left", style="dim")
         if c.get("ranks"):
             by_id = {n["node_id"]: n["name"] for n in snap.get("nodes", [])}
             ranks = " ↔ ".join(f"{i}:{by_id.get(r, r[:8])}" for i, r in enumerate(c["ranks"]))

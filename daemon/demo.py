@@ -136,7 +136,8 @@ class LocalCluster:
         committed one plan of ``stages`` stages, default one per node).
 
         Raises:
-            RingletError: a node exited or did not become ready in time (its log tail is included).
+            RingletError: a node exited or did not become ready in time (its log tail is
+                included); every node started is stopped first.
         """
         if self._log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ringlet-demo-")
@@ -151,13 +152,17 @@ class LocalCluster:
             else:
                 stages = [f"{s.address}={s.start}:{s.end}" for s in even_plan(addresses, info.num_layers)]
             self.plan_text = ",".join(stages)
-        for i in range(self.n):
-            self._spawn(i)
-        deadline = time.monotonic() + timeout_s
-        for i in range(self.n):
-            self._wait_healthy(i, deadline)
-        if self.dynamic:
-            self.wait_plan(stages=stages or self.n, timeout_s=max(5.0, deadline - time.monotonic()))
+        try:
+            for i in range(self.n):
+                self._spawn(i)
+            deadline = time.monotonic() + timeout_s
+            for i in range(self.n):
+                self._wait_healthy(i, deadline)
+            if self.dynamic:
+                self.wait_plan(stages=stages or self.n, timeout_s=max(5.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()  # nothing it started outlives a failed start
+            raise
         return self
 
     def add_node(self, extra_args: list[str] | None = None, wait: bool = True, timeout_s: float = 120.0,

@@ -116,6 +116,8 @@ class Membership:
         #: set when links should be measured again (membership changed)
         self.links_wanted = asyncio.Event()
         self.on_member_added: Callable[[Member], Awaitable[None] | None] | None = None
+        #: called with a member whose record changed (a newer version was fetched)
+        self.on_record_changed: Callable[[Member], None] | None = None
 
     # --- own record --------------------------------------------------------------------
 
@@ -236,10 +238,13 @@ class Membership:
             record = {}
         existing = self.members.get(info.node_id)
         if existing is not None:
+            changed = existing.record != record
             existing.address = address
             existing.record, existing.record_version = record, info.record_version
             existing.incarnation = info.incarnation
             existing.state, existing.last_ok = "alive", time.monotonic()
+            if changed and self.on_record_changed is not None:
+                self.on_record_changed(existing)
             return
         member = Member(node_id=info.node_id, address=address, incarnation=info.incarnation, record=record,
                         record_version=info.record_version)

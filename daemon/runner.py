@@ -240,6 +240,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     node.tp = tp = TPServing(node, membership, args.mode, tp_spec, str(node.config.model.path), node.config.dtype)
     negotiator.tp = tp
     tp.on_failed = negotiator.membership_changed  # a group that gave up: re-plan (on the pipeline)
+    membership.on_record_changed = tp.record_changed  # another member's group gave up (hybrid plans)
     if getattr(args, "fetched_location", None) is not None:
         node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
         for message in getattr(args, "fetch_events", []):

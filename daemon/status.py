@@ -16,13 +16,17 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
     {"source": primary URL, "taken_at": unix s, "reachable": bool, "error": str|None,
      "healthy": bool,                       # reachable, every plan stage ready/serving, tensor group ready
      "cluster": {"model", "num_layers", "epoch", "policy", "mode", "backend",
-                 "ranks" [node ids, rank order; empty unless tensor], "mode_reason",
-                 "mode_refused" (why --mode tensor could not run, or None),
-                 "tensor_group" (the leader's group state, or None), "negotiation",
+                 "ranks" [node ids, rank order; empty unless tensor or hybrid], "mode_reason",
+                 "mode_refused" (why --mode tensor/hybrid could not run, or None),
+                 "tensor_group" (the leader's group state, or None; hybrid: "ready" when
+                 every group is, else the first other state), "groups" (hybrid: [{"ranks",
+                 "layers" [start, end), "backend", "state"}] in stage order, else []),
+                 "negotiation",
                  "nodes", "nodes_ready", "requests_in_flight", "tokens_per_s",
                  "tokens_generated_total", "memory_total_bytes", "memory_usable_bytes",
                  "memory_used_bytes"},
-     "nodes": [{"stage", "rank" (tensor rank or None), "in_plan", "address", "node_id", "name", "chip", "state",
+     "nodes": [{"stage" (hybrid: its group's stage), "rank" (tensor rank, in its group when hybrid, or None),
+                "in_plan", "address", "node_id", "name", "chip", "state",
                 "loading_progress" (0..1), "layer_range" [start, end), "epoch",
                 "memory_total_bytes", "memory_usable_bytes", "memory_used_bytes",
                 "weights_bytes", "tokens_per_s", "tokens_generated_total",
@@ -338,11 +342,21 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
     ranks = [str(r) for r in tp.get("ranks") or [] if isinstance(r, str)]
     for n in nodes:
         n["rank"] = ranks.index(n["node_id"]) if n["node_id"] in ranks else None
-    group_state = None
-    for info in infos.values():  # the leader (rank 0) reports its group
+    leader_states: dict[str, str | None] = {}
+    for info in infos.values():  # each group's leader (its rank 0) reports its group
         g = info.get("tp", {}).get("group") if isinstance(info.get("tp"), dict) else None
         if isinstance(g, dict) and _int(g.get("plan_epoch")) == _int(base.get("epoch")):
-            group_state = _str(g.get("state"))
+            leader_states[_str(info.get("node_id")) or ""] = _str(g.get("state"))
+    groups = _hybrid_groups(tp, leader_states)
+    if groups:
+        for n in nodes:  # a group's members share its stage and layer range; rank = within the group
+            for i, g in enumerate(groups):
+                if n["node_id"] in g["ranks"]:
+                    n.update(stage=i, in_plan=True, rank=g["ranks"].index(n["node_id"]),
+                             layer_range=g["layers"] or n["layer_range"])
+        nodes.sort(key=lambda n: (n["stage"] is None, n["stage"] or 0, n["rank"] or 0))
+    states = [g["state"] for g in groups] if groups else list(leader_states.values())
+    group_state = next((x for x in states if x != "ready"), "ready") if states else None
 
     in_plan = [n for n in nodes if n["in_plan"]]
     ready = [n for n in in_plan if n["state"] in HEALTHY_STATES]
@@ -358,6 +372,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "mode_reason": _str(tp.get("reason")),
         "mode_refused": _str(tp.get("refused")),
         "tensor_group": group_state,
+        "groups": groups,
         "negotiation": base.get("negotiation"),
         "nodes": len(in_plan),
         "nodes_ready": len(ready),
@@ -396,6 +411,25 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
     if unreached:
         snap["error"] = "; ".join(f"{u}: {e}" for u, e in unreached.items())
     return snap
+
+
+def _hybrid_groups(tp: dict, leader_states: dict[str, str | None]) -> list[dict]:
+    """The groups of a hybrid decision, in stage order: ranks, layer range, backend and
+    the state its leader reports (``None`` when not heard from); ``[]`` otherwise."""
+    if tp.get("mode") != "hybrid":
+        return []
+    raw = tp.get("groups") if isinstance(tp.get("groups"), list) else []
+    ranges = tp.get("layer_ranges") if isinstance(tp.get("layer_ranges"), list) else []
+    backends = tp.get("group_backends") if isinstance(tp.get("group_backends"), list) else []
+    out = []
+    for i, g in enumerate(raw):
+        members = [str(r) for r in g if isinstance(r, str)] if isinstance(g, list) else []
+        if not members:
+            continue
+        out.append({"ranks": members, "layers": _range(ranges[i]) if i < len(ranges) else None,
+                    "backend": _str(backends[i]) if i < len(backends) else None,
+                    "state": leader_states.get(members[0])})
+    return out
 
 
 def _find_link(links: list[dict], a: dict, b: dict) -> dict:
@@ -606,8 +640,13 @@ def format_status(snap: dict) -> str:
         mode = [f"mode {c['mode']}"]
         if c.get("backend") and c["backend"] != "none":
             mode.append(f"backend {c['backend']}")
-        if c.get("ranks"):
-            names = {n["node_id"]: n["name"] for n in snap["nodes"]}
+        names = {n["node_id"]: n["name"] for n in snap["nodes"]}
+        if c.get("groups"):
+            mode.append("groups " + " | ".join(
+                f"{fmt_range(g['layers']).replace(' ', '')} " + ", ".join(f"{i} {names.get(r, r)}"
+                                                                         for i, r in enumerate(g["ranks"]))
+                for g in c["groups"]))
+        elif c.get("ranks"):
             mode.append("ranks " + ", ".join(f"{i} {names.get(r, r)}" for i, r in enumerate(c["ranks"])))
         if c.get("tensor_group"):
             mode.append(f"group {c['tensor_group']}")

@@ -575,6 +575,10 @@ class TPServing:
                 handle.kill()
         if self.failed is not None and self.failed[0] != self.membership.digest():
             self.failed = None  # other members now: tensor may work again
+        own = self.membership.own_record
+        if "tp_failed" in own and own["tp_failed"].get("epoch") != plan.epoch and (
+                own["tp_failed"].get("digest") != self.membership.digest()):
+            self.membership.set_record({k: v for k, v in own.items() if k != "tp_failed"})
         task = asyncio.create_task(self._switch(plan), name=f"tp-switch-{plan.epoch}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -634,9 +638,11 @@ class TPServing:
             await self._given_up(plan, f"tensor group failed: {group.reason}")
 
     async def _given_up(self, plan: ServingPlan, why: str) -> None:
-        """The group of ``plan`` cannot serve: while the membership stays the same, this node
-        (the proposer) decides pipeline with the reason, and a negotiation round starts. Not
-        when a member does not answer: its removal re-plans anyway."""
+        """The group of ``plan`` cannot serve: while the membership stays the same, the
+        proposer decides pipeline with the reason, and a negotiation round starts. A group
+        leader that is not the proposer (a later stage of a hybrid plan) says so in its
+        membership record (``tp_failed``), which the proposer reads (:meth:`record_changed`).
+        Not when a member does not answer: its removal re-plans anyway."""
         if self.node.plan is not plan or self._closed:
             return
         for node_id in plan.tp["ranks"]:
@@ -644,7 +650,29 @@ class TPServing:
                 return
         if self.node.plan is not plan:
             return
-        self.failed = (self.membership.digest(), why)
+        digest = self.membership.digest()
+        self.failed = (digest, why)
+        self.node.event("mode", f"{why[:300]}; re-planning on the pipeline")
+        if plan.tp["ranks"][0] != self.node.node_id:
+            record = dict(self.membership.own_record)
+            record["tp_failed"] = {"digest": digest, "epoch": plan.epoch, "why": why[:500]}
+            self.membership.set_record(record)
+        elif self.on_failed is not None:
+            self.on_failed()
+
+    def record_changed(self, member) -> None:
+        """A member's record changed: when it says that member's group of the committed plan
+        gave up (same membership), the proposer re-plans on the pipeline, saying why."""
+        failed = (member.record or {}).get("tp_failed")
+        plan = self.node.plan
+        if (not isinstance(failed, dict) or plan is None or group_of(plan.tp, member.node_id) is None
+                or plan.tp["ranks"][0] != self.node.node_id or failed.get("epoch") != plan.epoch
+                or failed.get("digest") != self.membership.digest()):
+            return
+        why = f"{member.node_id[:8]}: {str(failed.get('why', ''))[:400]}"
+        if self.failed == (failed["digest"], why):
+            return
+        self.failed = (failed["digest"], why)
         self.node.event("mode", f"{why[:300]}; re-planning on the pipeline")
         if self.on_failed is not None:
             self.on_failed()

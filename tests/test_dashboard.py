@@ -336,3 +336,15 @@ def test_tensor_mode_backend_and_ranks_are_drawn():
     text = "\n".join(lines)
     assert "policy balanced · mode tensor/jaccl" in text
     assert "tensor group (jaccl, ready): 0:studio-1 ↔ 1:studio-2 ↔ 2:studio-3 ↔ 3:studio-4" in text
+
+
+def test_hybrid_groups_are_drawn_as_a_chain():
+    from test_status import hybrid_infos
+
+    snap = build_snapshot("http://10.0.0.1:8000", hybrid_infos(), {}, now=1_700_000_100)
+    for width in (80, 140):
+        lines = frame(snap, width, 30)
+        assert len(lines) <= 30 and all(len(ln) <= width for ln in lines)
+    text = "\n".join(frame(snap, 140, 30))
+    assert "mode hybrid/jaccl" in text
+    assert "hybrid (ready): [0, 40) studio-1 ↔ studio-2 → [40, 80) studio-3 ↔ studio-4" in text

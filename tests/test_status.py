@@ -479,3 +479,44 @@ def test_refused_tensor_mode_is_said():
     assert all(n["rank"] is None for n in snap["nodes"])
     text = format_status(snap)
     assert "mode pipeline\n" in text and f"why: {why}; serving the pipeline" in text
+
+
+def hybrid_infos(second_group: str = "ready") -> dict[str, dict]:
+    """The four studios serving a hybrid plan: 2 JACCL groups of 2, layers [0, 40) and [40, 80);
+    the plan's stages are the groups' leaders (studio-1, studio-3), each reporting its group."""
+    infos = studio_infos()
+    base = infos["http://10.0.0.1:8000"]
+    ids = [m["node_id"] for m in base["members"]]
+    base["plan"] = [{"node_id": ids[0], "address": "10.0.0.1:7100", "start": 0, "end": 40},
+                    {"node_id": ids[2], "address": "10.0.0.3:7100", "start": 40, "end": 80}]
+    base.update(mode="hybrid", plan_id="hybrid:abc", layer_range=[0, 40], tp={
+        "requested": "hybrid", "mode": "hybrid", "backend": "jaccl", "ranks": ids,
+        "groups": [ids[:2], ids[2:]], "group_backends": ["jaccl", "jaccl"], "layer_ranges": [[0, 40], [40, 80]],
+        "reason": "--mode hybrid: 2 groups of 2 over jaccl/jaccl",
+        "group": {"state": "ready", "epoch": 1, "size": 2, "plan_epoch": 7, "layers": [0, 40]}})
+    infos["http://10.0.0.3:8000"] = {
+        "node_id": ids[2], "address": "10.0.0.3:7100", "state": "ready", "epoch": 7, "layer_range": [40, 80],
+        "tp": {"mode": "hybrid", "group": {"state": second_group, "epoch": 2, "size": 2, "plan_epoch": 7,
+                                           "layers": [40, 80]}}}
+    return infos
+
+
+def test_hybrid_groups_ranks_and_ranges():
+    snap = build_snapshot("http://10.0.0.1:8000", hybrid_infos("recovering"), {})
+    c = snap["cluster"]
+    ids = [f"{k + 1:016x}" for k in range(4)]
+    assert (c["mode"], c["backend"], c["tensor_group"]) == ("hybrid", "jaccl", "recovering")
+    assert c["groups"] == [
+        {"ranks": ids[:2], "layers": [0, 40], "backend": "jaccl", "state": "ready"},
+        {"ranks": ids[2:], "layers": [40, 80], "backend": "jaccl", "state": "recovering"}]
+    # every member is in the plan through its group: its stage, its rank in the group, its group's layers
+    assert [(n["name"], n["stage"], n["rank"], n["layer_range"], n["in_plan"]) for n in snap["nodes"]] == [
+        ("studio-1", 0, 0, [0, 40], True), ("studio-2", 0, 1, [0, 40], True),
+        ("studio-3", 1, 0, [40, 80], True), ("studio-4", 1, 1, [40, 80], True)]
+    assert exit_status(snap) == EXIT_DEGRADED  # a group that is not ready
+    ok = build_snapshot("http://10.0.0.1:8000", hybrid_infos(), {})
+    assert ok["cluster"]["tensor_group"] == "ready" and exit_status(ok) == EXIT_OK
+    text = format_status(ok)
+    assert ("mode hybrid · backend jaccl · groups [0,40) 0 studio-1, 1 studio-2 | [40,80) 0 studio-3, "
+            "1 studio-4 · group ready") in text
+    assert "why: --mode hybrid: 2 groups of 2 over jaccl/jaccl" in text

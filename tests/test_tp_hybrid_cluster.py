@@ -176,3 +176,39 @@ def test_losing_a_member_re_plans_a_pipeline_and_the_request_completes(quad):
     while running(old_ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not running(old_ranks), "rank processes of the hybrid plan are still running"
+
+
+def test_a_later_stage_group_that_keeps_crashing_gives_way_to_the_pipeline(tmp_path):
+    """The second group's leader is not the proposer: when its group gives up (a rank killed
+    each time it restarts), it says so in its membership record, and the proposer re-plans the
+    same members on the pipeline, saying why; requests are served again."""
+    path = make_model("llama", tmp_path / "llama", seed=4)
+    c = LocalCluster(4, model=str(path), dtype="float32", dynamic=True, extra_args=["--mode", "hybrid"],
+                     env=tp_env())
+    c.start(stages=2)
+    try:
+        groups = c.cluster_info(0)["tp"]["groups"]
+        ids = {c.cluster_info(i)["node_id"]: i for i in range(4)}
+        leader, member = ids[groups[1][0]], ids[groups[1][1]]
+        epoch = c.cluster_info(0)["epoch"]
+        want = stream(c.api_urls[0]).ids
+        deadline = time.monotonic() + 120
+        kills = 0
+        while c.cluster_info(0)["epoch"] == epoch and time.monotonic() < deadline:
+            group = c.cluster_info(leader)["tp"].get("group", {})
+            workers = rank_workers([c.procs[member].pid])
+            if group.get("state") == "ready" and len(workers) == 1:
+                os.kill(workers.pop(), signal.SIGKILL)
+                kills += 1
+                time.sleep(1.0)
+            time.sleep(0.2)
+        after = c.wait_plan(stages=4, timeout_s=30)
+        assert kills >= 3  # two restarts on the same members, then it gives up
+        assert (after["mode"], after["tp"]["requested"]) == ("pipeline", "hybrid")
+        assert after["tp"]["refused"].startswith(f"{groups[1][0][:8]}: tensor group failed: ")
+        got = stream(c.api_urls[member])
+        assert (got.ids, got.finish, got.error) == (want, "length", None)
+    finally:
+        pids = [p.pid for p in c.procs]
+        c.stop()
+        assert not rank_workers(pids)
