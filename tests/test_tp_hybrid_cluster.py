@@ -10,7 +10,15 @@ member's own daemon (MLX's ring backend over loopback) and a tiny random llama m
   request resumes on the same plan (its KV caches were lost) with the same ids;
 - kill -9 a member's daemon mid-stream: 3 members cannot make equal groups, the cluster
   re-plans a pipeline (saying why), the request completes with the same ids, and no rank
-  process of the cluster is left.
+  process of the cluster is left;
+- the second group's leader is not the proposer: when its group keeps crashing it gives up,
+  and the proposer re-plans the same members on the pipeline, saying why;
+- the default model on 6 daemons (9 heads: 2 groups of 3), float32: the greedy chat
+  completion through the last node equals the independent reference
+  (tests/smollm2_135m_instruct_greedy.json, first 20 tokens), and ``ringlet status`` shows
+  the groups.
+
+More ranks than cores use the poll shim (tests/tp_support.py) in the rank processes.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 
 import httpx
 import pytest
+from conftest import REFERENCE, ringlet
 from streaming import Streamed, read_events
 from test_tp_cluster import rank_workers, running, tp_env
 from tp_support import make_model
@@ -54,8 +63,7 @@ def mlx_greedy(path, prompt: list[int], n: int) -> tuple[list[int], float]:
 
 
 def stream(url: str, on_token=None) -> Streamed:
-    body = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True, "return_token_ids": True,
-            "ignore_eos": True}
+    body = {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True, "return_token_ids": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         return read_events(r.iter_lines(), Streamed(), on_token)
@@ -113,11 +121,12 @@ def test_four_daemons_serve_two_tensor_groups_as_pipeline_stages(quad):
 
     api = ids[groups[1][1]]  # leads nothing: the request goes to stage 0 over Generate
     r = httpx.post(f"{c.api_urls[api]}/v1/completions", timeout=300, json={
-        "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+        "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     want, margin = mlx_greedy(path, choice["prompt_token_ids"], TOKENS)
     assert margin > 1e-3  # no near-tie: float32 sums in another order cannot flip a token
+    assert choice["finish_reason"] == "length"  # no end-of-sequence token among them
     assert choice["token_ids"] == want
     got = stream(c.api_urls[ids[groups[0][1]]])
     assert (got.ids, got.finish, got.error) == (want, "length", None)
@@ -208,6 +217,34 @@ def test_a_later_stage_group_that_keeps_crashing_gives_way_to_the_pipeline(tmp_p
         assert after["tp"]["refused"].startswith(f"{groups[1][0][:8]}: tensor group failed: ")
         got = stream(c.api_urls[member])
         assert (got.ids, got.finish, got.error) == (want, "length", None)
+    finally:
+        pids = [p.pid for p in c.procs]
+        c.stop()
+        assert not rank_workers(pids)
+
+
+def test_the_default_model_in_two_groups_of_three_equals_the_reference():
+    chat = next(x for x in REFERENCE if x["name"] == "chat_capital")
+    c = LocalCluster(6, dtype="float32", dynamic=True, extra_args=["--mode", "hybrid"], env=tp_env())
+    c.start(stages=2, timeout_s=300)
+    try:
+        view = c.cluster_info(5)
+        tp = view["tp"]
+        assert (tp["mode"], tp["reason"], tp["layer_ranges"]) == (
+            "hybrid", "--mode hybrid: 2 groups of 3 over ring/ring", [[0, 15], [15, 30]])
+        assert [len(g) for g in tp["groups"]] == [3, 3]
+        r = httpx.post(f"{c.api_urls[5]}/v1/chat/completions", timeout=600, json={
+            "messages": chat["messages"], "max_tokens": 20, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["prompt_token_ids"] == chat["prompt_ids"]
+        assert choice["token_ids"] == chat["completion_ids"][:20]
+        assert choice["message"]["content"] == chat["completion_text"]
+        status = ringlet("status", "--api", c.api_urls[0], timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        lines = status.stdout.splitlines()
+        assert lines[1].startswith("mode hybrid · backend ring · groups [0,15) 0 ") and " | [15,30) 0 " in lines[1]
+        assert lines[1].endswith(" · group ready")
     finally:
         pids = [p.pid for p in c.procs]
         c.stop()
