@@ -362,6 +362,29 @@ def load_api_keys(path: str | os.PathLike[str]) -> tuple[bytes, ...]:
         SecretError: unreadable, too open, no key, or a malformed key (the message
             gives the line number, never the key).
     """
+    return tuple(hashlib.sha256(k.encode()).digest() for k in _read_api_keys(path))
+
+
+#: Environment variable a client command reads its API key from (``ringlet chat``,
+#: ``status``, ``dashboard``), when no ``--api-key-file`` is given.
+API_KEY_ENV = "RINGLET_API_KEY"
+
+
+def client_api_key(path: str | os.PathLike[str] | None = None) -> str | None:
+    """The key a client sends as ``Authorization: Bearer``: the first key of ``path``
+    (an API key file, read as the daemon reads it), else ``$RINGLET_API_KEY``, else
+    ``None`` (no header).
+
+    Raises:
+        SecretError: ``path`` is unreadable, too open, or holds no well-formed key.
+    """
+    if path:
+        return _read_api_keys(path)[0]
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def _read_api_keys(path: str | os.PathLike[str]) -> list[str]:
+    """The keys of an API key file (see :func:`load_api_keys`), in order."""
     p = Path(path)
     raw = _read_private_file(p, 1024 * 1024, "API key file")
     if len(raw) > 1024 * 1024:
@@ -370,7 +393,7 @@ def load_api_keys(path: str | os.PathLike[str]) -> tuple[bytes, ...]:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
         raise SecretError(f"{p} holds non-ASCII bytes") from None
-    digests = []
+    keys = []
     for n, line in enumerate(text.splitlines(), start=1):
         word = line.strip()
         if not word or word.startswith("#"):
@@ -378,10 +401,10 @@ def load_api_keys(path: str | os.PathLike[str]) -> tuple[bytes, ...]:
         if not _SECRET_RE.fullmatch(word) or len(word) < MIN_API_KEY_CHARS:
             raise SecretError(f"{p} line {n}: an API key must be one word of at least {MIN_API_KEY_CHARS} "
                               "printable ASCII characters")
-        digests.append(hashlib.sha256(word.encode()).digest())
-    if not digests:
+        keys.append(word)
+    if not keys:
         raise SecretError(f"{p} holds no API key")
-    return tuple(digests)
+    return keys
 
 
 def check_api_key(presented: str | None, digests: tuple[bytes, ...]) -> bool:

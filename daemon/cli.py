@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--api", default=f"http://127.0.0.1:{DEFAULT_API_PORT}", help="a node's API base URL")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="send the first key of this file as a bearer key (nodes run with --api-key-file); "
+                           "default: $RINGLET_API_KEY")
 
     demo = sub.add_parser("demo", help="start N local daemons on the bundled model, ask one question, stop")
     demo.add_argument("--nodes", type=int, default=3)
@@ -179,9 +182,10 @@ def _generate(args) -> int:
 
 
 def _chat(args) -> int:
+    from .auth import client_api_key
     from .client import chat_loop
 
-    return chat_loop(args.api, args.message, args.max_tokens, args.temperature)
+    return chat_loop(args.api, args.message, args.max_tokens, args.temperature, client_api_key(args.api_key_file))
 
 
 def main(argv: list[str] | None = None) -> int:

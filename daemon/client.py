@@ -10,15 +10,22 @@ import httpx
 from .errors import RingletError
 
 
-def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: float):
-    """Yield text deltas of a streamed chat completion from ``api`` (base URL).
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <key>`` when there is a key, else nothing."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: float, api_key: str | None = None):
+    """Yield text deltas of a streamed chat completion from ``api`` (base URL), sending
+    ``api_key`` as a bearer key when given.
 
     Raises:
         RingletError: the node is unreachable or answered with an error.
     """
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
     try:
-        with httpx.stream("POST", f"{api.rstrip('/')}/v1/chat/completions", json=body, timeout=300) as resp:
+        with httpx.stream("POST", f"{api.rstrip('/')}/v1/chat/completions", json=body, timeout=300,
+                          headers=auth_headers(api_key)) as resp:
             if resp.status_code != 200:
                 resp.read()
                 try:
@@ -40,7 +47,7 @@ def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: fl
         raise RingletError(f"cannot reach {api}: {exc}") from None
 
 
-def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float) -> int:
+def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float, api_key: str | None = None) -> int:
     """One message, or an interactive session (empty line or Ctrl-D ends it)."""
     history: list[dict] = []
     while True:
@@ -55,7 +62,7 @@ def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float
             text = message
         history.append({"role": "user", "content": text})
         reply = []
-        for delta in stream_chat(api, history, max_tokens, temperature):
+        for delta in stream_chat(api, history, max_tokens, temperature, api_key):
             reply.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()

@@ -708,14 +708,14 @@ async def run_live(collector: Collector, stop: asyncio.Event, *, console: Consol
                     await asyncio.wait_for(stop.wait(), timeout=delay)
 
 
-async def live_dashboard(api_url: str, stop: asyncio.Event) -> None:
+async def live_dashboard(api_url: str, stop: asyncio.Event, api_key: str | None = None) -> None:
     """The dashboard of ``ringlet run`` in an interactive terminal, until ``stop`` is set.
 
     Draws inline (not on the alternate screen), so the last frame stays on the
     terminal; log lines of the daemon scroll above it, and its warnings and errors
     also appear in the event log.
     """
-    collector = Collector([api_url], timeout_s=1.0)
+    collector = Collector([api_url], timeout_s=1.0, api_key=api_key)
     tracker = EventTracker()
     handler = _LogToEvents(tracker)
     logging.getLogger().addHandler(handler)
@@ -726,8 +726,8 @@ async def live_dashboard(api_url: str, stop: asyncio.Event) -> None:
         await collector.aclose()
 
 
-async def _dashboard_main(api_urls: list[str], interval_s: float, screen: bool) -> None:
-    collector = Collector(api_urls, timeout_s=max(0.5, min(2.0, 2 * interval_s)))
+async def _dashboard_main(api_urls: list[str], interval_s: float, screen: bool, api_key: str | None = None) -> None:
+    collector = Collector(api_urls, timeout_s=max(0.5, min(2.0, 2 * interval_s)), api_key=api_key)
     stop = asyncio.Event()
     try:
         with _quit_key(asyncio.get_running_loop(), stop):
@@ -738,12 +738,14 @@ async def _dashboard_main(api_urls: list[str], interval_s: float, screen: bool) 
 
 def run_dashboard(args) -> int:
     """``ringlet dashboard [--api URL ...] [--once] [--interval S]``."""
+    from .auth import client_api_key
     from .errors import RingletError
     from .status import default_api_url, take_snapshot
 
     urls = [normalize_api_url(u) for u in (args.api or [default_api_url()])]
+    api_key = client_api_key(getattr(args, "api_key_file", None))
     if args.once:
-        snap = take_snapshot(urls, timeout_s=2.0)
+        snap = take_snapshot(urls, timeout_s=2.0, api_key=api_key)
         snap = EventTracker().observe(snap)
         console = Console()
         console.print(render(snap))
@@ -755,7 +757,7 @@ def run_dashboard(args) -> int:
     if not 0.05 <= interval <= 60:
         raise RingletError(f"--interval {interval}: give between 0.05 and 60 seconds (default 0.5, i.e. 2 Hz)")
     try:
-        asyncio.run(_dashboard_main(urls, interval, screen=not args.inline))
+        asyncio.run(_dashboard_main(urls, interval, screen=not args.inline, api_key=api_key))
     except KeyboardInterrupt:
         pass
     return 0

@@ -14,6 +14,8 @@ COMMANDS = frozenset({"dashboard", "service", "doctor", "status"})
 
 _API_HELP = ("a node's API base URL (default: this machine's service, else http://127.0.0.1:8000); repeat it "
              "to add nodes whose URLs the cluster does not report")
+_KEY_HELP = ("send the first key of this file as a bearer key (nodes run with --api-key-file); "
+             "default: $RINGLET_API_KEY")
 
 
 def add_parsers(subparsers) -> None:
@@ -22,6 +24,7 @@ def add_parsers(subparsers) -> None:
         "dashboard", help="live terminal view of the cluster: ring, nodes, requests, events",
         description="A live view of the cluster, redrawn twice a second. Press q or Ctrl-C to leave.")
     d.add_argument("--api", action="append", metavar="URL", help=_API_HELP)
+    d.add_argument("--api-key-file", default=None, metavar="FILE", help=_KEY_HELP)
     d.add_argument("--once", action="store_true",
                    help="print one frame and exit (scripts, tests); exit status 1 when no node answers")
     d.add_argument("--interval", default="0.5", metavar="S", help="seconds between refreshes (default 0.5)")
@@ -33,6 +36,7 @@ def add_parsers(subparsers) -> None:
         description="One snapshot of the cluster. Exit status: 0 every stage ready, 1 no node answered, "
                     "3 reachable but some stage not ready.")
     s.add_argument("--api", action="append", metavar="URL", help=_API_HELP)
+    s.add_argument("--api-key-file", default=None, metavar="FILE", help=_KEY_HELP)
     s.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     s.add_argument("--timeout", default="2", metavar="S", help="seconds to wait for each node (default 2)")
 

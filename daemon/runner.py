@@ -430,10 +430,13 @@ async def serve(args) -> int:
     dashboard = None
     stop_dashboard = asyncio.Event()
     if sys.stdout.isatty() and not getattr(args, "no_dashboard", False):
+        from .auth import client_api_key
         from .dashboard import live_dashboard
 
         local = "127.0.0.1" if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison
-        dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard))
+        key_file = getattr(args, "api_key_file", None)
+        key = client_api_key(key_file) if key_file else None  # its own /v1/cluster is behind the same keys
+        dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard, key))
     elif sys.stdout.isatty():
         dashboard = asyncio.create_task(_loading_bar(node, stop_dashboard))
     try:

@@ -496,7 +496,7 @@ class Collector:
         timeout_s: per-request timeout.
     """
 
-    def __init__(self, api_urls: list[str], timeout_s: float = 1.0):
+    def __init__(self, api_urls: list[str], timeout_s: float = 1.0, api_key: str | None = None):
         if not api_urls:
             api_urls = [default_api_url()]
         self.api_urls = [normalize_api_url(u) for u in api_urls]
@@ -506,6 +506,7 @@ class Collector:
         #: api_url -> gRPC address, from every answer so far
         self.addresses: dict[str, str] = {}
         self._client: httpx.AsyncClient | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def _get(self, client: httpx.AsyncClient, url: str) -> dict:
         resp = await client.get(f"{url}/v1/cluster")
@@ -518,7 +519,7 @@ class Collector:
     async def fetch(self) -> tuple[str | None, dict[str, dict], dict[str, str]]:
         """One round of requests: ``(primary, infos, errors)``."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, headers=self._headers)
         urls = list(dict.fromkeys(self.api_urls + self.discovered))
         results = await asyncio.gather(*(self._get(self._client, u) for u in urls), return_exceptions=True)
         infos: dict[str, dict] = {}
@@ -596,11 +597,12 @@ class Collector:
             self._client = None
 
 
-def take_snapshot(api_urls: list[str], timeout_s: float = 2.0) -> dict:
-    """One snapshot, synchronously (for ``ringlet status`` and scripts)."""
+def take_snapshot(api_urls: list[str], timeout_s: float = 2.0, api_key: str | None = None) -> dict:
+    """One snapshot, synchronously (for ``ringlet status`` and scripts); ``api_key`` is
+    sent as a bearer key (nodes run with ``--api-key-file``)."""
 
     async def once() -> dict:
-        c = Collector(api_urls, timeout_s=timeout_s)
+        c = Collector(api_urls, timeout_s=timeout_s, api_key=api_key)
         try:
             return await c.snapshot()
         finally:
@@ -671,7 +673,10 @@ def format_status(snap: dict) -> str:
 
 def run_status(args) -> int:
     """``ringlet status``."""
-    snap = take_snapshot(args.api or [default_api_url()], timeout_s=args.timeout)
+    from .auth import client_api_key
+
+    snap = take_snapshot(args.api or [default_api_url()], timeout_s=args.timeout,
+                         api_key=client_api_key(getattr(args, "api_key_file", None)))
     if args.json:
         sys.stdout.write(json.dumps(snap, indent=2, default=str) + "\n")
     else:

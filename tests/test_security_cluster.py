@@ -20,7 +20,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import REFERENCE
+from conftest import REFERENCE, ringlet
 from hypothesis import HealthCheck, settings
 
 from ringlet.daemon import auth, transport
@@ -64,6 +64,7 @@ def secured(tmp_path_factory):
                      per_node_args=[["--max-completion-tokens", str(FUZZ_COMPLETION), "--max-prompt-tokens",
                                      str(FUZZ_PROMPT)], ["--max-completion-tokens", str(MAX_COMPLETION)]])
     c.api_headers = dict(AUTH)
+    c.key_file = keys
     with c:
         c.secret, c.wrong, c.wrong_file = auth.load_secret(a), auth.load_secret(b), b
         yield c
@@ -350,3 +351,28 @@ def test_still_serves_a_correct_greedy_completion(secured):
     resp = client.chat.completions.create(model="smollm2-135m", messages=CHAT["messages"], max_tokens=30,
                                           temperature=0)
     assert resp.choices[0].message.content == CHAT["completion_text"]
+
+
+def test_cli_clients_send_the_api_key(secured, monkeypatch):
+    """ringlet chat / status / dashboard read /v1/* of nodes run with --api-key-file: the
+    first key of --api-key-file, else $RINGLET_API_KEY; without one they say 401, in one line."""
+    url, keys = secured.api_urls[1], str(secured.key_file)
+    monkeypatch.delenv("RINGLET_API_KEY", raising=False)
+    bare = ringlet("status", "--api", url, timeout=60)
+    assert bare.returncode == 1 and "401" in bare.stdout, bare.stdout + bare.stderr
+    for args, env in ((["--api-key-file", keys], None), ([], API_KEY)):
+        if env:
+            monkeypatch.setenv("RINGLET_API_KEY", env)
+        status = ringlet("status", "--api", url, *args, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "nodes 2/2 ready" in status.stdout
+        frame = ringlet("dashboard", "--once", "--api", url, *args, timeout=60)
+        assert frame.returncode == 0 and "unreachable" not in frame.stdout, frame.stdout
+    monkeypatch.delenv("RINGLET_API_KEY")
+    question = CHAT["messages"][-1]["content"]
+    denied = ringlet("chat", "--api", url, question, timeout=120)
+    assert denied.returncode == 2 and denied.stderr.strip().splitlines() == [
+        f"error: {url} answered 401: Incorrect or missing API key: send 'Authorization: Bearer <key>'"]
+    chat = ringlet("chat", "--api", url, "--api-key-file", keys, "--max-tokens", "30", question, timeout=120)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip() == CHAT["completion_text"]
