@@ -306,6 +306,10 @@ class StageEngine:
 
     def _input(self, payload: list[int] | pb.Tensor) -> mx.array:
         if isinstance(payload, list):
+            vocab = self.stage.config.get("vocab_size") if self.stage.first else None
+            if vocab and (bad := next((t for t in payload if not 0 <= t < vocab), None)) is not None:
+                # an id past the embedding table would read outside it (MLX does not check)
+                raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
             return mx.array([payload], dtype=mx.int32)
         x = codec.decode(payload, max_bytes=self.max_tensor_bytes, require_finite=True)
         if (error := self.shape_error(tuple(x.shape))) is not None:

@@ -20,6 +20,13 @@ class ModelInfo:
     context_tokens: int
     config: dict
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Entries of the embedding table (token ids are in ``[0, vocab_size)``), if the config says."""
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
+        value = self.config.get("vocab_size") or text.get("vocab_size")
+        return int(value) if value else None
+
 
 def model_info(location: ModelLocation) -> ModelInfo:
     """Read the layer count and context length without loading weights.

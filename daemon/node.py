@@ -162,6 +162,8 @@ class NodeConfig:
     fetch: Callable[[int, int], Awaitable[None]] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    vocab_size: int | None = None
+    context_tokens: int | None = None
 
     @property
     def address(self) -> str:
@@ -408,8 +410,8 @@ class Node:
             GenerationError: the request failed and could not be resumed.
         """
         request_id = request_id or uuid.uuid4().hex
-        if not prompt:
-            raise GenerationError("the prompt is empty")
+        if (why := self.prompt_error(prompt, max_tokens)) is not None:
+            raise GenerationError(why)
         produced: list[int] = []
         stop_ids = frozenset(stop_ids)
         failed_epoch = 0
@@ -452,6 +454,22 @@ class Node:
                         raise exc from None
                 failed_epoch = 0
                 request_id = f"{request_id.split('~')[0]}~{attempts + skews}"
+
+    def prompt_error(self, prompt: list[int], max_tokens: int) -> str | None:
+        """Why a request cannot run on this model (``None`` = it can): an empty prompt, a
+        token id outside the vocabulary (it would index past the embedding table), a
+        prompt that fills the context, or a negative ``max_tokens``."""
+        if not prompt:
+            return "the prompt is empty"
+        vocab = self.config.vocab_size
+        if vocab and (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
+            return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        context = self.config.context_tokens
+        if context and len(prompt) >= context:
+            return f"the prompt has {len(prompt)} tokens; the model's context is {context}"
+        if max_tokens < 0:
+            return f"max_tokens must not be negative, got {max_tokens}"
+        return None
 
     async def _attempt(self, plan: ServingPlan, request_id: str, prompt: list[int], max_tokens: int,
                        sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
@@ -822,6 +840,8 @@ class _RingServicer(pb_grpc.RingServicer):
         if request.epoch and request.epoch != node.epoch:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this node serves epoch {node.epoch}, not {request.epoch}")
+        if (why := node.prompt_error(list(request.prompt), request.max_tokens)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
             async for token in node._head_source(request.request_id or uuid.uuid4().hex, list(request.prompt),
                                                  request.max_tokens, sampling_from_pb(request.sampling),

@@ -110,7 +110,8 @@ def build_config(args) -> tuple[NodeConfig, int]:
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
                       prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
-                      transport=transport_config(args, getattr(args, "node_id", "") or address)), \
+                      transport=transport_config(args, getattr(args, "node_id", "") or address),
+                      vocab_size=info.vocab_size, context_tokens=info.context_tokens), \
         info.context_tokens
 
 

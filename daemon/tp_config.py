@@ -172,6 +172,7 @@ class TPModelSpec:
             a sliced input dimension must stay a multiple of it.
         head_dim: per-head width (for the quantized o_proj input check).
         name: for messages.
+        vocab_size: embedding entries (token ids are below it); ``None`` = unknown.
     """
 
     num_heads: int
@@ -186,6 +187,7 @@ class TPModelSpec:
     quant_group_size: int | None = None
     head_dim: int | None = None
     name: str = "model"
+    vocab_size: int | None = None
 
     def sharded_bytes(self) -> int:
         return max(0, self.total_bytes - self.replicated_bytes)
@@ -228,6 +230,7 @@ def tp_spec_from_config(
         quant_group_size=int(quant["group_size"]) if isinstance(quant, Mapping) and "group_size" in quant else None,
         head_dim=int(head_dim) if head_dim else (hidden // heads if hidden and heads else None),
         name=str(name or config.get("_name_or_path") or config.get("model_type") or "model"),
+        vocab_size=int(get("vocab_size")) if get("vocab_size") else None,
     )
 
 

@@ -560,8 +560,9 @@ class TPServing:
         if found is None or found[1][0] != self.node.node_id or found[3] != (spec.start, spec.end):
             raise TPGroupError(f"epoch {plan.epoch}: this node does not lead the group of layers "
                                f"[{spec.start}, {spec.end})")
-        stage = GroupStage(spec.start, spec.end, self.spec.num_layers, {"hidden_size": self.spec.hidden_size},
-                           asyncio.get_running_loop(), step_timeout_s=self.step_timeout)
+        config = {"hidden_size": self.spec.hidden_size, "vocab_size": self.spec.vocab_size}
+        stage = GroupStage(spec.start, spec.end, self.spec.num_layers, config, asyncio.get_running_loop(),
+                           step_timeout_s=self.step_timeout)
         self._stages[plan.epoch] = stage
         return stage
 

@@ -184,6 +184,27 @@ def test_malformed_tensor_gets_invalid_argument_and_node_keeps_serving(cluster):
     assert body["choices"][0]["token_ids"] == RAW["completion_ids"][:6]
 
 
+def test_generate_rpc_checks_the_prompt_and_the_node_keeps_serving(cluster):
+    """A member's Generate call with ids past the 49152-entry vocabulary (the embedding lookup
+    would read outside its table: MLX does not check, the process would crash), an empty
+    prompt or one as long as the context: INVALID_ARGUMENT naming the problem."""
+    head = cluster.cluster_info(0)
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_ports[0]}") as channel:
+        stub = pb_grpc.RingStub(channel)
+        cases = [
+            ([1, VOCAB], 4, f"prompt token id {VOCAB} is outside the vocabulary [0, {VOCAB})"),
+            ([], 4, "the prompt is empty"),
+            ([1] * 8192, 4, "the prompt has 8192 tokens; the model's context is 8192"),
+        ]
+        for prompt, max_tokens, why in cases:
+            request = pb.GenerateRequest(request_id="evil", prompt=prompt, max_tokens=max_tokens, epoch=head["epoch"])
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, why)
+    body = complete(cluster.api_urls[0], RAW["prompt_ids"], 6)
+    assert body["choices"][0]["token_ids"] == RAW["completion_ids"][:6]
+
+
 def test_each_stage_holds_only_its_shard(cluster):
     """float32, 3 stages: MLX active memory after loading is within 10 % of the stage's
     own bytes (hand-computed above), and peak RSS stays below the daemon's RSS before
