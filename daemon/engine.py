@@ -349,6 +349,13 @@ class StageEngine:
                 results[i] = exc
         if len(ready) > 1 and all(_batchable(state.cache) for _, state, _ in ready):
             self._forward_batched(ready, results)
+        elif len(ready) > 1 and hasattr(self.stage, "forward_many"):  # a tensor group batches in its ranks
+            outs = self.stage.forward_many([x for _, _, x in ready], [state.cache for _, state, _ in ready])
+            for (i, state, _), out in zip(ready, outs, strict=True):
+                try:
+                    results[i] = out if isinstance(out, Exception) else self._finish_one(state, out, 1, False)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    results[i] = exc
         else:
             for i, state, x in ready:
                 try:

@@ -10,9 +10,11 @@ holding ``1/size`` of every layer of ``[start, end)``.
 expects a :class:`ringlet.daemon.stage.Stage`: ``make_cache`` hands out a KV-cache *slot*
 (the cache itself lives in the ranks), ``__call__`` sends one forward to rank 0 and waits
 for its output, and a slot nobody holds any more (the request was released, or the plan
-changed) is freed in the ranks. The engine runs it on its worker thread, one step at a
-time (slots are not ``KVCache`` objects, so decode steps are not batched here), and
-keeps everything else: offsets, sampling, the scheduler, the ring.
+changed) is freed in the ranks. The engine runs it on its worker thread and keeps
+everything else: offsets, sampling, the scheduler, the ring. Decode steps that the
+scheduler batches go to the group as one batched step (:meth:`GroupStage.forward_many`):
+the ranks merge the slots' KV caches into mlx-lm's ``BatchKVCache`` for one forward, as
+a pipeline stage does.
 
 The group is started when the plan is committed (:mod:`ringlet.daemon.tp_serving`) and
 attached here; a step that comes before waits for it. When the group restarts (a rank
@@ -141,9 +143,58 @@ class GroupStage:
         else:
             kwargs["hidden"] = np.array(x.astype(mx.float32))
             kwargs["dtype"] = str(x.dtype).removeprefix("mlx.core.")
-        future = asyncio.run_coroutine_threadsafe(self.group.stage_forward(slot.number, epoch, **kwargs), self.loop)
+        ran, out, dtype = self._submit(slot.number, epoch, kwargs)
+        with self._lock:
+            self._epochs[slot.number] = ran
+        if out is None:
+            return None
+        y = mx.array(out)
+        return y if self.last else y.astype(getattr(mx, dtype, mx.float32))
+
+    def forward_many(self, xs: list[mx.array], caches: list[list]) -> list[mx.array | Exception]:
+        """One decode step of several requests as one batched forward of the group.
+
+        Args:
+            xs: one input per request: token ids ``(1, 1)`` int32 on the first stage,
+                hidden states ``(1, 1, hidden_size)`` on the others.
+            caches: the requests' ``[slot]`` (each prefilled already).
+
+        Returns:
+            Per request, what :meth:`__call__` returns for it, or the exception that
+            failed it (requests whose caches belong to an earlier group epoch run alone
+            and fail with RequestRetry).
+        """
+        if not self._attached.wait(ATTACH_WAIT_S) or self.group is None:
+            error = RequestError(f"the tensor group of layers [{self.start}, {self.end}) is not running")
+            return [error] * len(xs)
+        with self._lock:
+            epochs = [self._epochs.get(c[0].number) for c in caches]
+        if len(set(epochs)) != 1 or epochs[0] is None:  # mixed epochs (a restart in between): one at a time
+            return [self._one(x, c) for x, c in zip(xs, caches, strict=True)]
+        kwargs: dict[str, Any] = {"head": True}
+        if xs[0].ndim == 2:
+            kwargs["tokens"] = [int(x[0, 0].item()) for x in xs]
+        else:
+            kwargs["hidden"] = np.concatenate([np.array(x.astype(mx.float32)) for x in xs], axis=0)
+            kwargs["dtype"] = str(xs[0].dtype).removeprefix("mlx.core.")
         try:
-            ran, out, dtype = future.result(ATTACH_WAIT_S + self.step_timeout_s)
+            _, out, dtype = self._submit([c[0].number for c in caches], epochs[0], kwargs)
+        except RequestError as exc:
+            return [exc] * len(xs)
+        rows = [mx.array(out[i:i + 1]) for i in range(len(xs))]
+        return rows if self.last else [r.astype(getattr(mx, dtype, mx.float32)) for r in rows]
+
+    def _one(self, x: mx.array, cache: list) -> mx.array | Exception:
+        try:
+            return self(x, cache)
+        except RequestError as exc:
+            return exc
+
+    def _submit(self, slot: int | list[int], epoch: int | None, kwargs: dict[str, Any]) -> tuple[int, Any, str]:
+        """Send one step to the group and wait for it (the calling thread blocks)."""
+        future = asyncio.run_coroutine_threadsafe(self.group.stage_forward(slot, epoch, **kwargs), self.loop)
+        try:
+            return future.result(ATTACH_WAIT_S + self.step_timeout_s)
         except TPStageLost as exc:
             raise RequestRetry(str(exc)) from None
         except TPGroupError as exc:
@@ -151,12 +202,6 @@ class GroupStage:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise RequestError(f"tensor group of layers [{self.start}, {self.end}) did not answer") from None
-        with self._lock:
-            self._epochs[slot.number] = ran
-        if out is None:
-            return None
-        y = mx.array(out)
-        return y if self.last else y.astype(getattr(mx, dtype, mx.float32))
 
     def settle(self, cache: list) -> None:
         """Nothing to evaluate: the ranks computed the step already."""

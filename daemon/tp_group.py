@@ -462,25 +462,30 @@ class TPGroup:
         req = _Req(id=f"b{next(self._ids)}", kind="bench", prompt=[], extra={"iters": iters, "width": width})
         return float(await self._one(req))
 
-    async def stage_forward(self, slot: int, epoch: int | None, *, tokens: Sequence[int] | None = None,
-                            hidden=None, dtype: str = "float32", head: bool = True) -> tuple[int, Any, str]:
-        """Stage mode: one forward of this group's layer range for one KV-cache slot.
+    async def stage_forward(self, slot: int | Sequence[int], epoch: int | None, *,
+                            tokens: Sequence[int] | None = None, hidden=None, dtype: str = "float32",
+                            head: bool = True) -> tuple[int, Any, str]:
+        """Stage mode: one forward of this group's layer range for one KV-cache slot, or one
+        batched decode step of several.
 
         Args:
-            slot: the request's cache slot (any int the caller keeps unique).
-            epoch: the group epoch the slot's cache was created in, ``None`` to create it
-                now (the first prefill chunk).
-            tokens: token ids (first stage), or
-            hidden: hidden states, float32 numpy ``(1, tokens, hidden_size)``, whose
-                activation dtype is ``dtype`` (float32, float16 or bfloat16).
+            slot: the request's cache slot (any int the caller keeps unique), or a list of
+                ``n`` slots for a batched decode step (one token each; their caches exist).
+            epoch: the group epoch the slot's (slots') cache was created in, ``None`` to
+                create it now (the first prefill chunk of one slot).
+            tokens: token ids (first stage: the chunk's, or one per slot), or
+            hidden: hidden states, float32 numpy ``(1, tokens, hidden_size)`` (``(n, 1,
+                hidden_size)`` for a batch), whose activation dtype is ``dtype`` (float32,
+                float16 or bfloat16).
             head: on the last stage, compute the logits (``False``: a prefill chunk that
                 only fills the cache).
 
         Returns:
             ``(epoch, out, dtype)``: the group epoch that ran it; float32 numpy hidden
             states ``(1, tokens, hidden_size)``, or the last position's logits
-            ``(1, 1, vocab)`` on the last stage (``None`` when ``head`` is false); and the
-            activation dtype the ranks computed in (``"float32"``, ``"bfloat16"``, ...).
+            ``(1, 1, vocab)`` on the last stage (``None`` when ``head`` is false; the
+            first axis is the slot for a batch); and the activation dtype the ranks
+            computed in (``"float32"``, ``"bfloat16"``, ...).
 
         Raises:
             TPStageLost: the group restarted since ``epoch`` (the slot's cache is gone).
@@ -490,7 +495,12 @@ class TPGroup:
 
         if self.layers is None:
             raise TPGroupError("stage_forward needs a group started with layers=(start, end)")
-        extra: dict[str, Any] = {"slot": int(slot), "new": epoch is None, "head": bool(head), "epoch": epoch}
+        if isinstance(slot, int):
+            extra: dict[str, Any] = {"slot": int(slot), "new": epoch is None, "head": bool(head), "epoch": epoch}
+        else:
+            if epoch is None:
+                raise ValueError("a batched step needs the slots' group epoch")
+            extra = {"slots": [int(x) for x in slot], "head": bool(head), "epoch": epoch}
         data = None
         if hidden is not None:
             data = np.ascontiguousarray(hidden, dtype=np.float32).tobytes()

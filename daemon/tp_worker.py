@@ -48,7 +48,10 @@ Control protocol: frames of a 4-byte big-endian length and UTF-8 JSON; a message
 states and logits, float32, C order). Side channel: ``HEADER`` little-endian int32 (op,
 slot, flags, n, token, arg, free), then ``n`` int32 token ids when ``n > 1``, or, with
 ``F_HIDDEN``, ``arg`` bytes of float32 hidden states ``(1, n, hidden_size)`` whose
-activation dtype is ``DTYPE_CODES[token]``.
+activation dtype is ``DTYPE_CODES[token]``. A batched decode step (``OP_BSTEP``, stage
+mode) carries ``n`` slots: ``n`` int32 slot ids, then ``n`` int32 token ids or, with
+``F_HIDDEN``, hidden states ``(n, 1, hidden_size)``; the ranks merge the slots' KV caches
+into mlx-lm's ``BatchKVCache`` for one forward and split them back.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ from typing import Any
 # side-channel header fields (int32, little-endian)
 H_OP, H_SLOT, H_FLAGS, H_N, H_TOK, H_ARG, H_FREE = range(7)
 HEADER = 7
-OP_STEP, OP_FREE, OP_STOP, OP_BENCH = 1, 2, 4, 5
+OP_STEP, OP_FREE, OP_STOP, OP_BENCH, OP_BSTEP = 1, 2, 4, 5, 6
 F_NEW_CACHE, F_HEAD, F_HIDDEN = 1, 2, 4
 #: Activation dtypes of hidden states on the wire (they travel as float32, which holds each exactly).
 DTYPE_CODES = ("float32", "float16", "bfloat16")
@@ -211,13 +214,20 @@ class SideChannel:
         self.leader.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.leader.sendall(struct.pack("<i", self.rank))
 
+    @staticmethod
+    def _ints(header: list[int]) -> int:
+        """How many int32 follow a header (slot ids and/or token ids)."""
+        n, hidden = header[H_N], bool(header[H_FLAGS] & F_HIDDEN)
+        if header[H_OP] == OP_BSTEP:
+            return n if hidden else 2 * n
+        return 0 if hidden or n <= 1 else n
+
     def send(self, header: list[int], tokens: list[int] | None = None, hidden: bytes | None = None) -> None:
-        n = header[H_N]
         data = struct.pack(f"<{HEADER}i", *header)
+        if (k := self._ints(header)) > 0:
+            data += struct.pack(f"<{k}i", *tokens)
         if header[H_FLAGS] & F_HIDDEN:
             data += hidden
-        elif n > 1:
-            data += struct.pack(f"<{n}i", *tokens)
         for p in self.peers:
             p.sendall(data)
 
@@ -228,15 +238,15 @@ class SideChannel:
             return None
         header = list(struct.unpack(f"<{HEADER}i", head))
         tokens = hidden = None
+        if (k := self._ints(header)) > 0:
+            body = recv_exact(self.leader, 4 * k)
+            if body is None:
+                return None
+            tokens = list(struct.unpack(f"<{k}i", body))
         if header[H_FLAGS] & F_HIDDEN:
             hidden = recv_exact(self.leader, header[H_ARG])
             if hidden is None:
                 return None
-        elif header[H_N] > 1:
-            body = recv_exact(self.leader, 4 * header[H_N])
-            if body is None:
-                return None
-            tokens = list(struct.unpack(f"<{header[H_N]}i", body))
         return header, tokens, hidden
 
 
@@ -368,13 +378,46 @@ class Rank:
             self.caches[slot] = make_prompt_cache(self.model)
         cache = self.caches[slot]
         head = self.rank == 0 and bool(flags & F_HEAD)
-        if head or (self.rank == 0 and self.stage_mode and not self.last):
-            out = self.model(x, cache=cache)  # a stage that is not the last has no head: hidden states
-        elif self.inner is not None:
-            out = self.inner(x, cache=cache)
-        else:
-            out = self.model(x, cache=cache)
+        out = self._run(x, cache, head)
         mx.eval(out)
+        return out if self.rank == 0 and (head or self.stage_mode) else None
+
+    def _run(self, x, cache, head: bool):
+        """The model (with its head), the stage's hidden states, or the headless inner model."""
+        if head or (self.rank == 0 and self.stage_mode and not self.last):
+            return self.model(x, cache=cache)  # a stage that is not the last has no head: hidden states
+        if self.inner is not None:
+            return self.inner(x, cache=cache)
+        return self.model(x, cache=cache)
+
+    def step_batch(self, header, ints: list[int], hidden: bytes | None):
+        """One decode step of ``n`` slots as one forward (stage mode): their KV caches are
+        merged into left-padded ``BatchKVCache``s and split back afterwards; caches that are
+        not plain ``KVCache`` (rotating, quantized) run one slot after another instead.
+        Returns rank 0's output ``(n, 1, hidden_size | vocab)`` or None."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        flags, n = int(header[H_FLAGS]), int(header[H_N])
+        slots = ints[:n]
+        if flags & F_HIDDEN:
+            import numpy as np
+
+            x = mx.array(np.frombuffer(hidden, dtype=np.float32).reshape(n, 1, self.hidden_size))
+            x = x.astype(getattr(mx, DTYPE_CODES[int(header[H_TOK])]))
+        else:
+            x = mx.array([[t] for t in ints[n:]], dtype=mx.int32)
+        head = self.rank == 0 and bool(flags & F_HEAD)
+        caches = [self.caches[s] for s in slots]
+        if all(type(c) is KVCache for cache in caches for c in cache):
+            merged = [BatchKVCache.merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
+            out = self._run(x, merged, head)
+            mx.eval(out)
+            for row, s in enumerate(slots):
+                self.caches[s] = [c.extract(row) for c in merged]
+        else:
+            out = mx.concatenate([self._run(x[i:i + 1], caches[i], head) for i in range(n)], axis=0)
+            mx.eval(out)
         return out if self.rank == 0 and (head or self.stage_mode) else None
 
     def bench(self, iters: int, width: int) -> float:
@@ -396,6 +439,8 @@ class Rank:
         op = int(header[H_OP])
         if op == OP_STEP:
             return self.step(header, tokens, hidden)
+        if op == OP_BSTEP:
+            return self.step_batch(header, tokens, hidden)
         if op == OP_FREE:
             self.caches.pop(int(header[H_SLOT]), None)
         elif op == OP_BENCH:
@@ -441,13 +486,26 @@ class Rank:
                 continue
             if t != "stage":
                 continue
-            slot, new, head = int(msg["slot"]), bool(msg.get("new")), bool(msg.get("head"))
-            if not new and slot not in self.caches:
-                self.ctrl.send({"t": "error", "id": msg["id"], "msg": f"no KV cache for slot {slot} in this group"})
+            head = bool(msg.get("head"))
+            slots = [int(x) for x in msg["slots"]] if "slots" in msg else [int(msg["slot"])]
+            new = bool(msg.get("new")) and "slots" not in msg
+            missing = [x for x in slots if x not in self.caches]
+            if missing and not new:
+                self.ctrl.send({"t": "error", "id": msg["id"],
+                                "msg": f"no KV cache for slot {missing[0]} in this group"})
                 continue
+            slot = slots[0]
             flags = (F_NEW_CACHE if new else 0) | (F_HEAD if head and self.last else 0)
             data: bytes | None = msg.get("_data")
-            if data is not None:
+            if "slots" in msg:  # a batched decode step: one token (or hidden state) per slot
+                if data is not None:
+                    header = [OP_BSTEP, 0, flags | F_HIDDEN, len(slots), DTYPE_CODES.index(msg["dtype"]),
+                              len(data), -1]
+                    tokens = slots
+                else:
+                    header = [OP_BSTEP, 0, flags, len(slots), 0, 0, -1]
+                    tokens = slots + [int(x) for x in msg["tokens"]]
+            elif data is not None:
                 n = len(data) // (4 * self.hidden_size)
                 header = [OP_STEP, slot, flags | F_HIDDEN, n, DTYPE_CODES.index(msg["dtype"]), len(data), -1]
                 tokens = None

@@ -5,7 +5,8 @@ backend over loopback, hidden states passed from one group to the next by the te
 - tiny random llama / qwen3 models, two 2-rank groups holding layers [0, 2) and [2, 4): the
   logits of the last position after a prefill and after one decode step equal mlx-lm's
   single-process forward to 1e-4 relative error; a prefill chunk that more chunks follow
-  (``head=False``) returns nothing and fills the cache;
+  (``head=False``) returns nothing and fills the cache; a batched decode step of three
+  requests of different lengths gives each one its own single-process logits;
 - the default model (9 heads: groups of 3), float32: a 3-rank group holding layers [0, 15)
   chained with an ordinary in-process stage [15, 30) decodes the reference greedy ids
   (tests/smollm2_135m_instruct_greedy.json, first 20 tokens);
@@ -91,6 +92,39 @@ def test_two_tiny_groups_chained_match_single_process(tmp_path, arch):
     assert prefill.shape == decode.shape == (1, 1, 160)
     assert rel_error(prefill[0, 0], want_prefill) < 1e-4
     assert rel_error(decode[0, 0], want_decode) < 1e-4
+
+
+def test_a_batched_decode_step_through_two_groups_matches_single_process(tmp_path):
+    """Three requests of different lengths, prefilled one by one, then one decode step for all
+    three as one batched step of each group (their KV caches merged into a left-padded
+    BatchKVCache in every rank): each request's logits equal mlx-lm's single-process forward."""
+    path = make_model("llama", tmp_path / "llama")
+    prompts = [PROMPT, PROMPT[:5], PROMPT[3:12]]
+    nxt = [7, 33, 120]
+    want = [mlx_last_logits(path, [*p, t]) for p, t in zip(prompts, nxt, strict=True)]
+    before = worker_pids()
+
+    async def go():
+        env = rank_env(4)
+        a = TPGroup.local(str(path), 2, extra_env=env, layers=(0, 2))
+        b = TPGroup.local(str(path), 2, extra_env=env, layers=(2, 4))
+        try:
+            await asyncio.gather(a.start(), b.start())
+            for slot, p in enumerate(prompts):
+                ea, h, _ = await a.stage_forward(slot, None, tokens=p)
+                eb, _, _ = await b.stage_forward(slot, None, hidden=h)
+            _, h, _ = await a.stage_forward([0, 1, 2], ea, tokens=nxt)
+            assert h.shape == (3, 1, 64)
+            _, logits, _ = await b.stage_forward([0, 1, 2], eb, hidden=h)
+            return logits
+        finally:
+            await asyncio.gather(a.close(), b.close())
+            assert await wait_no_ranks(before) == []
+
+    logits = asyncio.run(asyncio.wait_for(go(), 200))
+    assert logits.shape == (3, 1, 160)
+    for row, w in enumerate(want):
+        assert rel_error(logits[row, 0], w) < 1e-4, row
 
 
 def test_default_model_group_as_first_stage_decodes_the_reference(reference, default_location):

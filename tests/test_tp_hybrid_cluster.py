@@ -6,6 +6,8 @@ member's own daemon (MLX's ring backend over loopback) and a tiny random llama m
 - 4 daemons, float32: the committed plan is hybrid, 2 groups of 2 over ring, layers [0, 2)
   and [2, 4); the plan's stages are the groups' leaders; greedy completions through a node
   that leads no group equal mlx-lm's single-process greedy ids (the independent reference);
+- 4 concurrent requests: each group batches their decode steps, and every request gets its
+  own prompt's reference ids;
 - kill -9 a rank process (its daemon lives): its group restarts on the same members, the
   request resumes on the same plan (its KV caches were lost) with the same ids;
 - kill -9 a member's daemon mid-stream: 3 members cannot make equal groups, the cluster
@@ -130,6 +132,38 @@ def test_four_daemons_serve_two_tensor_groups_as_pipeline_stages(quad):
     assert choice["token_ids"] == want
     got = stream(c.api_urls[ids[groups[0][1]]])
     assert (got.ids, got.finish, got.error) == (want, "length", None)
+
+
+def test_concurrent_requests_are_batched_in_the_groups_and_each_equals_its_reference(quad):
+    """4 requests at once through a node that leads nothing: the groups' leaders batch their
+    decode steps (one batched step per group, the ranks merging the KV caches), and every
+    request gets mlx-lm's single-process greedy ids for its own prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c, path = quad
+    view = c.cluster_info(0)
+    groups = view["tp"]["groups"]
+    ids = {c.cluster_info(i)["node_id"]: i for i in range(4)}
+    leaders = [ids[g[0]] for g in groups]
+    wait_groups_ready(c, leaders)
+    before = [c.cluster_info(i)["batching"]["histogram"] for i in leaders]
+    prompts = [PROMPT, "Once upon a time", "The cat sat on", "abc def ghi"]  # top-2 margins >= 3.4e-3
+
+    def one(prompt: str) -> dict:
+        r = httpx.post(f"{c.api_urls[ids[groups[1][1]]]}/v1/completions", timeout=300, json={
+            "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        choices = list(pool.map(one, prompts))
+    for choice in choices:
+        want, margin = mlx_greedy(path, choice["prompt_token_ids"], TOKENS)
+        assert margin > 1e-3 and choice["token_ids"] == want
+    for i, old in zip(leaders, before, strict=True):
+        new = c.cluster_info(i)["batching"]["histogram"]
+        batched = sum(v - old.get(k, 0) for k, v in new.items() if int(k) > 1)
+        assert batched > 0, (i, old, new)  # decode steps of several requests ran as one
 
 
 def kill_after(n: int, kill) -> tuple[threading.Event, callable]:
