@@ -17,7 +17,9 @@ stage of a pipeline, on the same layers, in the same run, alternating round by r
 
 Per side: the median seconds of one decode step (1 token, after a 16-token prefill) and of
 one 64-token prefill chunk, stage input -> stage output, float32 (the default model,
-SmolLM2-135M, first half of its 30 layers).
+SmolLM2-135M, first half of its 30 layers). Also, on the 1-rank group: 4 requests' decode
+steps as one batched step (``stage_forward([4 slots])``, KV caches merged into a
+``BatchKVCache`` in the rank) against the same 4 steps one by one.
 
 Usage: .venv/bin/python bench/bench_hybrid.py   (writes bench/results_hybrid.json; ``main() -> dict``)
 """
@@ -38,6 +40,7 @@ LAYERS = (0, 15)
 STEPS = 40
 ROUNDS = 5
 CHUNK = 64
+BATCH = 4
 OUT = Path(__file__).with_name("results_hybrid.json")
 
 
@@ -82,10 +85,30 @@ def main() -> dict:
         group.free_slot(slot + 1, e2)
         return steps, took
 
+    async def batch_round(group: TPGroup, base: int) -> tuple[float, float]:
+        """Seconds per round of 4 decode steps: batched, then one by one (same caches' lengths)."""
+        slots = [base + i for i in range(BATCH)]
+        epoch = None
+        for i, slot in enumerate(slots):  # prompts of different lengths: the batch is left-padded
+            epoch, _, _ = await group.stage_forward(slot, None, tokens=prompt[: 8 + 2 * i])
+        batched, single = [], []
+        for t in range(STEPS // 4):
+            t0 = time.perf_counter()
+            await group.stage_forward(slots, epoch, tokens=[400 + t] * BATCH)
+            batched.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for slot in slots:
+                await group.stage_forward(slot, epoch, tokens=[500 + t])
+            single.append(time.perf_counter() - t0)
+        for slot in slots:
+            group.free_slot(slot, epoch)
+        return statistics.median(batched[1:]), statistics.median(single[1:])
+
     async def run() -> dict:
         g1 = TPGroup.local(None, 1, dtype="float32", layers=LAYERS, mode=None)
         g3 = TPGroup.local(None, 3, dtype="float32", layers=LAYERS, extra_env=rank_env(3), step_timeout=60)
         names = ("inproc", "group1", "group3")
+        batch: dict[str, list[float]] = {"batched": [], "single": []}
         sides: dict[str, dict[str, list[float]]] = {k: {"step": [], "chunk": []} for k in names}
         try:
             await asyncio.gather(g1.start(), g3.start())
@@ -99,11 +122,15 @@ def main() -> dict:
                         steps, took = await group_round(g1 if name == "group1" else g3, slot)
                     sides[name]["step"] += steps[2:]  # the first steps warm up
                     sides[name]["chunk"].append(took)
+                slot += 10
+                b, one = await batch_round(g1, slot)
+                batch["batched"].append(b)
+                batch["single"].append(one)
         finally:
             await asyncio.gather(g1.close(), g3.close())
-        return sides
+        return sides, batch
 
-    sides = asyncio.run(run())
+    sides, batch = asyncio.run(run())
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in sides.items()}
     result = {
         "layers": list(LAYERS),
@@ -114,6 +141,9 @@ def main() -> dict:
         "group1_over_inproc_chunk": med["group1"]["chunk"] / med["inproc"]["chunk"],
         "group3_over_inproc_decode": med["group3"]["step"] / med["inproc"]["step"],
         "group3_over_inproc_chunk": med["group3"]["chunk"] / med["inproc"]["chunk"],
+        "group1_batch4_step_s": statistics.median(batch["batched"]),
+        "group1_4_single_steps_s": statistics.median(batch["single"]),
+        "group1_batch4_over_4_single": statistics.median(batch["batched"]) / statistics.median(batch["single"]),
         "note": "2-core box: group3 runs 3 ranks on 2 cores; compare ratios, not absolute times",
         "hidden_float32_bytes_per_decode_step": int(np.float32(0).nbytes * stage.hidden_size),
     }
@@ -125,6 +155,8 @@ def main() -> dict:
           f"(+{result['group1_added_ms_decode']:.2f} ms), chunk {result['group1_over_inproc_chunk']:.2f}x; "
           f"group3/inproc: decode {result['group3_over_inproc_decode']:.2f}x, "
           f"chunk {result['group3_over_inproc_chunk']:.2f}x")
+    print(f"  group1: 4 decode steps batched {result['group1_batch4_step_s'] * 1e3:.1f} ms vs one by one "
+          f"{result['group1_4_single_steps_s'] * 1e3:.1f} ms ({result['group1_batch4_over_4_single']:.2f}x)")
     return result
 
 
