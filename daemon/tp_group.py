@@ -25,6 +25,13 @@ The leader (rank 0's member) is this node: losing its rank process restarts the
 group on the same members (up to ``max_restarts`` times in a row, then one
 process).
 
+Stage mode (``layers=(start, end)``, a hybrid plan's group): the ranks hold only that
+layer range and :meth:`TPGroup.stage_forward` runs one forward of it -- token ids or
+hidden states in, hidden states or the last position's logits out -- for a KV-cache
+slot the caller names (or one batched decode step of several slots). The caller
+(:mod:`ringlet.daemon.group_stage`) keeps sampling and the ring; a restart loses the
+slots' caches, which :class:`TPStageLost` reports.
+
 Public API (asyncio)::
 
     group = TPGroup.local(model, ranks=3, dtype="float32")   # or TPGroup(model, members, links, ...)
