@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from .engine import RequestError, RequestRetry
+from .stage import StageRange
 from .tp_group import TPGroup, TPGroupError, TPStageLost
 
 #: Seconds a step waits for its group to be attached (it starts at commit, ranks load first).
@@ -51,7 +52,7 @@ class _Slot:
         self.number = number
 
 
-class GroupStage:
+class GroupStage(StageRange):
     """The layer range ``[start, end)`` of a model, computed by a tensor group.
 
     Args:
@@ -77,18 +78,6 @@ class GroupStage:
         self._numbers = itertools.count(1)
         self._epochs: dict[int, int] = {}  # slot -> the group epoch holding its cache
         self._lock = threading.Lock()
-
-    @property
-    def first(self) -> bool:
-        return self.start == 0
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
 
     def attach(self, group: TPGroup | None) -> None:
         """Run on ``group`` from now on (``None``: the group is gone; steps fail)."""

@@ -116,8 +116,33 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     return first, last
 
 
+class StageRange:
+    """What a stage's layer range says about it; needs ``start``, ``end`` (the half-open
+    range ``[start, end)``), ``num_layers`` and ``config`` (mlx-lm ``config.json`` form)."""
+
+    start: int
+    end: int
+    num_layers: int
+    config: dict
+
+    @property
+    def first(self) -> bool:
+        """It embeds token ids (holds layer 0)."""
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        """It ends with the output head (holds the last layer)."""
+        return self.end == self.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden states it takes and gives."""
+        return int(self.config["hidden_size"])
+
+
 @dataclass
-class Stage:
+class Stage(StageRange):
     """A loaded stage: a pruned model that maps its input to its output.
 
     Attributes:
@@ -134,18 +159,6 @@ class Stage:
     num_layers: int
     config: dict
     reused_prefixes: frozenset[str] = frozenset()
-
-    @property
-    def first(self) -> bool:
-        return self.start == 0
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
 
     def make_cache(self) -> list:
         """A fresh per-request KV cache: one entry per layer of this stage."""

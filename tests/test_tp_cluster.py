@@ -68,6 +68,14 @@ def running(pids: set[int]) -> set[int]:
     return left
 
 
+def stop_and_check(c: LocalCluster) -> None:
+    """Stop every daemon of ``c`` and assert that no rank process they started is left."""
+    pids = [p.pid for p in c.procs]
+    c.stop()
+    left = rank_workers(pids)
+    assert not left, f"rank processes left after the daemons stopped: {left}"
+
+
 def wait_group_ready(c: LocalCluster, leader: int, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -114,10 +122,7 @@ def trio():
         ranks = info["tp"]["ranks"]
         yield c, ids[ranks[0]], ranks, ids
     finally:
-        pids = [p.pid for p in c.procs]
-        c.stop()
-        left = rank_workers(pids)
-        assert not left, f"rank processes left after the daemons stopped: {left}"
+        stop_and_check(c)
 
 
 def test_three_daemons_serve_tensor_parallel_through_any_node(trio):

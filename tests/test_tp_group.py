@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tp_support import alive, make_model, rank_env, worker_pids
+from tp_support import alive, make_model, mlx_greedy, rank_env, worker_pids
 
 from ringlet.daemon.tp_config import TPRefused
 from ringlet.daemon.tp_group import TPGroup
@@ -190,24 +190,6 @@ def mlx_forward(path: Path, ids: list[int]) -> np.ndarray:
     model, _ = load_model(path)
     out = model(mx.array([ids]))
     return np.array(out[0].astype(mx.float32))
-
-
-def mlx_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], float]:
-    """Single-process greedy ids with mlx-lm and the smallest top-1/top-2 logit margin seen."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(path)
-    cache = make_prompt_cache(model)
-    x, out, margin = mx.array([prompt]), [], float("inf")
-    for _ in range(n):
-        logits = np.array(model(x, cache=cache)[0, -1])
-        top = np.sort(logits)[-2:]
-        margin = min(margin, float(top[1] - top[0]))
-        out.append(int(np.argmax(logits)))
-        x = mx.array([[out[-1]]])
-    return out, margin
 
 
 PROMPT = [1, 40, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]

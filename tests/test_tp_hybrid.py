@@ -18,6 +18,7 @@ backend over loopback, hidden states passed from one group to the next by the te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -56,19 +57,29 @@ async def wait_no_ranks(before: list[int], timeout: float = 10.0) -> list[int]:
     return sorted(set(worker_pids()) - set(before))
 
 
+@contextlib.asynccontextmanager
+async def two_groups(path):
+    """Two 2-rank groups of a tiny model: layers [0, 2) and [2, 4); no rank left after."""
+    before = worker_pids()
+    env = rank_env(4)
+    a = TPGroup.local(str(path), 2, extra_env=env, layers=(0, 2))
+    b = TPGroup.local(str(path), 2, extra_env=env, layers=(2, 4))
+    try:
+        await asyncio.gather(a.start(), b.start())
+        yield a, b
+    finally:
+        await asyncio.gather(a.close(), b.close())
+        assert await wait_no_ranks(before) == []
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_two_tiny_groups_chained_match_single_process(tmp_path, arch):
     path = make_model(arch, tmp_path / arch)
     want_prefill = mlx_last_logits(path, PROMPT)
     want_decode = mlx_last_logits(path, [*PROMPT, 7])
-    before = worker_pids()
 
     async def go():
-        env = rank_env(4)
-        a = TPGroup.local(str(path), 2, extra_env=env, layers=(0, 2))
-        b = TPGroup.local(str(path), 2, extra_env=env, layers=(2, 4))
-        try:
-            await asyncio.gather(a.start(), b.start())
+        async with two_groups(path) as (a, b):
             assert (a.info()["mode"], a.info()["size"], a.info()["layers"]) == ("tensor", 2, [0, 2])
             ea, h, _ = await a.stage_forward(1, None, tokens=PROMPT[:9])
             assert h.shape == (1, 9, 64)
@@ -84,9 +95,6 @@ def test_two_tiny_groups_chained_match_single_process(tmp_path, arch):
                 await a.stage_forward(1, ea, tokens=[7])
             assert dt == "float32"
             return prefill, decode
-        finally:
-            await asyncio.gather(a.close(), b.close())
-            assert await wait_no_ranks(before) == []
 
     prefill, decode = asyncio.run(asyncio.wait_for(go(), 200))
     assert prefill.shape == decode.shape == (1, 1, 160)
@@ -102,14 +110,9 @@ def test_a_batched_decode_step_through_two_groups_matches_single_process(tmp_pat
     prompts = [PROMPT, PROMPT[:5], PROMPT[3:12]]
     nxt = [7, 33, 120]
     want = [mlx_last_logits(path, [*p, t]) for p, t in zip(prompts, nxt, strict=True)]
-    before = worker_pids()
 
     async def go():
-        env = rank_env(4)
-        a = TPGroup.local(str(path), 2, extra_env=env, layers=(0, 2))
-        b = TPGroup.local(str(path), 2, extra_env=env, layers=(2, 4))
-        try:
-            await asyncio.gather(a.start(), b.start())
+        async with two_groups(path) as (a, b):
             for slot, p in enumerate(prompts):
                 ea, h, _ = await a.stage_forward(slot, None, tokens=p)
                 eb, _, _ = await b.stage_forward(slot, None, hidden=h)
@@ -117,9 +120,6 @@ def test_a_batched_decode_step_through_two_groups_matches_single_process(tmp_pat
             assert h.shape == (3, 1, 64)
             _, logits, _ = await b.stage_forward([0, 1, 2], eb, hidden=h)
             return logits
-        finally:
-            await asyncio.gather(a.close(), b.close())
-            assert await wait_no_ranks(before) == []
 
     logits = asyncio.run(asyncio.wait_for(go(), 200))
     assert logits.shape == (3, 1, 160)

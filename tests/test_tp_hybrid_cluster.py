@@ -34,8 +34,8 @@ import httpx
 import pytest
 from conftest import REFERENCE, ringlet
 from streaming import Streamed, read_events
-from test_tp_cluster import rank_workers, running, tp_env
-from tp_support import make_model
+from test_tp_cluster import rank_workers, running, stop_and_check, tp_env
+from tp_support import make_model, mlx_greedy
 
 from ringlet.daemon.demo import LocalCluster
 
@@ -43,25 +43,6 @@ pytestmark = pytest.mark.timeout(400)
 
 PROMPT = "Hello, world! The sky is"
 TOKENS = 24
-
-
-def mlx_greedy(path, prompt: list[int], n: int) -> tuple[list[int], float]:
-    """mlx-lm's single-process greedy ids and the smallest top-1/top-2 logit margin seen."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(path)
-    cache = make_prompt_cache(model)
-    x, out, margin = mx.array([prompt]), [], float("inf")
-    for _ in range(n):
-        logits = np.array(model(x, cache=cache)[0, -1])
-        top = np.sort(logits)[-2:]
-        margin = min(margin, float(top[1] - top[0]))
-        out.append(int(np.argmax(logits)))
-        x = mx.array([[out[-1]]])
-    return out, margin
 
 
 def stream(url: str, on_token=None) -> Streamed:
@@ -91,10 +72,7 @@ def quad(tmp_path_factory):
     try:
         yield c, path
     finally:
-        pids = [p.pid for p in c.procs]
-        c.stop()
-        left = rank_workers(pids)
-        assert not left, f"rank processes left after the daemons stopped: {left}"
+        stop_and_check(c)
 
 
 def test_four_daemons_serve_two_tensor_groups_as_pipeline_stages(quad):
@@ -252,9 +230,7 @@ def test_a_later_stage_group_that_keeps_crashing_gives_way_to_the_pipeline(tmp_p
         got = stream(c.api_urls[member])
         assert (got.ids, got.finish, got.error) == (want, "length", None)
     finally:
-        pids = [p.pid for p in c.procs]
-        c.stop()
-        assert not rank_workers(pids)
+        stop_and_check(c)
 
 
 def test_the_default_model_in_two_groups_of_three_equals_the_reference():
@@ -280,6 +256,4 @@ def test_the_default_model_in_two_groups_of_three_equals_the_reference():
         assert lines[1].startswith("mode hybrid · backend ring · groups [0,15) 0 ") and " | [15,30) 0 " in lines[1]
         assert lines[1].endswith(" · group ready")
     finally:
-        pids = [p.pid for p in c.procs]
-        c.stop()
-        assert not rank_workers(pids)
+        stop_and_check(c)

@@ -85,6 +85,27 @@ def make_model(arch: str, directory: Path, seed: int = 0) -> Path:
     return tiny_models.make_tiny_model(arch, directory, seed=seed)
 
 
+def mlx_greedy(path: Path, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Single-process greedy ids with mlx-lm (the independent reference for tiny models) and
+    the smallest top-1/top-2 logit margin seen (a near-tie could flip under another order of
+    float32 sums)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    cache = make_prompt_cache(model)
+    x, out, margin = mx.array([prompt]), [], float("inf")
+    for _ in range(n):
+        logits = np.array(model(x, cache=cache)[0, -1])
+        top = np.sort(logits)[-2:]
+        margin = min(margin, float(top[1] - top[0]))
+        out.append(int(np.argmax(logits)))
+        x = mx.array([[out[-1]]])
+    return out, margin
+
+
 def poll_shim() -> str | None:
     """Path of the compiled shim (cached by source hash), or ``None`` off Linux / without cc."""
     if not sys.platform.startswith("linux"):
