@@ -225,7 +225,11 @@ def decide_mode(
         return {**_pipeline(requested, decision.reason), "predicted_s_per_token": dict(decision.predicted)}
     out = {**decision.to_dict(), "requested": requested}
     if decision.mode == "hybrid":
-        out["layer_ranges"] = [list(r) for r in hybrid_layer_ranges(spec.num_layers, len(decision.groups))]
+        try:
+            out["layer_ranges"] = [list(r) for r in hybrid_layer_ranges(spec.num_layers, len(decision.groups))]
+        except ValueError as exc:  # more groups than layers
+            why = f"hybrid mode refused: {exc}"
+            return _pipeline(requested, f"{why}; serving the pipeline", refused=why)
     if decision.mode in GROUP_MODES and requested == "auto":
         shared = [f"{x.a[:8]}-{x.b[:8]}" for x in links if x.kind == "loopback"]
         if shared:

@@ -113,6 +113,11 @@ def test_auto_picks_hybrid_across_four_machines_for_a_model_that_needs_it():
     kept = decide_mode("auto", ids, records(ids), local, HYB, "a")
     assert kept["mode"] == "pipeline" and kept["reason"].endswith("--mode hybrid forces it")
     assert decide_mode("hybrid", ids, records(ids), local, HYB, "a")["groups"] == [["a", "b"], ["c", "d"]]
+    # 5 groups of 2 for a 4-layer model: more groups than layers
+    tiny = TPModelSpec(num_heads=4, num_kv_heads=2, num_layers=4, total_bytes=10**6, hidden_size=64, name="tiny")
+    ten = [f"n{k}" for k in range(10)]
+    many = decide_mode("hybrid", ten, records(ten), {i: f"10.0.1.{k}:7100" for k, i in enumerate(ten)}, tiny, "n0")
+    assert (many["mode"], many["refused"]) == ("pipeline", "hybrid mode refused: cannot split 4 layers into 5 groups")
     # three members cannot make equal groups
     three = decide_mode("hybrid", ids[:3], records(ids[:3]), local, HYB, "a")
     assert (three["mode"], three["refused"]) == ("pipeline", (
