@@ -179,8 +179,17 @@ class Negotiator:
                                tp_json=json.dumps(mode, sort_keys=True) if mode else "")
         self.state = f"proposing epoch {epoch}"
         members = [self.membership.members[i] for i in ids if i != self.node.node_id]
-        log.info("proposing epoch %d to %d member(s): %s%s", epoch, len(members) + 1,
-                 "infeasible" if plan is None else plan.ranges, f"; {mode['reason']}" if mode else "")
+        if plan is None:
+            layout = "infeasible"
+        elif mode and mode.get("mode") == "hybrid":
+            layout = ", ".join(f"{'+'.join(g)} [{a}, {b})" for g, (a, b) in zip(mode["groups"], mode["layer_ranges"],
+                                                                                strict=True))
+        elif mode and mode.get("mode") == "tensor":
+            layout = f"every layer on ranks {', '.join(mode['ranks'])}"
+        else:
+            layout = str(plan.ranges)
+        log.info("proposing epoch %d to %d member(s): %s%s", epoch, len(members) + 1, layout,
+                 f"; {mode['reason']}" if mode else "")
 
         async def ask(member) -> pb.Vote:
             try:
