@@ -37,7 +37,7 @@ from . import codec
 from .rpc import ringlet_pb2 as pb
 from .sampling import RequestSampler, SamplingParams
 from .serving_defaults import DEFAULT_MAX_BATCH
-from .stage import Stage
+from .stage import Stage, forward_merged, mergeable, token_id_error
 
 if TYPE_CHECKING:
     from .group_stage import GroupStage
@@ -306,10 +306,8 @@ class StageEngine:
 
     def _input(self, payload: list[int] | pb.Tensor) -> mx.array:
         if isinstance(payload, list):
-            vocab = self.stage.config.get("vocab_size") if self.stage.first else None
-            if vocab and (bad := next((t for t in payload if not 0 <= t < vocab), None)) is not None:
-                # an id past the embedding table would read outside it (MLX does not check)
-                raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            if self.stage.first and (error := token_id_error(payload, self.stage.config.get("vocab_size"))):
+                raise RequestError(error)
             return mx.array([payload], dtype=mx.int32)
         x = codec.decode(payload, max_bytes=self.max_tensor_bytes, require_finite=True)
         if (error := self.shape_error(tuple(x.shape))) is not None:
@@ -347,7 +345,7 @@ class StageEngine:
                 ready.append((i, self._state(work.request_id, work.step, work.offset, work.sampling), x))
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 results[i] = exc
-        if len(ready) > 1 and all(_batchable(state.cache) for _, state, _ in ready):
+        if len(ready) > 1 and mergeable([state.cache for _, state, _ in ready]):
             self._forward_batched(ready, results)
         elif len(ready) > 1 and hasattr(self.stage, "forward_many"):  # a tensor group batches in its ranks
             outs = self.stage.forward_many([x for _, _, x in ready], [state.cache for _, state, _ in ready])
@@ -371,20 +369,12 @@ class StageEngine:
         return results
 
     def _forward_batched(self, ready: list[tuple[int, _RequestState, mx.array]], results: list[Any]) -> None:
-        """One forward for several one-token steps: the requests' KV caches are merged
-        into left-padded ``BatchKVCache``s (mlx-lm's batching machinery), run, and
-        split back into each request's own cache."""
-        from mlx_lm.models.cache import BatchKVCache
-
+        """One forward for several one-token steps, their KV caches merged
+        (:func:`ringlet.daemon.stage.forward_merged`)."""
         x = mx.concatenate([x for _, _, x in ready], axis=0)
-        layers = len(ready[0][1].cache)
-        merged = [BatchKVCache.merge([state.cache[layer] for _, state, _ in ready]) for layer in range(layers)]
-        out = self.stage(x, merged)
-        mx.eval(out)
+        out = forward_merged(self.stage, x, [state.cache for _, state, _ in ready])
         for row, (i, state, _) in enumerate(ready):
-            state.cache = [c.extract(row) for c in merged]
-            state.offset += 1
-            results[i] = state.sampler(out[row, -1]) if self.stage.last else codec.encode(out[row:row + 1])
+            results[i] = self._finish_one(state, out[row:row + 1], 1, False)
 
     def _release_many(self, request_ids: list[str]) -> list[bool]:
         return [self.release(rid) for rid in request_ids]
@@ -414,14 +404,6 @@ class StageEngine:
             self._dispatcher.cancel()
         self._requests.clear()
         self.executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _batchable(cache: list) -> bool:
-    """Whether a request's cache can join a batched forward: plain ``KVCache`` per
-    layer (rotating, quantized or state-space caches run one request at a time)."""
-    from mlx_lm.models.cache import KVCache
-
-    return bool(cache) and all(type(c) is KVCache for c in cache)
 
 
 def _resolve(future: asyncio.Future, result: Any) -> None:

@@ -46,7 +46,7 @@ from .rpc import ringlet_pb2_grpc as pb_grpc
 from .sampling import SamplingParams
 from .serving_defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from .sources import ModelLocation
-from .stage import Stage, load_stage
+from .stage import Stage, load_stage, token_id_error
 from .static_plan import StageSpec
 from .transport import TransportConfig, make_channel, make_server
 
@@ -461,9 +461,8 @@ class Node:
         prompt that fills the context, or a negative ``max_tokens``."""
         if not prompt:
             return "the prompt is empty"
-        vocab = self.config.vocab_size
-        if vocab and (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
-            return f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+        if (error := token_id_error(prompt, self.config.vocab_size)) is not None:
+            return f"prompt {error}"
         context = self.config.context_tokens
         if context and len(prompt) >= context:
             return f"the prompt has {len(prompt)} tokens; the model's context is {context}"

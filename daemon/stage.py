@@ -116,6 +116,39 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     return first, last
 
 
+def token_id_error(ids: list[int], vocab_size: int | None) -> str | None:
+    """Why ``ids`` cannot be embedded (``None`` = they can): an id outside
+    ``[0, vocab_size)`` would index past the embedding table, which MLX does not check
+    (the process would read outside it and crash). ``vocab_size=None``: not checked."""
+    if vocab_size and (bad := next((t for t in ids if not 0 <= t < vocab_size), None)) is not None:
+        return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def mergeable(caches: list[list]) -> bool:
+    """Whether these requests' caches can join one batched forward: every layer a plain
+    ``KVCache`` (rotating, quantized or state-space caches run one request at a time)."""
+    from mlx_lm.models.cache import KVCache
+
+    return all(cache and all(type(c) is KVCache for c in cache) for cache in caches)
+
+
+def forward_merged(forward: Callable[[mx.array, list], mx.array], x: mx.array, caches: list[list]) -> mx.array:
+    """One forward of several requests' one-token steps (mlx-lm's batching machinery):
+    their caches (of different lengths, :func:`mergeable`) are merged layer by layer into
+    left-padded ``BatchKVCache``s, ``forward(x, merged)`` runs on ``x`` ``(n, 1, ...)``,
+    and each request's cache list is replaced, in place, by its row split back out.
+    Returns the evaluated output ``(n, 1, ...)``."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    merged = [BatchKVCache.merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
+    out = forward(x, merged)
+    mx.eval(out)
+    for row, cache in enumerate(caches):
+        cache[:] = [c.extract(row) for c in merged]
+    return out
+
+
 class StageRange:
     """What a stage's layer range says about it; needs ``start``, ``end`` (the half-open
     range ``[start, end)``), ``num_layers`` and ``config`` (mlx-lm ``config.json`` form)."""

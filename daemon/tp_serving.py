@@ -552,10 +552,6 @@ class TPServing:
             return _pipeline(self.requested, f"{why}; serving the pipeline", refused=why)
         return out
 
-    @staticmethod
-    def is_tensor(plan: ServingPlan | None) -> bool:
-        return plan is not None and bool(plan.tp) and plan.tp.get("mode") == "tensor"
-
     def group_stage(self, plan: ServingPlan, index: int) -> GroupStage:
         """The engine's stage for stage ``index`` of a hybrid ``plan`` (this node leads
         that stage's group); its group is attached when the plan is committed."""

@@ -368,10 +368,7 @@ class Rank:
 
         slot, flags, n = int(header[H_SLOT]), int(header[H_FLAGS]), int(header[H_N])
         if flags & F_HIDDEN:
-            import numpy as np
-
-            x = mx.array(np.frombuffer(hidden, dtype=np.float32).reshape(1, n, self.hidden_size))
-            x = x.astype(getattr(mx, DTYPE_CODES[int(header[H_TOK])]))
+            x = self._hidden(hidden, (1, n), header)
         else:
             x = mx.array([[int(header[H_TOK])]] if n == 1 else [tokens], dtype=mx.int32)
         if flags & F_NEW_CACHE:
@@ -381,6 +378,15 @@ class Rank:
         out = self._run(x, cache, head)
         mx.eval(out)
         return out if self.rank == 0 and (head or self.stage_mode) else None
+
+    def _hidden(self, data: bytes, lead: tuple[int, int], header):
+        """Hidden states ``lead + (hidden_size,)`` from their float32 wire bytes, in the
+        activation dtype the header names (``DTYPE_CODES[header[H_TOK]]``)."""
+        import mlx.core as mx
+        import numpy as np
+
+        x = mx.array(np.frombuffer(data, dtype=np.float32).reshape(*lead, self.hidden_size))
+        return x.astype(getattr(mx, DTYPE_CODES[int(header[H_TOK])]))
 
     def _run(self, x, cache, head: bool):
         """The model (with its head), the stage's hidden states, or the headless inner model."""
@@ -396,25 +402,17 @@ class Rank:
         not plain ``KVCache`` (rotating, quantized) run one slot after another instead.
         Returns rank 0's output ``(n, 1, hidden_size | vocab)`` or None."""
         import mlx.core as mx
-        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        from .stage import forward_merged, mergeable
 
         flags, n = int(header[H_FLAGS]), int(header[H_N])
         slots = ints[:n]
-        if flags & F_HIDDEN:
-            import numpy as np
-
-            x = mx.array(np.frombuffer(hidden, dtype=np.float32).reshape(n, 1, self.hidden_size))
-            x = x.astype(getattr(mx, DTYPE_CODES[int(header[H_TOK])]))
-        else:
-            x = mx.array([[t] for t in ints[n:]], dtype=mx.int32)
+        x = self._hidden(hidden, (n, 1), header) if flags & F_HIDDEN else mx.array([[t] for t in ints[n:]],
+                                                                                   dtype=mx.int32)
         head = self.rank == 0 and bool(flags & F_HEAD)
         caches = [self.caches[s] for s in slots]
-        if all(type(c) is KVCache for cache in caches for c in cache):
-            merged = [BatchKVCache.merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
-            out = self._run(x, merged, head)
-            mx.eval(out)
-            for row, s in enumerate(slots):
-                self.caches[s] = [c.extract(row) for c in merged]
+        if mergeable(caches):
+            out = forward_merged(lambda y, merged: self._run(y, merged, head), x, caches)
         else:
             out = mx.concatenate([self._run(x[i:i + 1], caches[i], head) for i in range(n)], axis=0)
             mx.eval(out)
