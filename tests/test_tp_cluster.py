@@ -26,7 +26,7 @@ import psutil
 import pytest
 from conftest import REFERENCE
 from streaming import Streamed, completion_body, read_events
-from tp_support import poll_shim
+from tp_support import alive, poll_shim, wait_dead
 
 from ringlet.daemon.demo import LocalCluster
 from ringlet.daemon.rpc import ringlet_pb2 as pb
@@ -57,23 +57,22 @@ def rank_workers(pids: list[int]) -> set[int]:
     return found
 
 
-def running(pids: set[int]) -> set[int]:
-    left = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.add(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
 def stop_and_check(c: LocalCluster) -> None:
     """Stop every daemon of ``c`` and assert that no rank process they started is left."""
     pids = [p.pid for p in c.procs]
     c.stop()
     left = rank_workers(pids)
     assert not left, f"rank processes left after the daemons stopped: {left}"
+
+
+def restart_the_dead(c: LocalCluster) -> dict:
+    """Start again every daemon of ``c`` that is not running and wait for the plan they make
+    (a newer epoch, with all three in it); returns it."""
+    for i in range(len(c.procs)):
+        if c.procs[i].poll() is not None:
+            c.restart(i)
+    epoch = max(c.cluster_info(i)["epoch"] for i in c.alive())
+    return c.wait_plan(stages=3, min_epoch=epoch + 1, timeout_s=60)
 
 
 def wait_group_ready(c: LocalCluster, leader: int, timeout_s: float = 120) -> dict:
@@ -200,7 +199,7 @@ def test_a_crashed_rank_process_restarts_the_group_on_the_same_members(trio):
     assert after["epoch"] > group["epoch"] and after["ranks"] == ranks and after["restarts"] >= 1
     assert all(c.cluster_info(i)["epoch"] == epoch for i in range(3))  # no re-plan
     new = rank_workers([p.pid for p in c.procs])
-    assert len(new) == 3 and not running(old)
+    assert len(new) == 3 and not any(alive(p) for p in old)
 
 
 def test_kill_a_rank_daemon_mid_stream_resumes_on_the_pipeline(trio):
@@ -220,10 +219,8 @@ def test_kill_a_rank_daemon_mid_stream_resumes_on_the_pipeline(trio):
         "group sizes that work: 3")
     resumed = [e for e in c.cluster_info(api)["events"] if e["kind"] == "resume"]
     assert resumed, "the request was not resumed"
-    deadline = time.monotonic() + 15
-    while running(workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not running(workers), f"rank processes left: {running(workers)}"
+    left = wait_dead(workers, 15)
+    assert not left, f"rank processes left: {left}"
     assert not rank_workers([c.procs[i].pid for i in survivors])
 
 
@@ -249,11 +246,7 @@ def test_a_rejoin_forms_a_new_group_and_losing_rank_0_resumes(trio):
     """The killed daemon comes back: the cluster returns to tensor mode with a new group; then rank 0's
     daemon itself dies mid-stream and the request finishes on the survivors' pipeline."""
     c, _, ranks, ids = trio
-    for i in range(3):
-        if c.procs[i].poll() is not None:
-            c.restart(i)
-    epoch = max(c.cluster_info(i)["epoch"] for i in c.alive())
-    info = c.wait_plan(stages=3, min_epoch=epoch + 1, timeout_s=60)
+    info = restart_the_dead(c)
     assert (info["mode"], info["tp"]["backend"], info["tp"]["ranks"]) == ("tensor", "ring", ranks)
     leader, api = ids[ranks[0]], ids[ranks[2]]
     wait_group_ready(c, leader)
@@ -262,10 +255,8 @@ def test_a_rejoin_forms_a_new_group_and_losing_rank_0_resumes(trio):
     assert_stream_survives(c.api_urls[api], lambda: c.kill(leader))
     after = c.wait_plan(stages=2, nodes=[i for i in range(3) if i != leader], timeout_s=30)
     assert after["mode"] == "pipeline"
-    deadline = time.monotonic() + 15
-    while running(workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not running(workers), f"rank processes left: {running(workers)}"
+    left = wait_dead(workers, 15)
+    assert not left, f"rank processes left: {left}"
 
 
 def test_a_group_that_keeps_crashing_gives_way_to_the_pipeline(trio):
@@ -273,11 +264,7 @@ def test_a_group_that_keeps_crashing_gives_way_to_the_pipeline(trio):
     starts: after the group's restarts it gives up, and the leader re-plans the same members on
     the pipeline, saying why."""
     c, _, ranks, ids = trio
-    for i in range(3):
-        if c.procs[i].poll() is not None:
-            c.restart(i)
-    epoch = max(c.cluster_info(i)["epoch"] for i in c.alive())
-    info = c.wait_plan(stages=3, min_epoch=epoch + 1, timeout_s=60)
+    info = restart_the_dead(c)
     assert info["mode"] == "tensor"
     leader, member = ids[ranks[0]], ids[ranks[1]]
     wait_group_ready(c, leader)

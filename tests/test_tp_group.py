@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tp_support import alive, make_model, mlx_greedy, rank_env, worker_pids
+from tp_support import alive, make_model, mlx_greedy, rank_env, wait_dead, worker_pids
 
 from ringlet.daemon.tp_config import TPRefused
 from ringlet.daemon.tp_group import TPGroup
@@ -47,16 +47,6 @@ async def collect(gen, on_token=None) -> list[int]:
         if on_token is not None:
             on_token(len(out))
     return out
-
-
-def wait_dead(pids, timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = [p for p in pids if alive(p)]
-        if not left:
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 def killer(group: TPGroup, rank: int, after: int, sig=signal.SIGKILL, record=None):

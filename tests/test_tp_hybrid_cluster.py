@@ -34,8 +34,8 @@ import httpx
 import pytest
 from conftest import REFERENCE, ringlet
 from streaming import Streamed, read_events
-from test_tp_cluster import rank_workers, running, stop_and_check, tp_env
-from tp_support import make_model, mlx_greedy
+from test_tp_cluster import rank_workers, stop_and_check, tp_env
+from tp_support import alive, make_model, mlx_greedy, wait_dead
 
 from ringlet.daemon.demo import LocalCluster
 
@@ -173,7 +173,7 @@ def test_a_crashed_rank_restarts_its_group_and_the_request_resumes_on_the_same_p
     assert all(c.cluster_info(i)["epoch"] == epoch for i in range(4))  # no re-plan
     resumes = [e["message"] for e in c.cluster_info(ids[groups[0][0]])["events"] if e["kind"] == "resume"]
     assert any("KV cache is gone" in m for m in resumes), resumes  # it did lose its caches mid-stream
-    assert not running({victim})
+    assert not alive(victim)
 
 
 def test_losing_a_member_re_plans_a_pipeline_and_the_request_completes(quad):
@@ -193,10 +193,7 @@ def test_losing_a_member_re_plans_a_pipeline_and_the_request_completes(quad):
     after = c.wait_plan(stages=3, nodes=survivors, timeout_s=60)
     assert (after["mode"], after["tp"]["mode"]) == ("pipeline", "pipeline")
     assert after["tp"]["refused"].startswith("hybrid mode refused: no split of 3 members into equal tensor groups")
-    deadline = time.monotonic() + 15
-    while running(old_ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not running(old_ranks), "rank processes of the hybrid plan are still running"
+    assert wait_dead(old_ranks, 15) == [], "rank processes of the hybrid plan are still running"
 
 
 def test_a_later_stage_group_that_keeps_crashing_gives_way_to_the_pipeline(tmp_path):

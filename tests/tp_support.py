@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import tiny_models
@@ -150,6 +151,17 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return not sys.platform.startswith("linux")
+
+
+def wait_dead(pids, timeout: float = 10.0) -> list[int]:
+    """Wait up to ``timeout`` seconds for the processes ``pids`` to be gone; returns those alive."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
 
 
 def worker_pids() -> list[int]:
