@@ -40,7 +40,7 @@ demo: install
 	$(VENV)/bin/ringlet demo --nodes 3
 
 proto: install
-	$(PY) -m ringlet.daemon.rpc.generate
+	$(PY) -m ringlet.daemon.wire.rpc.generate
 
 bench: install
 	$(PY) bench/run.py

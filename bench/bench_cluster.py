@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from ringlet.daemon.demo import LocalCluster
+from ringlet.daemon.ops.demo import LocalCluster
 
 ROUNDS = 5
 

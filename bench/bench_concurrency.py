@@ -41,7 +41,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_spine  # noqa: E402 - the bench directory is on the path only after the line above
 
-from ringlet.daemon.demo import LocalCluster  # noqa: E402
+from ringlet.daemon.ops.demo import LocalCluster  # noqa: E402
 
 STAGES = (2, 3)
 CONCURRENCY = (1, 2, 4, 8)

@@ -3,7 +3,7 @@
 In a hybrid plan a group leader's engine sends each step to its group's rank 0 over the
 control socket (hidden states as float32 bytes), rank 0 sends it to the other ranks over
 the side channel, every rank runs its share, and the output comes back the same way
-(``ringlet.daemon.group_stage``). This measures that path against the plain in-process
+(``ringlet.daemon.tensor.group_stage``). This measures that path against the plain in-process
 stage of a pipeline, on the same layers, in the same run, alternating round by round:
 
 * ``inproc``: ``load_stage(model, 0, 15)``, called directly (what a pipeline stage runs);
@@ -50,9 +50,9 @@ def main() -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from tp_support import rank_env
 
-    from ringlet.daemon.sources import resolve
-    from ringlet.daemon.stage import load_stage
-    from ringlet.daemon.tp_group import TPGroup
+    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.engine.stage import load_stage
+    from ringlet.daemon.tensor.group import TPGroup
 
     stage = load_stage(resolve(None), *LAYERS, "float32")
     prompt = list(range(100, 116))

@@ -38,8 +38,8 @@ print(size / (time.perf_counter() - t))
 
 ECHO_SERVER = r"""
 import asyncio, sys
-from ringlet.daemon.rpc import ringlet_pb2 as pb, ringlet_pb2_grpc as pb_grpc
-from ringlet.daemon.transport import TransportConfig, make_server
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb, ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.transport import TransportConfig, make_server
 
 class Echo(pb_grpc.RingServicer):
     async def Echo(self, request, context):
@@ -57,14 +57,14 @@ asyncio.run(main())
 
 PROBE = r"""
 import asyncio, json, sys, time
-from ringlet.daemon.linkprobe import measure
-from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc
-from ringlet.daemon.transport import TransportConfig, make_channel
+from ringlet.daemon.cluster.linkprobe import measure
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.transport import TransportConfig, make_channel
 
 async def main():
     channel = make_channel(TransportConfig(), sys.argv[1])
     stub = pb_grpc.RingStub(channel)
-    from ringlet.daemon.rpc import ringlet_pb2 as pb
+    from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
     await stub.Echo(pb.Ping(payload=b"", echo=True), timeout=10)  # connected before the common start
     delay = float(sys.argv[2]) - time.time()
     if delay > 0:

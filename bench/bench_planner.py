@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from ringlet.daemon.modelspec import model_spec_from_config
-from ringlet.daemon.plan_cli import read_cluster
+from ringlet.daemon.engine.modelspec import model_spec_from_config
+from ringlet.daemon.ops.plan import read_cluster
 from ringlet.partitioning import Infeasible, LinkSpec, ModelSpec, NodeSpec, Policy, make_plan
 from ringlet.partitioning.ring import Topology
 

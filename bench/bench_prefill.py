@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 from bench_spine import stream_times
 
-from ringlet.daemon.demo import LocalCluster
+from ringlet.daemon.ops.demo import LocalCluster
 
 TOKENS = 40
 LONG = 300

@@ -8,7 +8,7 @@ any), so all methods move exactly the same bytes. A server process (this file wi
 socket that sends the same byte ranges (``os.pread`` + ``sendall``, 4 MiB at a time).
 The client, in this process, runs each method in turn, RUNS rounds:
 
-* ``grpc``: :func:`ringlet.daemon.shard_transfer.fetch_shard_detailed` of layers
+* ``grpc``: :func:`ringlet.daemon.shards.transfer.fetch_shard_detailed` of layers
   [0, 30) into an empty cache directory — the whole call: manifest calls, the stream,
   writing the sparse file, sha256 of every tensor, the state file, the fdatasyncs;
 * ``grpc_stream_to_memory``: the bare ``FetchShard`` stream of the same ranges into
@@ -51,7 +51,7 @@ PIECE = 4 * 1024 * 1024
 def _ranges(path: Path) -> list[tuple[int, int]]:
     """``(offset, length)`` of the header and every tensor, touching ones merged: the bytes
     a fetch of every layer asks for."""
-    from ringlet.daemon.shard_cache import gguf_layout, merge_spans
+    from ringlet.daemon.shards.cache import gguf_layout, merge_spans
 
     return [(a, b - a) for a, b in merge_spans((r.offset, r.end) for r in gguf_layout(path).regions)]
 
@@ -77,11 +77,11 @@ def _raw_server(sock: socket.socket, path: Path) -> None:
 async def _serve(digest_dir: str) -> None:
     import grpc  # noqa: F401
 
-    from ringlet.daemon import shard_transfer
-    from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc
-    from ringlet.daemon.shard_cache import DigestCache
-    from ringlet.daemon.sources import resolve
-    from ringlet.daemon.transport import TransportConfig, make_server
+    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.shards import transfer as shard_transfer
+    from ringlet.daemon.shards.cache import DigestCache
+    from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+    from ringlet.daemon.wire.transport import TransportConfig, make_server
 
     location = resolve(None)
     digests = DigestCache(Path(digest_dir))
@@ -139,10 +139,10 @@ def _socket_fetch(port: int, ranges: list[tuple[int, int]], out: Path | None) ->
 
 
 async def _grpc_fetch(port: int, cache: Path) -> dict:
-    from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc
-    from ringlet.daemon.shard_transfer import fetch_shard_detailed
-    from ringlet.daemon.sources import resolve
-    from ringlet.daemon.transport import TransportConfig, make_channel
+    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.shards.transfer import fetch_shard_detailed
+    from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+    from ringlet.daemon.wire.transport import TransportConfig, make_channel
 
     channel = make_channel(TransportConfig(), f"127.0.0.1:{port}")
     try:
@@ -154,10 +154,10 @@ async def _grpc_fetch(port: int, cache: Path) -> dict:
 
 async def _grpc_stream(port: int, ranges: list[tuple[int, int]]) -> tuple[int, float]:
     """The bare FetchShard stream into memory (no verification, no file): the transport alone."""
-    from ringlet.daemon.rpc import ringlet_pb2 as pb
-    from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc
-    from ringlet.daemon.sources import resolve
-    from ringlet.daemon.transport import TransportConfig, make_channel
+    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+    from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+    from ringlet.daemon.wire.transport import TransportConfig, make_channel
 
     location = resolve(None)
     channel = make_channel(TransportConfig(), f"127.0.0.1:{port}")
@@ -189,7 +189,7 @@ class _Cpu:
 
 def main() -> dict:
     """Run the comparison, print a summary, write bench/results_shard.json, return the results."""
-    from ringlet.daemon.sources import resolve
+    from ringlet.daemon.engine.sources import resolve
 
     path = resolve(None).path
     ranges = _ranges(path)

@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 import httpx
 
-from ringlet.daemon.demo import LocalCluster
-from ringlet.daemon.rpc import ringlet_pb2 as pb
-from ringlet.daemon.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.ops.demo import LocalCluster
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 
 PROMPT = "Once upon a time"
 TOKENS = 48

@@ -1,6 +1,6 @@
 """Tensor-parallel decode speed on this machine: N ranks (MLX ring over 127.0.0.1) vs 1 process.
 
-Both sides run the same code path (``ringlet.daemon.tp_group.TPGroup`` with its
+Both sides run the same code path (``ringlet.daemon.tensor.group.TPGroup`` with its
 ``tp_worker`` processes; the 1-process group is the size-1 fallback). All groups of a
 comparison are up at once -- an idle group costs nothing, its ranks sleep on their
 control sockets -- and requests alternate between them round by round, so load from other
@@ -90,7 +90,7 @@ async def compare(name: str, model: str | None, ranks: int, dtype: str | None, v
     """Start a 1-process group and one N-rank group per variant (label -> extra rank environment),
     all at once (an idle group costs nothing: its ranks sleep on their control sockets), then
     alternate requests between them round by round so that other load hits every group alike."""
-    from ringlet.daemon.tp_group import TPGroup
+    from ringlet.daemon.tensor.group import TPGroup
 
     groups = {"1": TPGroup.local(model, 1, dtype=dtype, mode=None, step_timeout=120)}
     for label, env in variants.items():

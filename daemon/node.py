@@ -13,7 +13,7 @@ token or ``max_tokens``. Then a release travels the ring and every stage drops t
 request's KV cache. A stage failing a request sends the error forward; it reaches
 stage 0, which ends that request with the error.
 
-Plans change by epoch (see :mod:`ringlet.daemon.negotiation`): :meth:`Node.prepare`
+Plans change by epoch (see :mod:`ringlet.daemon.cluster.negotiation`): :meth:`Node.prepare`
 loads the new stage in the background (reusing the layers it already holds) while
 the old plan serves; :meth:`Node.commit` switches. The API node owns each request's
 tokens so far: when the plan changes or a stage fails, it resumes the request on
@@ -38,17 +38,24 @@ from dataclasses import dataclass, field, replace
 import grpc
 import psutil
 
-from . import codec
-from .engine import RequestDropped, RequestError, RequestRetry, StageEngine, sampling_from_pb, sampling_to_pb
-from .hop import HopLink
-from .rpc import ringlet_pb2 as pb
-from .rpc import ringlet_pb2_grpc as pb_grpc
-from .sampling import SamplingParams
-from .serving_defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
-from .sources import ModelLocation
-from .stage import Stage, load_stage, token_id_error
-from .static_plan import StageSpec
-from .transport import TransportConfig, make_channel, make_server
+from ringlet.daemon.cluster.static_plan import StageSpec
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.sampling import SamplingParams
+from ringlet.daemon.engine.scheduler import (
+    RequestDropped,
+    RequestError,
+    RequestRetry,
+    StageEngine,
+    sampling_from_pb,
+    sampling_to_pb,
+)
+from ringlet.daemon.engine.sources import ModelLocation
+from ringlet.daemon.engine.stage import Stage, load_stage, token_id_error
+from ringlet.daemon.wire import codec
+from ringlet.daemon.wire.hop import HopLink
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.transport import TransportConfig, make_channel, make_server
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +103,12 @@ class ServingPlan:
         plan_id: the planner's stable id (or a digest for static plans).
         infeasible: when set, no plan can serve the model; the reason for users.
         detail: the planner's plan as a dict (``Plan.to_dict()``), if any.
-        tp: the mode decision (:mod:`ringlet.daemon.tp_serving`), if any. When its
+        tp: the mode decision (:mod:`ringlet.daemon.tensor.serving`), if any. When its
             ``mode`` is ``tensor``, ``stages`` are the ranks in rank order (each holds
             every layer, in its rank process) and stage 0 (rank 0) drives the group.
             When it is ``hybrid``, ``stages`` are the tensor groups' leaders with the
             groups' layer ranges (a pipeline whose stages run in their groups' rank
-            processes, :mod:`ringlet.daemon.group_stage`).
+            processes, :mod:`ringlet.daemon.tensor.group_stage`).
     """
 
     epoch: int
@@ -186,10 +193,10 @@ class _Generation:
 
 
 class Node:
-    """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api`).
+    """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api.app`).
 
     ``cluster`` (set by the runner in negotiated mode) handles membership and
-    negotiation RPCs; see :class:`ringlet.daemon.negotiation.Negotiator`.
+    negotiation RPCs; see :class:`ringlet.daemon.cluster.negotiation.Negotiator`.
     """
 
     def __init__(self, config: NodeConfig):
@@ -873,12 +880,12 @@ class _RingServicer(pb_grpc.RingServicer):
         return pb.Ping(sent_at=request.sent_at)
 
     async def ShardManifest(self, request, context):  # noqa: N802
-        from . import shard_transfer
+        from ringlet.daemon.shards import transfer as shard_transfer
 
         return await shard_transfer.serve_manifest(request, context, self.node.config.model)
 
     async def FetchShard(self, request, context):  # noqa: N802
-        from . import shard_transfer
+        from ringlet.daemon.shards import transfer as shard_transfer
 
         async for chunk in shard_transfer.serve_fetch(request, context, self.node.config.model):
             yield chunk

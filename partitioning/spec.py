@@ -195,7 +195,7 @@ class ModelSpec:
         kv_bytes_per_token_per_layer: KV-cache bytes per token of context, per layer.
         context_tokens: the target context length the KV cache is sized for.
         flops_per_token_per_layer: FLOPs to decode one token through each layer
-            (2 x parameters touched, active experts only; see daemon/modelspec.py).
+            (2 x parameters touched, active experts only; see daemon/engine/modelspec.py).
         name: model identity; part of the fingerprint that decides whether a
             previous plan's weights can be reused.
         layer_read_bytes: weight bytes read per decoded token per layer; less

@@ -15,7 +15,7 @@ REFERENCE = json.loads((TESTS / "smollm2_135m_instruct_greedy.json").read_text()
 
 def ringlet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the real ``ringlet`` CLI in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "ringlet.daemon.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -27,6 +27,6 @@ def reference() -> list[dict]:
 
 @pytest.fixture(scope="session")
 def default_location():
-    from ringlet.daemon.sources import resolve
+    from ringlet.daemon.engine.sources import resolve
 
     return resolve(None)

@@ -288,7 +288,7 @@ class NetnsLab:
 
     def command(self, d: Daemon) -> list[str]:
         """The full command line that starts daemon ``d`` inside its namespace."""
-        return ["ip", "netns", "exec", d.ns, sys.executable, "-m", "ringlet.daemon.cli", "run",
+        return ["ip", "netns", "exec", d.ns, sys.executable, "-m", "ringlet.daemon.ops.cli", "run",
                 "--host", d.ip, "--port", str(GRPC_PORT), "--api-host", d.ip, "--api-port", str(API_PORT),
                 "--interface", d.ip, "--cluster", self.cluster, "--data-dir", str(d.data_dir), *d.args]
 
@@ -463,7 +463,7 @@ class NetnsLab:
 _RECORDS_SCRIPT = """
 import json, sys
 import grpc
-from ringlet.daemon.rpc import ringlet_pb2 as pb, ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb, ringlet_pb2_grpc as pb_grpc
 timeout, out = float(sys.argv[1]), {}
 for address in sys.argv[2:]:
     with grpc.insecure_channel(address) as ch:

@@ -165,14 +165,14 @@ def wait_dead(pids, timeout: float = 10.0) -> list[int]:
 
 
 def worker_pids() -> list[int]:
-    """Every running ``ringlet.daemon.tp_worker`` process started by this test process."""
+    """Every running ``ringlet.daemon.tensor.worker`` process started by this test process."""
     me = os.getpid()
     found = []
     if not Path("/proc/self/stat").exists():  # macOS: ask ps
         out = subprocess.run(["ps", "-axo", "pid=,ppid=,command="], capture_output=True, text=True).stdout
         for line in out.splitlines():
             parts = line.split(None, 2)
-            if len(parts) == 3 and int(parts[1]) == me and "ringlet.daemon.tp_worker" in parts[2]:
+            if len(parts) == 3 and int(parts[1]) == me and "ringlet.daemon.tensor.worker" in parts[2]:
                 found.append(int(parts[0]))
         return found
     for entry in Path("/proc").iterdir():
@@ -184,7 +184,7 @@ def worker_pids() -> list[int]:
         except OSError:
             continue
         if (
-            b"ringlet.daemon.tp_worker" in cmd
+            b"ringlet.daemon.tensor.worker" in cmd
             and int(stat.rsplit(")", 1)[1].split()[1]) == me
             and alive(int(entry.name))
         ):

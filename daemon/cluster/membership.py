@@ -1,0 +1,378 @@
+"""Membership: who is in the cluster, what each member is, and whether it is alive.
+
+An mDNS advert, a ``--peers`` address or a peer's heartbeat naming a node we do not
+know leads to a handshake (``GetNodeInfo``): the peer's id, protocol version,
+cluster id and its *record* (probe, usable memory, measured links, API URL). A
+successful handshake makes the peer a member.
+
+Liveness comes from heartbeats, never from mDNS (a killed node's mDNS records
+live ~19 minutes in peers' caches). Every node sends ``Beat`` to every member every
+``heartbeat_s``; a failed or missed beat makes the member *suspect*, and a member
+not heard from for ``remove_after_s`` is removed. A clean mDNS goodbye marks it
+suspect at once. Each node owns its record and versions it; a beat's reply carries
+the responder's record version, and a newer version is fetched, so every member
+converges on the same records (gossip: replies also list the responder's members,
+and unknown ones are handshaken).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.transport import TransportConfig, make_channel
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+#: How long a removed member's address is re-dialled, seconds.
+LOST_MEMORY_S = 600.0
+
+
+@dataclass
+class Member:
+    """One peer admitted to the cluster.
+
+    Attributes:
+        node_id: its id.
+        address: its gRPC ``host:port``.
+        incarnation: changes every time its process starts.
+        record: its self-description (see :meth:`Membership.own_record`).
+        record_version: version of ``record`` (owned and bumped by the member).
+        state: ``alive`` or ``suspect``.
+        last_ok: ``time.monotonic()`` of the last successful exchange.
+    """
+
+    node_id: str
+    address: str
+    incarnation: str = ""
+    record: dict = field(default_factory=dict)
+    record_version: int = 0
+    state: str = "alive"
+    last_ok: float = field(default_factory=time.monotonic)
+    joined_at: float = field(default_factory=time.time)
+    committed_epoch: int = 0
+    plan_id: str = ""
+    failures: int = 0
+
+
+def membership_digest(node_ids) -> str:
+    """sha256 (hex, 16 chars) of the sorted member ids: the view a plan is made for."""
+    return hashlib.sha256("\n".join(sorted(node_ids)).encode()).hexdigest()[:16]
+
+
+class Membership:
+    """The member table of one node, kept alive by heartbeats.
+
+    Args:
+        node_id: this node's id.
+        address: this node's gRPC ``host:port`` as peers should dial it.
+        cluster_id: hash of the cluster name; peers of another cluster are refused.
+        incarnation: this process's incarnation.
+        transport: gRPC settings for the channels to members.
+        heartbeat_s: seconds between beats to each member.
+        suspect_after_s: silence after which a member is suspect, seconds.
+        remove_after_s: silence after which a member is removed, seconds.
+        on_change: called (no arguments) after a member joins or leaves.
+        on_event: called with ``(kind, message)`` for the event log.
+    """
+
+    def __init__(self, node_id: str, address: str, cluster_id: str, incarnation: str,
+                 transport: TransportConfig, *, heartbeat_s: float = 0.5, suspect_after_s: float = 1.0,
+                 remove_after_s: float = 2.0, on_change: Callable[[], None] | None = None,
+                 on_event: Callable[[str, str], None] | None = None,
+                 epoch_fn: Callable[[], tuple[int, str]] | None = None):
+        self.node_id = node_id
+        self.address = address
+        self.cluster_id = cluster_id
+        self.incarnation = incarnation
+        self.transport = transport
+        self.heartbeat_s = heartbeat_s
+        self.suspect_after_s = suspect_after_s
+        self.remove_after_s = remove_after_s
+        self.on_change = on_change or (lambda: None)
+        self.on_event = on_event or (lambda kind, msg: None)
+        self.epoch_fn = epoch_fn or (lambda: (0, ""))
+        self.members: dict[str, Member] = {}
+        self._record: dict = {}
+        self.record_version = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pending: set[str] = set()  # addresses being handshaken
+        self._refused: dict[str, float] = {}  # address -> monotonic time of the last refusal
+        self._task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        #: removed members: node id -> (address, monotonic time of removal)
+        self.lost: dict[str, tuple[str, float]] = {}
+        #: set when links should be measured again (membership changed)
+        self.links_wanted = asyncio.Event()
+        self.on_member_added: Callable[[Member], Awaitable[None] | None] | None = None
+        #: called with a member whose record changed (a newer version was fetched)
+        self.on_record_changed: Callable[[Member], None] | None = None
+
+    # --- own record --------------------------------------------------------------------
+
+    @property
+    def own_record(self) -> dict:
+        """This node's record (JSON-safe dict)."""
+        return self._record
+
+    def set_record(self, record: dict) -> None:
+        """Replace this node's record; bumps the version when it changed."""
+        if record != self._record:
+            self._record = record
+            self.record_version += 1
+
+    # --- views ---------------------------------------------------------------------------
+
+    def alive_ids(self) -> list[str]:
+        """Ids of this node and every member not removed, sorted."""
+        return sorted([self.node_id, *self.members])
+
+    def digest(self) -> str:
+        """Digest of :meth:`alive_ids` (see :func:`membership_digest`)."""
+        return membership_digest(self.alive_ids())
+
+    def address_of(self, node_id: str) -> str | None:
+        if node_id == self.node_id:
+            return self.address
+        m = self.members.get(node_id)
+        return m.address if m else None
+
+    def record_of(self, node_id: str) -> dict | None:
+        if node_id == self.node_id:
+            return self._record
+        m = self.members.get(node_id)
+        return m.record if m else None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A cached channel to ``address``."""
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = make_channel(self.transport, address)
+            self._channels[address] = ch
+        return ch
+
+    def stub(self, address: str) -> pb_grpc.RingStub:
+        return pb_grpc.RingStub(self.channel(address))
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the heartbeat loop."""
+        self._task = asyncio.create_task(self._beat_loop(), name="heartbeats")
+
+    async def stop(self) -> None:
+        """Stop beating and close channels."""
+        for t in [self._task, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        for t in [self._task, *self._tasks]:
+            if t is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- joining -------------------------------------------------------------------------
+
+    def consider(self, address: str, node_id: str | None = None) -> None:
+        """A node may be reachable at ``address`` (advert, --peers, gossip): handshake
+        with it in the background unless it is already a member."""
+        if node_id == self.node_id or address == self.address:
+            return
+        if node_id is not None and node_id in self.members and self.members[node_id].address == address:
+            return
+        if address in self._pending:
+            return
+        refused = self._refused.get(address)
+        if refused is not None and time.monotonic() - refused < 2.0:
+            return
+        self._pending.add(address)
+        self._spawn(self._handshake(address))
+
+    async def _handshake(self, address: str) -> None:
+        try:
+            info = await self.stub(address).GetNodeInfo(
+                pb.NodeInfoRequest(caller_id=self.node_id, caller_address=self.address),
+                timeout=max(2.0, 4 * self.heartbeat_s))
+        except grpc.aio.AioRpcError as exc:
+            self._refuse(address, f"no gRPC handshake ({exc.code().name}); retrying quietly")
+            return
+        finally:
+            self._pending.discard(address)
+        if info.protocol_version != PROTOCOL_VERSION:
+            self._refuse(address, f"protocol version {info.protocol_version} (we speak {PROTOCOL_VERSION})")
+            return
+        if info.cluster_id != self.cluster_id:
+            self._refuse(address, "another cluster")
+            return
+        if info.node_id == self.node_id:
+            return
+        self._admit(info, address)
+
+    def _refuse(self, address: str, why: str) -> None:
+        if address not in self._refused:
+            log.info("ignoring the node at %s: %s", address, why)
+        self._refused[address] = time.monotonic()
+
+    def _admit(self, info: pb.NodeInfo, address: str) -> None:
+        try:
+            record = json.loads(info.record_json) if info.record_json else {}
+        except ValueError:
+            record = {}
+        existing = self.members.get(info.node_id)
+        if existing is not None:
+            changed = existing.record != record
+            existing.address = address
+            existing.record, existing.record_version = record, info.record_version
+            existing.incarnation = info.incarnation
+            existing.state, existing.last_ok = "alive", time.monotonic()
+            if changed and self.on_record_changed is not None:
+                self.on_record_changed(existing)
+            return
+        member = Member(node_id=info.node_id, address=address, incarnation=info.incarnation, record=record,
+                        record_version=info.record_version)
+        self.members[info.node_id] = member
+        log.info("member joined: %s at %s", info.node_id, address)
+        self.on_event("join", f"{info.node_id} joined from {address}")
+        if self.on_member_added is not None:
+            result = self.on_member_added(member)
+            if asyncio.iscoroutine(result):
+                self._spawn(result)
+        self.on_change()
+
+    def redial_lost(self) -> bool:
+        """Handshake again with members removed in the last :data:`LOST_MEMORY_S` (a cut
+        link that came back, a restarted node). Returns whether any are still lost."""
+        now = time.monotonic()
+        for node_id, (address, when) in list(self.lost.items()):
+            if node_id in self.members or now - when > LOST_MEMORY_S:
+                self.lost.pop(node_id, None)
+            else:
+                self.consider(address, node_id)
+        return bool(self.lost)
+
+    def remove(self, node_id: str, why: str) -> None:
+        """Remove a member now (missed heartbeats, goodbye confirmed). Its address is
+        remembered for :data:`LOST_MEMORY_S` so it can be re-dialled when it comes back."""
+        member = self.members.pop(node_id, None)
+        if member is None:
+            return
+        self.lost[node_id] = (member.address, time.monotonic())
+        log.warning("member left: %s (%s)", node_id, why)
+        self.on_event("leave", f"{node_id} left: {why}")
+        self.on_change()
+
+    def suspect(self, node_id: str, why: str) -> None:
+        """Mark a member suspect (it is removed if it stays silent)."""
+        member = self.members.get(node_id)
+        if member is not None and member.state != "suspect":
+            member.state = "suspect"
+            log.info("member suspect: %s (%s)", node_id, why)
+            self.on_event("suspect", f"{node_id} suspect: {why}")
+
+    # --- heartbeats ----------------------------------------------------------------------
+
+    def make_beat(self) -> pb.Heartbeat:
+        """This node's heartbeat message."""
+        epoch, plan_id = self.epoch_fn()
+        return pb.Heartbeat(
+            sender_id=self.node_id, incarnation=self.incarnation, record_version=self.record_version,
+            members=[pb.MemberDigest(node_id=m.node_id, grpc_address=m.address, record_version=m.record_version)
+                     for m in self.members.values() if m.state == "alive"],
+            committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address)
+
+    def on_beat(self, beat: pb.Heartbeat) -> pb.Heartbeat:
+        """Handle a peer's heartbeat; returns ours."""
+        member = self.members.get(beat.sender_id)
+        if member is None:
+            if beat.grpc_address:
+                self.consider(beat.grpc_address, beat.sender_id)
+        else:
+            self._heard(member, beat)
+        return self.make_beat()
+
+    def _heard(self, member: Member, beat: pb.Heartbeat) -> None:
+        member.last_ok = time.monotonic()
+        if member.state != "alive":
+            member.state = "alive"
+            self.on_event("alive", f"{member.node_id} is alive again")
+        member.committed_epoch, member.plan_id = beat.committed_epoch, beat.plan_id
+        if beat.incarnation and member.incarnation and beat.incarnation != member.incarnation:
+            member.incarnation = beat.incarnation
+            self.on_event("restart", f"{member.node_id} restarted")
+        if beat.record_version != member.record_version:
+            self.consider_refresh(member)
+        for digest in beat.members:
+            if digest.node_id != self.node_id and digest.node_id not in self.members and digest.grpc_address:
+                self.consider(digest.grpc_address, digest.node_id)
+
+    def consider_refresh(self, member: Member) -> None:
+        """Fetch a member's newer record (another handshake to the same address)."""
+        if member.address not in self._pending:
+            self._pending.add(member.address)
+            self._spawn(self._handshake(member.address))
+
+    async def _beat_one(self, member: Member) -> None:
+        try:
+            reply = await self.stub(member.address).Beat(self.make_beat(), timeout=2 * self.heartbeat_s)
+        except grpc.aio.AioRpcError as exc:
+            member.failures += 1
+            self.suspect(member.node_id, f"heartbeat failed ({exc.code().name})")
+            # Unavailable twice in a row (>= one heartbeat apart): the process died
+            # (connection refused) or the route is gone (a cut link). Remove now rather
+            # than after the silence timeout; a lost member is re-dialled (redial_lost).
+            if (exc.code() == grpc.StatusCode.UNAVAILABLE and member.failures >= 2
+                    and time.monotonic() - member.last_ok >= self.heartbeat_s):
+                self.remove(member.node_id, "unreachable (connection refused or no route)")
+            return
+        member.failures = 0
+        if reply.sender_id != member.node_id:
+            self.remove(member.node_id, f"{member.address} now answers as {reply.sender_id}")
+            self.consider(member.address, reply.sender_id)
+            return
+        self._heard(member, reply)
+
+    async def _beat_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            members = list(self.members.values())
+            if members:
+                await asyncio.gather(*(self._beat_one(m) for m in members), return_exceptions=True)
+            now = time.monotonic()
+            for m in list(self.members.values()):
+                silent = now - m.last_ok
+                if silent > self.remove_after_s:
+                    self.remove(m.node_id, f"silent for {silent:.1f} s")
+                elif silent > self.suspect_after_s:
+                    self.suspect(m.node_id, f"silent for {silent:.1f} s")
+            await asyncio.sleep(max(0.0, self.heartbeat_s - (time.monotonic() - started)))
+
+    # --- introspection -------------------------------------------------------------------
+
+    def info(self) -> list[dict]:
+        """Every member (this node first) as JSON-safe dicts."""
+        now = time.monotonic()
+        out = [{"node_id": self.node_id, "grpc_address": self.address, "state": "self",
+                "record_version": self.record_version, "record": self._record}]
+        for m in sorted(self.members.values(), key=lambda m: m.node_id):
+            out.append({"node_id": m.node_id, "grpc_address": m.address, "state": m.state,
+                        "record_version": m.record_version, "record": m.record,
+                        "silent_s": round(now - m.last_ok, 3), "committed_epoch": m.committed_epoch})
+        return out

@@ -1,0 +1,377 @@
+"""Negotiated plans: one committed plan per membership change, on every member.
+
+Protocol (all over ringlet's gRPC)::
+
+    proposer                         every member (the proposer included)
+    --------                         -----------------------------------
+    Propose(epoch, digest, plan) --> check: proposer is a member, epoch is newer than
+                                     the committed one, (epoch, proposer) is not older
+                                     than a proposal already prepared, the membership
+                                     digest equals its own view, the plan is for this
+                                     model and covers every layer exactly once;
+                                     prepare: load its new layers in the background
+                                     (keeping the layers it holds) while the old plan
+                                     keeps serving
+                                 <-- Vote(ok | reason)
+    Commit(epoch, plan_id)       --> only for the plan it prepared: switch
+                                 <-- Vote
+
+* Exactly one proposer per change: the member with the lowest node id among the
+  members of its view. Views converge through heartbeats; a proposal made from a
+  stale view is refused ("membership differs") and re-proposed once views agree.
+* Competing proposals are ordered by ``(epoch, proposer id)``; a member never
+  prepares a proposal older than one it has prepared, and never commits one it did
+  not prepare.
+* Churn is debounced: the proposer waits until the membership has been stable for
+  ``settle_s`` and proposes only when the plan would differ from the committed one
+  or the membership changed.
+* A model that no longer fits gets an epoch too: the committed "plan" then carries
+  only the reason ("model needs X GB, cluster has Y GB"), and requests get 503
+  with it until a member joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import replace
+
+import grpc
+
+from ringlet.daemon.cluster.membership import Membership
+from ringlet.daemon.cluster.static_plan import StageSpec
+from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
+from ringlet.daemon.node import Node, ServingPlan
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
+
+log = logging.getLogger(__name__)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+class Negotiator:
+    """Membership-driven planning for one node.
+
+    Args:
+        node: the serving node.
+        membership: the member table.
+        model_spec: the model as the planner sees it.
+        model_name: the model's name (a proposal for another model is refused).
+        num_layers: decoder layers of the model.
+        policy: planner policy.
+        settle_s: seconds the membership must be stable before proposing.
+        initial_settle_s: the same for the very first plan (lets discovery find peers).
+        prepare_timeout_s: how long the proposer waits for every member to load.
+        tp: tensor-parallel serving (:class:`ringlet.daemon.tensor.serving.TPServing`): the
+            proposer's mode decision travels in the proposal, and commits start or stop
+            tensor groups; ``None`` = pipeline only.
+    """
+
+    def __init__(self, node: Node, membership: Membership, model_spec: ModelSpec, model_name: str,
+                 num_layers: int, policy: Policy | None = None, *, settle_s: float = 0.3,
+                 initial_settle_s: float = 1.0, prepare_timeout_s: float = 300.0, tp=None):
+        self.node = node
+        self.membership = membership
+        self.model_spec = model_spec
+        self.model_name = model_name
+        self.num_layers = num_layers
+        self.policy = policy or Policy()
+        self.settle_s = settle_s
+        self.initial_settle_s = initial_settle_s
+        self.prepare_timeout_s = prepare_timeout_s
+        self.tp = tp
+        self.state = "idle"
+        self.committed_plan: Plan | None = None
+        self.committed_digest = ""
+        self.committed_reason: str | None = None
+        self._prepared_key: tuple[int, str] | None = None
+        self._prepared: dict[tuple[int, str], tuple[ServingPlan, Plan | None, str]] = {}
+        self._changed = asyncio.Event()
+        self._last_change = time.monotonic()
+        self._task: asyncio.Task | None = None
+        self._started = time.monotonic()
+        self.last_result = ""
+        self.bytes_loaded_last = 0
+
+    # --- wiring --------------------------------------------------------------------------
+
+    def membership_changed(self) -> None:
+        """Called by the membership on every join or leave."""
+        self._last_change = time.monotonic()
+        self._changed.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="negotiation")
+        self._changed.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    # --- the proposer side ---------------------------------------------------------------
+
+    def is_proposer(self) -> bool:
+        """This node has the lowest id among the members it sees."""
+        return self.membership.alive_ids()[0] == self.node.node_id
+
+    async def _loop(self) -> None:
+        while True:
+            await self._changed.wait()
+            # debounce: wait until the membership has been quiet for settle_s
+            while True:
+                settle = self.initial_settle_s if self.node.plan is None else self.settle_s
+                quiet = time.monotonic() - max(self._last_change, self._started)
+                if quiet >= settle:
+                    break
+                await asyncio.sleep(settle - quiet)
+            self._changed.clear()
+            if not self.is_proposer():
+                continue
+            try:
+                retry = await self._propose_round()
+            except Exception:  # a round must never kill the loop
+                log.exception("negotiation round failed")
+                retry = True
+            if retry:
+                await asyncio.sleep(self.settle_s)
+                self._changed.set()
+
+    def compute_plan(self) -> tuple[Plan | None, str | None]:
+        """The plan for the current view, or ``(None, reason)`` when the model does not fit."""
+        ids = self.membership.alive_ids()
+        records = {i: self.membership.record_of(i) or {} for i in ids}
+        nodes, links = planner_inputs(build_graph(records))
+        try:
+            return make_plan(nodes, links, self.model_spec, previous=self.committed_plan, policy=self.policy), None
+        except Infeasible as exc:
+            have = sum(n.memory_bytes for n in nodes)
+            need = have + exc.shortfall_bytes
+            return None, (f"model needs {_gb(need)}, cluster has {_gb(have)} usable across {len(nodes)} "
+                          f"node(s); add a node or memory ({exc.message})")
+
+    async def _propose_round(self) -> bool:
+        """One proposal. Returns True to retry later (views differ, a vote failed)."""
+        digest = self.membership.digest()
+        plan, reason = self.compute_plan()
+        ids = self.membership.alive_ids()
+        mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
+        if self.node.plan is not None and digest == self.committed_digest:
+            same = (plan is not None and self.committed_plan is not None
+                    and plan.plan_id == self.committed_plan.plan_id) or (plan is None and reason
+                                                                          and self.committed_reason)
+            committed_mode = (self.node.plan.tp or {}).get("mode", "pipeline")
+            if same and committed_mode == (mode or {}).get("mode", "pipeline"):
+                return False
+        epoch = max([self.node.epoch, *(m.committed_epoch for m in self.membership.members.values())]) + 1
+        addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
+        body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
+        proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
+                               plan_json=body, model=self.model_name, addresses=addresses,
+                               tp_json=json.dumps(mode, sort_keys=True) if mode else "")
+        self.state = f"proposing epoch {epoch}"
+        members = [self.membership.members[i] for i in ids if i != self.node.node_id]
+        if plan is None:
+            layout = "infeasible"
+        elif mode and mode.get("mode") == "hybrid":
+            layout = ", ".join(f"{'+'.join(g)} [{a}, {b})" for g, (a, b) in zip(mode["groups"], mode["layer_ranges"],
+                                                                                strict=True))
+        elif mode and mode.get("mode") == "tensor":
+            layout = f"every layer on ranks {', '.join(mode['ranks'])}"
+        else:
+            layout = str(plan.ranges)
+        log.info("proposing epoch %d to %d member(s): %s%s", epoch, len(members) + 1, layout,
+                 f"; {mode['reason']}" if mode else "")
+
+        async def ask(member) -> pb.Vote:
+            try:
+                return await self.membership.stub(member.address).Propose(proposal, timeout=self.prepare_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return pb.Vote(ok=False, reason=f"unreachable: {exc.code().name}", node_id=member.node_id)
+
+        votes = await asyncio.gather(self.on_propose(proposal), *(ask(m) for m in members))
+        refused = [v for v in votes if not v.ok]
+        if refused:
+            self.state = "idle"
+            self.last_result = "; ".join(f"{v.node_id}: {v.reason}" for v in refused)
+            log.info("epoch %d not accepted: %s", epoch, self.last_result)
+            return True
+        commit = pb.CommitRequest(epoch=epoch, proposer_id=self.node.node_id,
+                                  plan_id=plan.plan_id if plan is not None else "")
+
+        async def tell(member) -> pb.Vote:
+            try:
+                return await self.membership.stub(member.address).Commit(commit, timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                return pb.Vote(ok=False, reason=f"unreachable: {exc.code().name}", node_id=member.node_id)
+
+        acks = await asyncio.gather(self.on_commit(commit), *(tell(m) for m in members))
+        failed = [a for a in acks if not a.ok]
+        self.state = "idle"
+        if failed:
+            self.last_result = "; ".join(f"{a.node_id}: {a.reason}" for a in failed)
+            log.warning("commit of epoch %d incomplete: %s", epoch, self.last_result)
+            return True
+        self.last_result = f"epoch {epoch} committed"
+        return False
+
+    # --- the member side -----------------------------------------------------------------
+
+    def _refuse(self, why: str) -> pb.Vote:
+        log.info("refusing a proposal: %s", why)
+        return pb.Vote(ok=False, reason=why, node_id=self.node.node_id)
+
+    async def on_propose(self, p: pb.Proposal) -> pb.Vote:
+        """Check and prepare a proposal (see the module docstring for the rules)."""
+        me = self.node.node_id
+        if p.proposer_id != me and p.proposer_id not in self.membership.members:
+            return self._refuse(f"proposal from a non-member ({p.proposer_id[:32]!r})")
+        if p.epoch <= self.node.epoch:
+            return self._refuse(f"stale epoch {p.epoch}: epoch {self.node.epoch} is committed")
+        key = (p.epoch, p.proposer_id)
+        if self._prepared_key is not None and key < self._prepared_key:
+            return self._refuse(f"superseded: proposal {self._prepared_key} is newer")
+        if p.model != self.model_name:
+            return self._refuse(f"plan for another model ({p.model[:64]!r}; this node serves {self.model_name!r})")
+        if p.membership_digest != self.membership.digest():
+            return self._refuse("membership differs from this node's view")
+        try:
+            body = json.loads(p.plan_json)
+        except ValueError:
+            return self._refuse("malformed plan JSON")
+        addresses = {a.node_id: a.grpc_address for a in p.addresses}
+        ids = self.membership.alive_ids()
+        if not isinstance(body, dict):
+            return self._refuse("malformed plan JSON")
+        if "infeasible" in body:
+            plan, reason = None, str(body["infeasible"])[:500]
+            serving = ServingPlan(epoch=p.epoch, stages=(), plan_id=f"infeasible:{p.epoch}", infeasible=reason)
+        else:
+            try:
+                plan = Plan.from_dict(body)
+                validate_plan(plan, self.num_layers, node_ids=ids)
+            except (InvalidPlan, ValueError, TypeError, KeyError) as exc:
+                return self._refuse(f"plan does not cover every layer of this model exactly once: {exc}")
+            if plan.model_name != self.model_spec.name:
+                return self._refuse(f"plan for another model ({plan.model_name!r})")
+            missing = [s.node_id for s in plan.stages if not addresses.get(s.node_id)]
+            if missing:
+                return self._refuse(f"plan names stages without addresses: {missing}")
+            stages = tuple(StageSpec(address=addresses[s.node_id], start=s.start, end=s.end, node_id=s.node_id)
+                           for s in plan.stages)
+            serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=plan.plan_id, detail=plan.to_dict())
+            if p.tp_json:
+                from ringlet.daemon.tensor.serving import check_tp_dict
+
+                try:
+                    mode = json.loads(p.tp_json)
+                except ValueError:
+                    mode = None
+                bad = check_tp_dict(mode, ids, p.proposer_id, self.num_layers)
+                if bad:
+                    return self._refuse(f"malformed mode decision: {bad}")
+                if mode["mode"] in ("tensor", "hybrid"):
+                    missing = [r for r in mode["ranks"] if not addresses.get(r)]
+                    if missing:
+                        return self._refuse(f"tensor plan names ranks without addresses: {missing}")
+                    if self.tp is None:
+                        return self._refuse("this node does not run tensor groups")
+                if mode["mode"] == "tensor":
+                    # every rank holds every layer (split by model.shard in its rank process)
+                    stages = tuple(StageSpec(address=addresses[r], start=0, end=self.num_layers, node_id=r)
+                                   for r in mode["ranks"])
+                    serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=f"tensor:{plan.plan_id}",
+                                          detail=plan.to_dict(), tp=mode)
+                elif mode["mode"] == "hybrid":
+                    # the stages are the groups' leaders, each with its group's layer range
+                    stages = tuple(StageSpec(address=addresses[g[0]], start=int(a), end=int(b), node_id=g[0])
+                                   for g, (a, b) in zip(mode["groups"], mode["layer_ranges"], strict=True))
+                    serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=f"hybrid:{plan.plan_id}",
+                                          detail=plan.to_dict(), tp=mode)
+                else:
+                    serving = replace(serving, tp=mode)
+            reason = None
+        self._prepared_key = key
+        self.state = f"preparing epoch {p.epoch}"
+        try:
+            loaded = await self.node.prepare(serving)
+        except Exception as exc:  # loading failed: refuse, keep serving the old plan
+            log.exception("preparing epoch %d failed", p.epoch)
+            self.state = "idle"
+            return self._refuse(f"cannot load its stage: {exc}")
+        self.bytes_loaded_last = loaded
+        self._prepared[key] = (serving, plan, p.membership_digest)
+        self.state = f"prepared epoch {p.epoch}"
+        return pb.Vote(ok=True, node_id=me)
+
+    async def on_commit(self, c: pb.CommitRequest) -> pb.Vote:
+        """Switch to a prepared plan."""
+        key = (c.epoch, c.proposer_id)
+        entry = self._prepared.get(key)
+        if entry is None:
+            return self._refuse(f"commit for epoch {c.epoch} by {c.proposer_id[:32]!r}, which this node never prepared")
+        serving, plan, digest = entry
+        if (plan.plan_id if plan is not None else "") != c.plan_id:
+            return self._refuse("commit names another plan than the one prepared")
+        await self.node.commit(serving)
+        if self.tp is not None:
+            self.tp.committed(serving)
+        for k in [k for k in self._prepared if k <= key]:
+            self._prepared.pop(k, None)
+        self._prepared_key = None
+        self.committed_plan = plan
+        self.committed_digest = digest
+        self.committed_reason = serving.infeasible
+        self.state = "idle"
+        if serving.infeasible:
+            self.node.event("unplanned", serving.infeasible)
+        elif serving.is_tensor:
+            ranks = ", ".join(f"{i} {r[:8]}" for i, r in enumerate(serving.tp["ranks"]))
+            self.node.event("replan", f"epoch {serving.epoch}: tensor over {serving.tp['backend']}, ranks {ranks}")
+        elif serving.is_hybrid:
+            groups = "; ".join(f"[{s.start},{s.end}) on {'+'.join(r[:8] for r in g)} ({b})" for s, g, b in
+                               zip(serving.stages, serving.tp["groups"], serving.tp["group_backends"], strict=True))
+            self.node.event("replan", f"epoch {serving.epoch}: hybrid: {groups}")
+        else:
+            ranges = ", ".join(f"{s.node_id[:8]} [{s.start},{s.end})" for s in serving.stages)
+            self.node.event("replan", f"epoch {serving.epoch}: {ranges}; this node read "
+                                      f"{self.bytes_loaded_last / 1e6:.1f} MB")
+            if serving.tp and serving.tp.get("refused"):
+                self.node.event("mode", serving.tp["reason"])
+        self.bytes_loaded_last = 0
+        return pb.Vote(ok=True, node_id=self.node.node_id)
+
+    # --- introspection -------------------------------------------------------------------
+
+    def info(self) -> dict:
+        """Members, topology and negotiation state for ``/v1/cluster``."""
+        ids = self.membership.alive_ids()
+        records = {i: self.membership.record_of(i) or {} for i in ids}
+        graph = to_json(build_graph(records))
+        members = []
+        for m in self.membership.info():
+            rec = m.get("record") or {}
+            members.append({
+                "node_id": m["node_id"], "state": m["state"], "grpc_address": m["grpc_address"],
+                "api_url": rec.get("api_url"), "name": rec.get("name"), "chip": rec.get("chip"),
+                "memory_total_bytes": rec.get("memory_total_bytes"),
+                "memory_usable_bytes": rec.get("usable_memory_bytes"),
+                "silent_s": m.get("silent_s"), "record_version": m["record_version"],
+            })
+        tp = self.tp.info() if self.tp is not None else {"mode": "pipeline", "backend": "none", "ranks": []}
+        return {
+            "mode": tp["mode"],
+            "tp": tp,
+            "policy": self.policy.name,
+            "members": members,
+            "links": graph["links"],
+            "negotiation": {"state": self.state, "proposer": ids[0], "is_proposer": self.is_proposer(),
+                            "membership_digest": self.membership.digest(), "last_result": self.last_result},
+        }

@@ -1,0 +1,415 @@
+"""The sharded engine of one node: a stage, per-request KV caches, one MLX worker thread,
+and the scheduler that batches the decode steps of concurrent requests.
+
+All MLX work (loading, forward passes, sampling, tensor encoding and decoding) runs
+on a single worker thread, so the asyncio event loop never blocks on compute and
+MLX state is touched by one thread only.
+
+A request's KV cache lives here from its prefill (step 0) until it is released;
+every forward checks that the sender's ``offset`` equals the number of tokens in the
+cache, so a desynchronised ring fails the request instead of computing garbage.
+
+Scheduling (:meth:`StageEngine.submit`): work waits in one first-come-first-served
+queue. Each round the scheduler takes the oldest item; if it is a one-token step
+(a decode step), every other one-token step waiting joins it, up to ``max_batch``,
+and they run as one batched forward: the requests' KV caches (of different lengths)
+are merged into mlx-lm's left-padded ``BatchKVCache`` for the forward and split
+back afterwards. A multi-token step (a prefill chunk; stage 0 cuts long prompts
+into chunks, see :mod:`ringlet.daemon.node`) runs alone, so a long prefill holds
+the worker one chunk at a time and the decode steps of other requests run between
+its chunks. A release overtakes the queue: it drops the request's waiting work too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
+from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
+from ringlet.daemon.engine.stage import Stage, forward_merged, mergeable, token_id_error
+from ringlet.daemon.wire import codec
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+
+if TYPE_CHECKING:
+    from ringlet.daemon.tensor.group_stage import GroupStage
+
+log = logging.getLogger(__name__)
+
+
+
+class RequestError(Exception):
+    """A request cannot proceed on this stage (unknown request, offset mismatch, ...)."""
+
+
+class RequestDropped(RequestError):
+    """The request's work was dropped before it ran: released, or the plan changed."""
+
+
+class RequestRetry(RequestError):
+    """The request's KV cache on this stage is gone but the plan still stands (a tensor
+    group restarted): stage 0 may resume the request on the same plan by prefilling it
+    again (``Activation.retry``)."""
+
+
+@dataclass
+class _Work:
+    """One queued step (or release) of one request."""
+
+    request_id: str
+    future: asyncio.Future
+    step: int = 0
+    offset: int = 0
+    payload: list[int] | pb.Tensor | None = None
+    sampling: SamplingParams | None = None
+    more: bool = False
+    release: bool = False
+
+    @property
+    def tokens(self) -> int:
+        if isinstance(self.payload, list):
+            return len(self.payload)
+        if isinstance(self.payload, pb.Tensor) and len(self.payload.shape) >= 2:
+            return int(self.payload.shape[1])
+        return 0
+
+
+@dataclass
+class _RequestState:
+    cache: list
+    sampler: RequestSampler | None
+    offset: int = 0
+
+
+def sampling_from_pb(message: pb.Sampling | None) -> SamplingParams:
+    """Sampling parameters from their wire form."""
+    if message is None:
+        return SamplingParams()
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        seed=message.seed if message.has_seed else None,
+        steps_done=message.steps_done,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.Sampling:
+    """The wire form of sampling parameters."""
+    return pb.Sampling(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        has_seed=params.seed is not None,
+        seed=params.seed or 0,
+        steps_done=params.steps_done,
+    )
+
+
+class StageEngine:
+    """Runs one stage for many requests, batching their decode steps.
+
+    Args:
+        stage: the loaded stage (built on the worker thread via :meth:`create`).
+        executor: the single-thread executor that owns MLX.
+        max_tensor_bytes: the largest incoming hidden-states payload accepted, bytes.
+        max_batch: the most decode steps run as one forward (1 = no batching: one
+            request per forward, each bit-identical to running it alone).
+    """
+
+    def __init__(self, stage: Stage | GroupStage | None, executor: concurrent.futures.ThreadPoolExecutor,
+                 max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.stage = stage
+        self.executor = executor
+        self.max_tensor_bytes = max_tensor_bytes
+        self.max_batch = max_batch
+        self._requests: dict[str, _RequestState] = {}
+        self._queue: deque[_Work] = deque()
+        self._wakeup: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task | None = None
+        #: decode batch size -> forwards run with that many requests (since start)
+        self.batch_histogram: Counter[int] = Counter()
+        #: (monotonic time, batch size) of recent decode forwards
+        self.recent_batches: deque[tuple[float, int]] = deque(maxlen=256)
+        self.last_batch = 0
+
+    @staticmethod
+    def new_executor() -> concurrent.futures.ThreadPoolExecutor:
+        """The single MLX worker thread of a node."""
+        return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+
+    @classmethod
+    async def create(cls, loader: Callable[[], Stage],
+                     executor: concurrent.futures.ThreadPoolExecutor | None = None, **kwargs: Any) -> StageEngine:
+        """Load a stage on the worker thread (a fresh one unless given) and wrap it."""
+        executor = executor or cls.new_executor()
+        stage = await asyncio.get_running_loop().run_in_executor(executor, loader)
+        return cls(stage, executor, **kwargs)
+
+    @property
+    def active_requests(self) -> list[str]:
+        """Ids of the requests holding a KV cache on this stage."""
+        return list(self._requests)
+
+    @property
+    def queued(self) -> int:
+        """Steps waiting for the worker."""
+        return len(self._queue)
+
+    async def run(self, fn: Callable, *args: Any):
+        """Run ``fn(*args)`` on the MLX worker thread (outside the scheduler's queue)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # --- scheduler (event loop) -----------------------------------------------------------
+
+    def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
+               sampling: SamplingParams | None, more: bool = False) -> asyncio.Future:
+        """Queue one forward of this stage for one request.
+
+        Args:
+            request_id: the request.
+            step: 0 for the prefill (its first chunk, at offset 0, creates the KV
+                cache), n for the n-th decode step.
+            offset: tokens already in the request's KV cache (must match).
+            payload: token ids on the first stage; a Tensor message with hidden states
+                ``(1, tokens, hidden_size)`` on the others.
+            sampling: the request's sampling parameters (used when the last stage
+                creates the request's cache).
+            more: a prefill chunk that more chunks follow: the last stage fills its
+                cache and samples nothing.
+
+        Returns:
+            A future with the encoded hidden states ``(1, tokens, hidden_size)`` for
+            the next stage, the sampled token id on the last stage, or ``None`` on the
+            last stage for a chunk with ``more``. Its exception:
+            codec.TensorDecodeError (malformed hidden states), RequestError (unknown
+            request or offset mismatch), RequestDropped (released, or the plan
+            changed, before the step ran).
+        """
+        work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more)
+        self._enqueue(work)
+        return work.future
+
+    def submit_release(self, request_id: str) -> asyncio.Future:
+        """Drop a request's KV cache and any of its steps still waiting, after the step
+        running now (if any). The future's result says whether a cache was held."""
+        work = _Work(request_id, asyncio.get_running_loop().create_future(), release=True)
+        self._enqueue(work)
+        return work.future
+
+    async def swap_stage(self, stage: Stage | None) -> None:
+        """Serve ``stage`` from now on: waiting steps are dropped (their requests belong
+        to the old plan) and every KV cache goes (see :meth:`swap`)."""
+        self._drop(lambda w: True, "the plan changed")
+        await self.run(self.swap, stage)
+
+    def _enqueue(self, work: _Work) -> None:
+        self._queue.append(work)
+        if self._dispatcher is None or self._dispatcher.done():
+            self._wakeup = asyncio.Event()
+            self._dispatcher = asyncio.ensure_future(self._dispatch())
+        self._wakeup.set()
+
+    def _drop(self, which: Callable[[_Work], bool], why: str) -> None:
+        keep: deque[_Work] = deque()
+        for work in self._queue:
+            if work.release or not which(work):
+                keep.append(work)
+            elif not work.future.done():
+                work.future.set_exception(RequestDropped(f"request {work.request_id}: {why}"))
+        self._queue = keep
+
+    def _take_round(self) -> tuple[list[_Work], list[_Work]]:
+        """Releases to apply now, and the steps of the next forward (FCFS)."""
+        releases = [w for w in self._queue if w.release]
+        if releases:
+            released = {w.request_id for w in releases}
+            self._queue = deque(w for w in self._queue if not w.release)
+            self._drop(lambda w: w.request_id in released, "released")
+        if not self._queue:
+            return releases, []
+        first = self._queue.popleft()
+        batch = [first]
+        if first.tokens == 1 and not first.more and self.max_batch > 1:
+            seen = {first.request_id}
+            rest: deque[_Work] = deque()
+            for work in self._queue:
+                if (len(batch) < self.max_batch and work.tokens == 1 and not work.more
+                        and work.request_id not in seen):
+                    batch.append(work)
+                    seen.add(work.request_id)
+                else:
+                    rest.append(work)
+            self._queue = rest
+        return releases, batch
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            releases, batch = self._take_round()
+            if releases:
+                try:
+                    held = await loop.run_in_executor(self.executor, self._release_many,
+                                                      [w.request_id for w in releases])
+                except Exception as exc:  # noqa: BLE001 - reported to each waiter
+                    held = [exc] * len(releases)
+                for work, result in zip(releases, held, strict=True):
+                    _resolve(work.future, result)
+            if batch:
+                try:
+                    results = await loop.run_in_executor(self.executor, self._run_batch, batch)
+                except Exception as exc:  # noqa: BLE001 - the worker itself failed; fail these steps only
+                    log.exception("stage forward failed")
+                    results = [exc] * len(batch)
+                for work, result in zip(batch, results, strict=True):
+                    _resolve(work.future, result)
+
+    # --- worker-thread functions ---------------------------------------------------------
+
+    def swap(self, stage: Stage | None) -> None:
+        """Serve ``stage`` from now on (worker thread): every KV cache of the previous
+        stage is dropped (its requests resume on the new plan by re-prefilling)."""
+        self.stage = stage
+        self._requests.clear()
+        mx.clear_cache()
+
+    def _state(self, request_id: str, step: int, offset: int, sampling: SamplingParams | None) -> _RequestState:
+        if self.stage is None:
+            raise RequestError("this node holds no stage of the current plan")
+        if step == 0 and offset == 0:
+            sampler = RequestSampler(sampling or SamplingParams()) if self.stage.last else None
+            state = _RequestState(cache=self.stage.make_cache(), sampler=sampler)
+            self._requests[request_id] = state
+            return state
+        state = self._requests.get(request_id)
+        if state is None:
+            raise RequestError(f"request {request_id}: no KV cache on this stage (not prefilled or released)")
+        if state.offset != offset:
+            raise RequestError(
+                f"request {request_id}: offset {offset} does not match the {state.offset} tokens in its KV cache"
+            )
+        return state
+
+    def _input(self, payload: list[int] | pb.Tensor) -> mx.array:
+        if isinstance(payload, list):
+            if self.stage.first and (error := token_id_error(payload, self.stage.config.get("vocab_size"))):
+                raise RequestError(error)
+            return mx.array([payload], dtype=mx.int32)
+        x = codec.decode(payload, max_bytes=self.max_tensor_bytes, require_finite=True)
+        if (error := self.shape_error(tuple(x.shape))) is not None:
+            raise codec.TensorDecodeError(error)
+        return x
+
+    def shape_error(self, shape: tuple[int, ...]) -> str | None:
+        """Why hidden states of ``shape`` cannot enter this stage (it takes
+        ``(1, tokens, hidden_size)``), or ``None`` (also when no stage is loaded)."""
+        if self.stage is None:
+            return None
+        hidden = self.stage.hidden_size
+        if len(shape) != 3 or shape[0] != 1 or shape[2] != hidden:
+            return f"hidden states must have shape (1, tokens, {hidden}), got {shape}"
+        return None
+
+    def _finish_one(self, state: _RequestState, out: mx.array, tokens: int, more: bool) -> pb.Tensor | int | None:
+        state.offset += tokens
+        if not self.stage.last:
+            return codec.encode(out)
+        if more:
+            self.stage.settle(state.cache)  # fill the cache; the logits are never computed
+            return None
+        return state.sampler(out[0, -1])
+
+    def _run_batch(self, batch: list[_Work]) -> list[Any]:
+        """Run the steps of one round (worker thread): one multi-token step, or up to
+        ``max_batch`` one-token steps of different requests as one forward. Returns
+        each step's result or exception, in order."""
+        results: list[Any] = [None] * len(batch)
+        ready: list[tuple[int, _RequestState, mx.array]] = []
+        for i, work in enumerate(batch):
+            try:
+                x = self._input(work.payload)
+                ready.append((i, self._state(work.request_id, work.step, work.offset, work.sampling), x))
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                results[i] = exc
+        if len(ready) > 1 and mergeable([state.cache for _, state, _ in ready]):
+            self._forward_batched(ready, results)
+        elif len(ready) > 1 and hasattr(self.stage, "forward_many"):  # a tensor group batches in its ranks
+            outs = self.stage.forward_many([x for _, _, x in ready], [state.cache for _, state, _ in ready])
+            for (i, state, _), out in zip(ready, outs, strict=True):
+                try:
+                    results[i] = out if isinstance(out, Exception) else self._finish_one(state, out, 1, False)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    results[i] = exc
+        else:
+            for i, state, x in ready:
+                try:
+                    out = self.stage(x, state.cache, head=not batch[i].more)
+                    results[i] = self._finish_one(state, out, x.shape[1], batch[i].more)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    log.exception("stage forward failed for request %s", batch[i].request_id)
+                    results[i] = exc
+        if batch[0].tokens == 1:
+            self.last_batch = len(ready)
+            self.batch_histogram[len(ready)] += 1
+            self.recent_batches.append((time.monotonic(), len(ready)))
+        return results
+
+    def _forward_batched(self, ready: list[tuple[int, _RequestState, mx.array]], results: list[Any]) -> None:
+        """One forward for several one-token steps, their KV caches merged
+        (:func:`ringlet.daemon.engine.stage.forward_merged`)."""
+        x = mx.concatenate([x for _, _, x in ready], axis=0)
+        out = forward_merged(self.stage, x, [state.cache for _, state, _ in ready])
+        for row, (i, state, _) in enumerate(ready):
+            results[i] = self._finish_one(state, out[row:row + 1], 1, False)
+
+    def _release_many(self, request_ids: list[str]) -> list[bool]:
+        return [self.release(rid) for rid in request_ids]
+
+    def release(self, request_id: str) -> bool:
+        """Drop a request's KV cache (worker thread). Returns whether it was held."""
+        return self._requests.pop(request_id, None) is not None
+
+    def batch_stats(self, window_s: float = 10.0) -> dict:
+        """Decode batching figures for ``/v1/cluster``: the limit, the last batch, the
+        mean batch over the last ``window_s`` seconds, the histogram since start and
+        the steps waiting."""
+        now = time.monotonic()
+        recent = [n for t, n in self.recent_batches if now - t <= window_s]
+        return {
+            "max_batch": self.max_batch,
+            "last_batch": self.last_batch,
+            "mean_batch_recent": sum(recent) / len(recent) if recent else None,
+            "histogram": {str(k): v for k, v in sorted(self.batch_histogram.items())},
+            "queued": self.queued,
+        }
+
+    def close(self) -> None:
+        """Drop every cache and waiting step and stop the worker thread."""
+        self._drop(lambda w: True, "the node is shutting down")
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        self._requests.clear()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -1,0 +1,438 @@
+"""A pipeline stage: an mlx-lm model with only the layers ``[start, end)`` materialised.
+
+The stage runs the architecture's own forward code (any mlx-lm model whose decoder
+layers are a list): the full model object is built lazily (MLX allocates nothing
+until evaluated), then pruned *before* any weight is evaluated:
+
+* the decoder layer list is sliced to ``[start, end)``;
+* on a stage that is not first, the embedding is replaced by a pass-through, so the
+  model's forward takes hidden states ``(batch, tokens, hidden_size)`` where it
+  took token ids;
+* on a stage that is not last, the final norm and the head are identities, so the
+  forward returns hidden states; the last stage returns logits
+  ``(batch, tokens, vocab)``.
+
+Because the remaining computation is the same sequence of MLX operations as in the
+unsplit model, a split model's logits equal the single-process logits exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ringlet.daemon.engine import gguf as gguf_source
+from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
+from ringlet.daemon.errors import ModelFormatError, PlanError
+
+log = logging.getLogger(__name__)
+
+#: Architectures whose inner forward rescales the embedding output (e.g. Gemma's
+#: ``h * sqrt(hidden_size)``): a pass-through embedding would apply it twice on
+#: later stages, so they can only run as a single stage.
+NO_SPLIT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "recurrent_gemma"})
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+class _StageEmbedding(nn.Module):
+    """Stands in for ``embed_tokens``: embeds on the first stage, passes hidden states
+    through elsewhere; ``as_linear`` (tied head) projects only on the last stage."""
+
+    def __init__(self, real: nn.Module | None, embed_input: bool, head_output: bool):
+        super().__init__()
+        if real is not None:
+            self.real = real
+        self._embed_input = embed_input
+        self._head_output = head_output
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.real(x) if self._embed_input else x
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.real.as_linear(x) if self._head_output else x
+
+
+class _Identity(nn.Module):
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return x
+
+
+def validate_range(start: int, end: int, num_layers: int) -> None:
+    """Check a half-open layer range ``[start, end)`` against a model of ``num_layers``.
+
+    Raises:
+        PlanError: empty, reversed or out-of-bounds range.
+    """
+    if not (0 <= start < end <= num_layers):
+        raise PlanError(f"layer range [{start}, {end}) is not a non-empty range within [0, {num_layers})")
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The sub-module that owns the decoder layer list (``model.model`` in mlx-lm)."""
+    layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
+    for _, module in model.named_modules():
+        owned = getattr(module, "layers", None)
+        if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
+            return module
+    raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
+
+
+def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool]:
+    """Prune an (unevaluated) mlx-lm model in place to the stage ``[start, end)``.
+
+    Returns ``(first, last)``.
+
+    Raises:
+        PlanError: bad range, or a split of an architecture that cannot be split.
+    """
+    inner = _inner(model)
+    num_layers = len(inner.layers)
+    validate_range(start, end, num_layers)
+    first, last = start == 0, end == num_layers
+    if not (first and last) and model_type in NO_SPLIT_MODEL_TYPES:
+        raise PlanError(f"architecture {model_type!r} cannot be split into stages yet; run it on one node")
+    inner.layers = inner.layers[start:end]
+    # Some models index the cache list by a layer position computed for the full model.
+    if hasattr(inner, "fa_idx") and all(hasattr(layer, "use_sliding") for layer in inner.layers):
+        kinds = [layer.use_sliding for layer in inner.layers]
+        inner.fa_idx = kinds.index(False) if False in kinds else 0
+        if getattr(inner, "swa_idx", None) is not None:
+            inner.swa_idx = kinds.index(True) if True in kinds else 0
+    tied = not hasattr(model, "lm_head")
+    real = inner.embed_tokens
+    keep_embedding = first or (last and tied)
+    inner.embed_tokens = _StageEmbedding(real if keep_embedding else None, first, last)
+    if not last:
+        inner.norm = _Identity()
+        if hasattr(model, "lm_head"):
+            model.lm_head = _Identity()
+    return first, last
+
+
+def token_id_error(ids: list[int], vocab_size: int | None) -> str | None:
+    """Why ``ids`` cannot be embedded (``None`` = they can): an id outside
+    ``[0, vocab_size)`` would index past the embedding table, which MLX does not check
+    (the process would read outside it and crash). ``vocab_size=None``: not checked."""
+    if vocab_size and (bad := next((t for t in ids if not 0 <= t < vocab_size), None)) is not None:
+        return f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def mergeable(caches: list[list]) -> bool:
+    """Whether these requests' caches can join one batched forward: every layer a plain
+    ``KVCache`` (rotating, quantized or state-space caches run one request at a time)."""
+    from mlx_lm.models.cache import KVCache
+
+    return all(cache and all(type(c) is KVCache for c in cache) for cache in caches)
+
+
+def forward_merged(forward: Callable[[mx.array, list], mx.array], x: mx.array, caches: list[list]) -> mx.array:
+    """One forward of several requests' one-token steps (mlx-lm's batching machinery):
+    their caches (of different lengths, :func:`mergeable`) are merged layer by layer into
+    left-padded ``BatchKVCache``s, ``forward(x, merged)`` runs on ``x`` ``(n, 1, ...)``,
+    and each request's cache list is replaced, in place, by its row split back out.
+    Returns the evaluated output ``(n, 1, ...)``."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    merged = [BatchKVCache.merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
+    out = forward(x, merged)
+    mx.eval(out)
+    for row, cache in enumerate(caches):
+        cache[:] = [c.extract(row) for c in merged]
+    return out
+
+
+class StageRange:
+    """What a stage's layer range says about it; needs ``start``, ``end`` (the half-open
+    range ``[start, end)``), ``num_layers`` and ``config`` (mlx-lm ``config.json`` form)."""
+
+    start: int
+    end: int
+    num_layers: int
+    config: dict
+
+    @property
+    def first(self) -> bool:
+        """It embeds token ids (holds layer 0)."""
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        """It ends with the output head (holds the last layer)."""
+        return self.end == self.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden states it takes and gives."""
+        return int(self.config["hidden_size"])
+
+
+@dataclass
+class Stage(StageRange):
+    """A loaded stage: a pruned model that maps its input to its output.
+
+    Attributes:
+        model: the pruned mlx-lm model.
+        start, end: the half-open layer range ``[start, end)``.
+        num_layers: layers in the whole model.
+        config: the model config (mlx-lm ``config.json`` form).
+        reused_prefixes: parameter prefixes taken from a previous stage, not read.
+    """
+
+    model: nn.Module
+    start: int
+    end: int
+    num_layers: int
+    config: dict
+    reused_prefixes: frozenset[str] = frozenset()
+
+    def make_cache(self) -> list:
+        """A fresh per-request KV cache: one entry per layer of this stage."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def __call__(self, x: mx.array, cache: list, head: bool = True) -> mx.array:
+        """Run the stage.
+
+        Args:
+            x: token ids ``(batch, tokens)`` int32 on the first stage, hidden states
+                ``(batch, tokens, hidden_size)`` on the others.
+            cache: this request's cache from :meth:`make_cache` (updated in place).
+            head: unused here (the output is lazy: a caller that needs only the cache
+                evaluates it with :meth:`settle`); a tensor-group stage skips the head.
+
+        Returns:
+            Hidden states ``(batch, tokens, hidden_size)``, or logits
+            ``(batch, tokens, vocab)`` on the last stage. Lazy: evaluate it.
+        """
+        return self.model(x, cache=cache)
+
+    def settle(self, cache: list) -> None:
+        """Evaluate a request's KV cache after a forward whose output is not needed."""
+        mx.eval([c.state for c in cache])
+
+    def nbytes(self) -> int:
+        """Bytes of the parameters this stage holds."""
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+    def loaded_bytes(self) -> int:
+        """Bytes this stage read from disk (its parameters minus the reused ones)."""
+        return sum(v.nbytes for name, v in tree_flatten(self.model.parameters())
+                   if not any(name.startswith(p) for p in self.reused_prefixes))
+
+
+def _model_classes(config: dict):
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(config)
+    except ValueError:
+        raise ModelFormatError(
+            f"unsupported architecture {config.get('model_type')!r}: mlx-lm has no model class for it"
+        ) from None
+
+
+def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
+    def cast(path: str, module: nn.Module) -> None:
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return
+        for key, value in module.items():
+            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+                module[key] = value.astype(dtype)
+
+    model.apply_to_modules(cast)
+
+
+def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage | None) -> set[str]:
+    """Move the already-materialised modules of ``reuse`` that the new stage
+    ``[start, end)`` also needs into ``model``. Returns the model-relative prefixes
+    that were reused (their tensors must not be read again)."""
+    if reuse is None:
+        return set()
+    inner, old_inner = _inner(model), _inner(reuse.model)
+    done: set[str] = set()
+    for g in range(max(start, reuse.start), min(end, reuse.end)):
+        inner.layers[g - start] = old_inner.layers[g - reuse.start]
+        done.add(f"model.layers.{g - start}.")
+    new_embed, old_embed = inner.embed_tokens, old_inner.embed_tokens
+    if "real" in new_embed and isinstance(old_embed, _StageEmbedding) and "real" in old_embed:
+        new_embed.real = old_embed.real
+        done.add("model.embed_tokens.")
+    if reuse.last and end == num_layers:
+        inner.norm = old_inner.norm
+        done.add("model.norm.")
+        if hasattr(model, "lm_head") and hasattr(reuse.model, "lm_head"):
+            model.lm_head = reuse.model.lm_head
+            done.add("lm_head.")
+    return done
+
+
+def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple[nn.Module, dict]:
+    """The whole model, built but never evaluated (MLX allocates nothing), with the
+    same quantization and dtype :func:`load_stage` would give it: for sizing plans
+    (``modelspec.model_spec_from_model``) without reading weights.
+
+    Raises:
+        ModelFormatError: unreadable or unsupported model.
+    """
+    mx_dtype = DTYPES.get(dtype) if dtype else None
+    if location.kind == "gguf":
+        g = gguf_source.open_gguf(location.path)
+        config = dict(g.config)
+        model_class, args_class = _model_classes(config)
+        model = model_class(args_class.from_dict(config))
+        bits = {}
+        for name, tensor in g.tensors.items():
+            width = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(tensor.tensor_type.name)
+            if width and mx_dtype is None and len(tensor.shape) == 2:
+                bits[gguf_source.mlx_name(name)] = width
+        # as loaded: quantized tensors carry float16 scales and biases; --dtype casts all
+        _cast(model, mx_dtype or mx.float16)
+
+        def predicate(path: str, module: nn.Module) -> dict | bool:
+            if path in bits and hasattr(module, "to_quantized"):
+                return {"group_size": gguf_source.GROUP, "bits": bits[path]}
+            return False
+
+        if bits:
+            nn.quantize(model, class_predicate=predicate)
+        return model, config
+    from mlx_lm.utils import load_model
+
+    config = read_config(location)
+    _model_classes(config)
+    try:
+        model, config = load_model(Path(location.path), lazy=True, strict=False)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise ModelFormatError(f"{location.path}: cannot build the model: {exc}") from None
+    if mx_dtype is not None:
+        _cast(model, mx_dtype)
+    return model, config
+
+
+def load_stage(location: ModelLocation, start: int, end: int | None = None, dtype: str | None = None,
+               reuse: Stage | None = None, progress: Callable[[int, int], None] | None = None) -> Stage:
+    """Load the stage ``[start, end)`` of a model, reading only that stage's tensors.
+
+    Args:
+        location: from :func:`ringlet.daemon.engine.sources.resolve`.
+        start, end: half-open layer range; ``end=None`` means the last layer.
+        dtype: ``None`` keeps the model's own precision (GGUF Q4_0/Q4_1/Q8_0 stay
+            quantized); ``"float16"``, ``"bfloat16"`` or ``"float32"`` dequantize/cast.
+        reuse: a loaded stage of the same model and dtype; the layers (and embedding,
+            norm, head) both stages need are taken from it instead of being read
+            again, so re-sharding reads only the layers that moved.
+        progress: called as ``progress(done, total)`` (tensors or layers) while loading.
+
+    Raises:
+        ModelFormatError: unreadable, truncated or unsupported model files.
+        PlanError: a bad layer range.
+        ValueError: an unknown ``dtype``.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    mx_dtype = DTYPES.get(dtype) if dtype else None
+    if location.kind == "gguf":
+        return _load_gguf_stage(location.path, start, end, mx_dtype, reuse, progress)
+    return _load_mlx_stage(location, start, end, mx_dtype, reuse, progress)
+
+
+def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype, reuse: Stage | None,
+                    progress: Callable[[int, int], None] | None = None) -> Stage:
+    from mlx_lm.utils import load_model
+
+    config = read_config(location)
+    _model_classes(config)  # clear error for unknown architectures
+    for path in sorted(Path(location.path).glob("*.safetensors")):
+        check_safetensors(path)
+    try:
+        model, config = load_model(Path(location.path), lazy=True, strict=True)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise ModelFormatError(f"{location.path}: cannot build the model: {exc}") from None
+    num_layers = len(model.layers)
+    end = num_layers if end is None else end
+    prune(model, start, end, config.get("model_type", ""))
+    if dtype is not None:
+        _cast(model, dtype)
+    reused = _reuse(model, start, end, num_layers, reuse)
+    try:
+        layers = _inner(model).layers
+        for i, layer in enumerate(layers):  # layer by layer, for progress
+            mx.eval(layer.parameters())
+            if progress is not None:
+                progress(i + 1, len(layers))
+        mx.eval(model.parameters())
+    except (RuntimeError, ValueError) as exc:
+        raise ModelFormatError(f"{location.path}: cannot read the weights: {exc}") from None
+    return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config,
+                 reused_prefixes=frozenset(reused))
+
+
+def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stage | None,
+                     progress: Callable[[int, int], None] | None = None) -> Stage:
+    g = gguf_source.open_gguf(path)
+    config = dict(g.config)
+    model_class, args_class = _model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    num_layers = len(model.layers)
+    end = num_layers if end is None else end
+    first, last = prune(model, start, end, config["model_type"])
+
+    def local(name: str) -> str:
+        # global layer index -> index within the stage; embedding sits under the stand-in
+        if name.startswith("model.layers."):
+            rest = name[len("model.layers.") :]
+            idx, _, tail = rest.partition(".")
+            return f"model.layers.{int(idx) - start}.{tail}"
+        if name == "model.embed_tokens":
+            return "model.embed_tokens.real"
+        return name
+
+    reused = _reuse(model, start, end, num_layers, reuse)
+    weights: list[tuple[str, mx.array]] = []
+    quant: dict[str, int] = {}
+    skip = {name for name in gguf_source.stage_tensor_names(g, start, end, first, last)
+            if any((local(gguf_source.mlx_name(name)) + ".").startswith(p) for p in reused)}
+    total = len(gguf_source.stage_tensor_names(g, start, end, first, last)) - len(skip)
+    for done, (prefix, arrays) in enumerate(gguf_source.stage_weights(g, start, end, first, last, dtype,
+                                                                      skip=skip), start=1):
+        if progress is not None:
+            progress(done, total)
+        bits = arrays.pop("_bits", None)
+        target = local(prefix)
+        if bits is not None:
+            quant[target] = bits
+        for key, arr in arrays.items():
+            mx.eval(arr)
+            weights.append((f"{target}.{key}", arr))
+        mx.clear_cache()  # return intermediates (packed words, fp32 scales) before the next tensor
+    if quant:
+        config["quantization"] = {"group_size": gguf_source.GROUP, "bits": 4}
+
+        def predicate(path: str, module: nn.Module) -> dict | bool:
+            if path in quant and hasattr(module, "to_quantized"):
+                return {"group_size": gguf_source.GROUP, "bits": quant[path]}
+            return False
+
+        nn.quantize(model, class_predicate=predicate)
+    try:
+        model.load_weights(weights, strict=not reused)
+    except ValueError as exc:
+        raise ModelFormatError(f"{path}: weights do not match the architecture: {exc}") from None
+    if reused:  # strict check by hand: every parameter not reused was read
+        loaded = {name for name, _ in weights}
+        missing = [name for name, _ in tree_flatten(model.parameters())
+                   if name not in loaded and not any(name.startswith(p) for p in reused)]
+        if missing:
+            raise ModelFormatError(f"{path}: no tensors for {missing[:3]}")
+    mx.eval(model.parameters())
+    return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config,
+                 reused_prefixes=frozenset(reused))

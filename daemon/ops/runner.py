@@ -1,0 +1,453 @@
+"""``ringlet run``: one daemon process — identity, probes, discovery, membership,
+negotiation, the serving node, its gRPC server and its HTTP API.
+
+With ``--plan`` the node serves that static plan (an explicit override). Without
+it the node finds its peers (mDNS, ``--peers``, gossip), and the members agree on
+plans by negotiation (:mod:`ringlet.daemon.cluster.negotiation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+from ringlet.daemon.api.app import create_app
+from ringlet.daemon.cluster.static_plan import parse_plan, validate
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.memory_tuning import tune_allocator
+from ringlet.daemon.engine.model_info import load_tokenizer, model_info
+from ringlet.daemon.engine.sources import resolve
+from ringlet.daemon.errors import PlanError, RingletError
+from ringlet.daemon.node import Node, NodeConfig
+from ringlet.daemon.ops.secret import api_limits, transport_config
+
+log = logging.getLogger(__name__)
+
+LINK_REFRESH_S = 30.0
+
+
+def parse_size(text: str | None) -> int | None:
+    """``"4GB"``, ``"512MiB"``, ``"1e9"`` -> bytes.
+
+    Raises:
+        RingletError: not a size.
+    """
+    if text is None:
+        return None
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise RingletError(f"--memory-limit: {text!r} is not a size (e.g. 8GB, 512MiB)") from None
+    if value <= 0:
+        raise RingletError("--memory-limit must be positive")
+    return int(value)
+
+
+def machine_cache_dir() -> Path:
+    """Machine-wide cache (``$XDG_CACHE_HOME/ringlet``, ``~/Library/Caches/ringlet`` on macOS)."""
+    import os
+    import sys
+
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = base / "ringlet"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _public_host(args) -> str:
+    """The address peers dial: ``--advertise-host``, else ``--host`` unless it is a
+    wildcard, else the first IPv4 address of the mDNS interfaces.
+
+    Raises:
+        RingletError: a wildcard ``--host`` and no usable address to advertise.
+    """
+    if args.advertise_host:
+        return args.advertise_host
+    if args.host not in ("0.0.0.0", ""):  # noqa: S104 - comparison only
+        return args.host
+    from ringlet.daemon.cluster.discovery import interface_addresses
+
+    addresses = [a for a in interface_addresses(args.interface or None) if not a.startswith("127.")]
+    if not addresses:
+        raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
+    return addresses[0]
+
+
+def build_config(args) -> tuple[NodeConfig, int]:
+    """Resolve the model and the (optional) static plan from CLI arguments.
+
+    Returns ``(config, context tokens)``.
+
+    Raises:
+        ModelNotFound, ModelFormatError, PlanError: with a message naming the problem.
+    """
+    location = getattr(args, "fetched_location", None) or resolve(args.model)
+    info = model_info(location)
+    address = f"{args.host}:{args.port}"
+    plan = None
+    if args.plan:
+        plan = parse_plan(args.plan)
+        validate(plan, info.num_layers)
+        if address not in {s.address for s in plan}:
+            raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
+    return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=args.dtype,
+                      node_id=getattr(args, "node_id", "") or "",
+                      max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
+                      prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
+                      transport=transport_config(args, getattr(args, "node_id", "") or address),
+                      vocab_size=info.vocab_size, context_tokens=info.context_tokens), \
+        info.context_tokens
+
+
+async def _measure_links(node: Node, membership, probe) -> None:
+    """Measure every member's link now and every LINK_REFRESH_S; publish in our record."""
+    from ringlet.daemon.cluster.linkprobe import link_kind, measure
+
+    tb_ifaces = {p.interface for p in getattr(probe, "thunderbolt", ()) if getattr(p, "interface", None)}
+    try:
+        from ringlet.daemon.probes.interfaces import interface_for_peer
+    except ImportError:  # pragma: no cover
+        interface_for_peer = None
+    links: dict[str, dict] = {}
+    while True:
+        # members re-measure after the same membership change: spread the bulk probes so
+        # they do not share (and under-read) one node's link
+        await asyncio.sleep(random.uniform(0.0, 1.0))  # noqa: S311 - jitter, not crypto
+        for member in list(membership.members.values()):
+            host = member.address.rsplit(":", 1)[0]
+            try:
+                m = await measure(membership.stub(member.address), link_kind(host, tb_ifaces, interface_for_peer))
+                links[member.node_id] = m.to_dict()
+            except Exception as exc:  # noqa: BLE001 - a failed measurement keeps the old figure
+                log.debug("link to %s not measured: %s", member.node_id, exc)
+        for gone in set(links) - set(membership.members):
+            links.pop(gone)
+        record = dict(membership.own_record)
+        record["links"] = {k: dict(v) for k, v in sorted(links.items())}
+        membership.set_record(record)
+        try:
+            await asyncio.wait_for(membership.links_wanted.wait(), timeout=LINK_REFRESH_S)
+        except TimeoutError:
+            pass
+        membership.links_wanted.clear()
+
+
+def _make_fetcher(node: Node, membership, cache_dir: Path):
+    """``fetch(start, end)``: pull a stage's tensors from the first member that serves them."""
+    from ringlet.daemon.shards.transfer import cached_shard, fetch_shard_detailed
+    from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+
+    name = node.config.model.name
+
+    async def fetch(start: int, end: int) -> None:
+        if cached_shard(cache_dir, name, (start, end)) is not None:
+            return
+        errors = []
+        for member in list(membership.members.values()):
+            try:
+                result = await fetch_shard_detailed(pb_grpc.RingStub(membership.channel(member.address)), name,
+                                                    (start, end), cache_dir, progress=sys.stderr.isatty())
+            except Exception as exc:  # noqa: BLE001 - try the next member
+                errors.append(f"{member.node_id}: {exc}")
+                continue
+            node.event("fetch", f"layers [{start}, {end}) from {member.node_id[:8]}: "
+                                f"{result.bytes_fetched / 1e6:.1f} MB in {result.seconds:.2f} s, "
+                                f"{result.chunks_resent} chunk(s) re-sent after a failed check")
+            return
+        raise RingletError(f"no member served layers [{start}, {end}) of {name}: {'; '.join(errors) or 'none'}")
+
+    return fetch
+
+
+async def _start_cluster(args, node: Node, context_tokens: int):
+    """Identity, probes, membership, negotiation and discovery for a negotiated node."""
+    from ringlet.daemon.cluster.discovery import Discovery, parse_peers
+    from ringlet.daemon.cluster.identity import NodeIdentity, cluster_id
+    from ringlet.daemon.cluster.membership import Membership
+    from ringlet.daemon.cluster.negotiation import Negotiator
+    from ringlet.daemon.engine.modelspec import model_spec_from_model
+    from ringlet.daemon.engine.stage import build_lazy_model
+    from ringlet.daemon.probes import probe_local
+    from ringlet.daemon.tensor.group import model_tp_spec
+    from ringlet.daemon.tensor.serving import TPServing, thunderbolt_record
+    from ringlet.partitioning import Policy
+
+    loop = asyncio.get_running_loop()
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
+    identity = NodeIdentity.load_or_create(data_dir)
+    node.node_id = identity.node_id
+    node.cluster_id = cluster_id(args.cluster)
+    node.incarnation = identity.incarnation
+    # Speeds are a property of the machine: cache them machine-wide, so daemons that
+    # share a machine plan with the same figures instead of each its own noisy one.
+    cache_dir = machine_cache_dir()
+    probe = await loop.run_in_executor(None, lambda: probe_local(cache_dir))
+    memory = probe.memory
+    usable = memory.usable_memory_bytes
+    limit = parse_size(args.memory_limit)
+    if limit is not None:
+        usable = min(usable, limit)
+    speed = probe.speed
+    public = _public_host(args)
+    api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
+    record = {
+        "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
+        "memory_total_bytes": memory.total_bytes, "usable_memory_bytes": usable,
+        "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
+        "flops": speed.matmul_flops if speed else None,
+        "api_url": f"http://{api_host}:{args.api_port}", "links": {},
+        "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
+        "whole_model": getattr(args, "fetched_location", None) is None,  # a tensor rank needs every layer
+    }
+    model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
+    spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
+                                 name=node.config.model.name, config=config)
+    num_layers = len(spec.layer_bytes)
+    tp_spec = await loop.run_in_executor(None, model_tp_spec, node.config.model, node.config.dtype)
+
+    advertise = f"{public}:{args.port}"
+    membership = Membership(
+        identity.node_id, advertise, node.cluster_id, identity.incarnation, node.config.transport,
+        heartbeat_s=args.heartbeat_s, suspect_after_s=2 * args.heartbeat_s, remove_after_s=args.remove_after_s,
+        on_event=node.event, epoch_fn=lambda: (node.epoch, node.plan.plan_id if node.plan else ""))
+    membership.set_record(record)
+    negotiator = Negotiator(node, membership, spec, node.config.model.name, num_layers,
+                            Policy(name=args.policy), settle_s=args.settle_s,
+                            initial_settle_s=args.initial_settle_s)
+
+    def on_change() -> None:
+        negotiator.membership_changed()
+        membership.links_wanted.set()
+
+    membership.on_change = on_change
+    node.cluster = negotiator
+    node.tp = tp = TPServing(node, membership, args.mode, tp_spec, str(node.config.model.path), node.config.dtype)
+    negotiator.tp = tp
+    tp.on_failed = negotiator.membership_changed  # a group that gave up: re-plan (on the pipeline)
+    membership.on_record_changed = tp.record_changed  # another member's group gave up (hybrid plans)
+    if getattr(args, "fetched_location", None) is not None:
+        node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
+        for message in getattr(args, "fetch_events", []):
+            node.event("fetch", message)
+    await membership.start()
+    await negotiator.start()
+    tasks = [asyncio.create_task(_measure_links(node, membership, probe), name="links")]
+
+    discovery = None
+    if not args.no_mdns:
+        async def on_conflict(other) -> None:
+            new = identity.regenerate(f"another live node at {list(other.addresses)} holds id {other.node_id} "
+                                      "and started earlier (cloned disk?)")
+            node.node_id = new
+            membership.node_id = new
+            node.event("identity", f"took a fresh id {new}: another live node had ours")
+            await discovery.set_node_id(new)
+
+        def on_peer(advert) -> None:
+            for host in advert.addresses:
+                membership.consider(f"{host}:{advert.grpc_port}", advert.node_id)
+
+        def on_goodbye(node_id: str) -> None:
+            membership.suspect(node_id, "mDNS goodbye")
+
+        interfaces = args.interface or None
+        discovery = Discovery.for_identity(identity, args.cluster, args.port, args.api_port, interfaces=interfaces,
+                                           on_peer=on_peer, on_goodbye=on_goodbye, on_conflict=on_conflict,
+                                           secret=node.config.transport.secret)
+        await discovery.start()
+    for host, port in parse_peers(args.peers) if args.peers else []:
+        membership.consider(f"{host}:{port}")
+
+    async def redial() -> None:
+        """Re-dial --peers and members lost in the last minutes, and re-query mDNS while a
+        member is lost or suspect (every 2 s) or while this node is alone (every 10 s):
+        a peer that comes back after a cut link is found again (mDNS caches alone would
+        take ~19 min, and a running browser does not re-query by itself)."""
+        rounds = 0
+        while True:
+            await asyncio.sleep(2.0)
+            rounds += 1
+            for host, port in parse_peers(args.peers) if args.peers else []:
+                membership.consider(f"{host}:{port}")
+            lost = membership.redial_lost()
+            suspect = any(m.state == "suspect" for m in membership.members.values())
+            alone = not membership.members
+            if discovery is not None and (lost or suspect or (alone and rounds % 5 == 0)):
+                with contextlib.suppress(Exception):
+                    await discovery.refresh(timeout=0.5)
+
+    tasks.append(asyncio.create_task(redial(), name="redial"))
+
+    async def stop() -> None:
+        for t in tasks:
+            t.cancel()
+        await tp.close()
+        await negotiator.stop()
+        if discovery is not None:
+            with contextlib.suppress(Exception):
+                await discovery.stop()
+        await membership.stop()
+        identity.close()
+
+    return stop
+
+
+async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
+    """A rich progress bar while this node loads a stage (plain runs in a terminal)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = None
+        while not stop.is_set():
+            fraction = node.loading_progress
+            if fraction is not None:
+                spec = node.plan.stages[node.index] if node.plan and node.index is not None else None
+                if task is None:
+                    task = bar.add_task("loading layers", total=1.0)
+                where = f" layers [{spec.start}, {spec.end})" if spec else ""
+                bar.update(task, completed=fraction, description=f"loading {node.config.model.name}{where}")
+            elif task is not None:
+                bar.remove_task(task)
+                task = None
+            await asyncio.sleep(0.2)
+
+
+async def _bootstrap_fetch(args) -> None:
+    """``--fetch-model`` on a node without the model files: find a member (``--peers`` or
+    mDNS), pull the model's header (tokenizer, config) and first layer into the local
+    sparse copy, and serve from that copy (the rest is pulled per stage at prepare).
+
+    Raises:
+        RingletError: no member answered with the model.
+    """
+    from ringlet.daemon.cluster.discovery import Discovery, parse_peers
+    from ringlet.daemon.cluster.identity import NodeIdentity
+    from ringlet.daemon.engine.sources import KNOWN_MODELS
+    from ringlet.daemon.errors import ModelNotFound
+    from ringlet.daemon.shards.transfer import cached_shard, fetch_shard_detailed
+    from ringlet.daemon.wire.transport import make_channel
+
+    try:
+        resolve(args.model)
+        return  # the files are here after all
+    except ModelNotFound:
+        pass
+    name = (args.model or "smollm2-135m").lower() if (args.model or "smollm2-135m").lower() in KNOWN_MODELS \
+        else Path(args.model).stem
+    cache_dir = (Path(args.data_dir).expanduser() if args.data_dir else machine_cache_dir()) / "shards"
+    local = cached_shard(cache_dir, name, (0, 1))
+    if local is None:
+        candidates = [f"{h}:{p}" for h, p in parse_peers(args.peers)] if args.peers else []
+        if not candidates and not args.no_mdns:
+            found: list[str] = []
+            data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
+            with NodeIdentity.load_or_create(data_dir) as ident:
+                disc = Discovery.for_identity(
+                    ident, args.cluster, args.port, args.api_port, interfaces=args.interface or None,
+                    on_peer=lambda a: found.extend(f"{h}:{a.grpc_port}" for h in a.addresses))
+                await disc.start()
+                deadline = time.monotonic() + 15
+                while not found and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                await disc.stop()
+            candidates = found
+        errors = []
+        for address in candidates:
+            channel = make_channel(transport_config(args, "bootstrap"), address)
+            try:
+                from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+
+                result = await fetch_shard_detailed(pb_grpc.RingStub(channel), name, (0, 1), cache_dir,
+                                                    progress=sys.stderr.isatty())
+                local = result.location
+                args.fetch_events = [f"model header and layers [0, 1) from {address}: "
+                                     f"{result.bytes_fetched / 1e6:.1f} MB in {result.seconds:.2f} s, "
+                                     f"{result.chunks_resent} chunk(s) re-sent after a failed check"]
+                break
+            except Exception as exc:  # noqa: BLE001 - try the next member
+                errors.append(f"{address}: {exc}")
+            finally:
+                await channel.close()
+        if local is None:
+            raise RingletError(f"model {name!r} is not on this machine and no member served it "
+                               f"({'; '.join(errors) or 'no member found; pass --peers'})")
+    log.info("model %s: serving from the local partial copy %s (shards are pulled from members)", name, local.path)
+    args.fetched_location = local
+    args.fetch_cache_dir = cache_dir
+
+
+async def serve(args) -> int:
+    """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
+    tune_allocator()
+    mode = getattr(args, "mode", "auto")
+    if args.plan and mode in ("tensor", "hybrid"):
+        raise RingletError(f"--mode {mode} needs negotiated plans; drop --plan (a static plan is a pipeline)")
+    if getattr(args, "fetch_model", False):
+        await _bootstrap_fetch(args)
+    config, context = build_config(args)
+    node = Node(config)
+    loop = asyncio.get_running_loop()
+    stop_cluster = None
+    # Import what the worker threads import, here, once: two threads importing
+    # mlx_lm at the same time can deadlock on the import lock.
+    import mlx_lm.models.cache  # noqa: F401
+    import mlx_lm.tokenizer_utils  # noqa: F401
+    if config.plan is not None:
+        # The tokenizer first, so the memory figure taken before the stage loads
+        # (node.memory["rss_before_load_bytes"]) is that of a daemon holding no weights.
+        tokenizer = await loop.run_in_executor(None, load_tokenizer, config.model)
+        await node.start()
+    else:
+        # Join the cluster first (peers see this node within a second) and build the
+        # tokenizer (seconds, for a large vocabulary) meanwhile.
+        tokenizing = loop.run_in_executor(None, load_tokenizer, config.model)
+        await node.start()
+        stop_cluster = await _start_cluster(args, node, context)
+        tokenizer = await tokenizing
+    app = create_app(node, tokenizer, config.model.name, context, limits=api_limits(args))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
+                                           lifespan="off", access_log=False))
+    log.info("node %s: gRPC %s, API http://%s:%d, %s", node.node_id, config.address, args.api_host, args.api_port,
+             "static plan" if config.plan is not None else f"cluster {args.cluster!r}")
+    started = time.monotonic()
+    dashboard = None
+    stop_dashboard = asyncio.Event()
+    if sys.stdout.isatty() and not getattr(args, "no_dashboard", False):
+        from ringlet.daemon.ops.dashboard import live_dashboard
+        from ringlet.daemon.wire.auth import client_api_key
+
+        local = "127.0.0.1" if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison
+        key_file = getattr(args, "api_key_file", None)
+        key = client_api_key(key_file) if key_file else None  # its own /v1/cluster is behind the same keys
+        dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard, key))
+    elif sys.stdout.isatty():
+        dashboard = asyncio.create_task(_loading_bar(node, stop_dashboard))
+    try:
+        await server.serve()
+    finally:
+        if dashboard is not None:
+            stop_dashboard.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(dashboard, timeout=2)
+        if stop_cluster is not None:
+            await stop_cluster()
+        await node.stop()
+    log.info("stopped after %.0f s", time.monotonic() - started)
+    return 0

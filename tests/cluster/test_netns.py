@@ -1,0 +1,237 @@
+"""Network-namespace tests (issues 4 and 5): real daemons, each in its own network
+namespace on a bridge (see ``tests/netns.py``), real mDNS across the bridge, links
+shaped with ``tbf`` and cut with ``ip link set ... down``.
+
+Needs root and iproute2; skips with the reason otherwise. Nothing is sent on a real
+interface: every address lives in namespaces the lab creates.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from netns import NetnsLab, cleanup_stale, in_namespace, skip_reason, summarise
+from streaming import Stream
+
+_reason = skip_reason()
+pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pytest.mark.timeout(170)]
+
+PROMPT = "Once upon a time"
+LONG = 120  # tokens of the stream that is cut
+GAP_LIVENESS_S = 15.0  # seconds; the goal of < 5 s is a benchmark figure
+SHAPED_RATE = "100mbit"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftovers():
+    if _reason is None:
+        removed = cleanup_stale()
+        if removed:
+            print(f"removed leftover namespaces of dead runs: {removed}")
+    yield
+
+
+@pytest.fixture
+def lab():
+    """A lab whose namespaces, veths, bridge and daemons are removed even on failure."""
+    lab = NetnsLab()
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.1f} MB/s"
+
+
+# --------------------------------------------------------------------------- issue 4
+
+
+def test_shaped_node_links_are_measured_slow(lab: NetnsLab):
+    """4 nodes, node 3's veth pair shaped to 100 Mbit/s: every link measured to and from
+    it is at most a quarter of every link among the others, and /v1/cluster marks
+    exactly its links slow on every node."""
+    nodes = [lab.add_node() for _ in range(4)]
+    shaped = nodes[3]
+    lab.shape(shaped.index, rate=SHAPED_RATE)
+    t0 = time.monotonic()
+    try:
+        for d in nodes:
+            lab.start(d)
+        for d in nodes:
+            lab.wait_healthy(d, t0 + 120)
+        healthy = time.monotonic() - t0
+
+        views = lab.wait_converged(stages=None, timeout_s=90)
+        # every node has measured its 3 peers, and every node holds every record (same graph everywhere)
+        deadline = time.monotonic() + 60
+        while True:
+            records = lab.node_records(nodes)
+            views = lab.views(nodes)
+            graphs = {json.dumps(sorted((link["a"], link["b"], link["bandwidth_bytes_per_s"], link["slow"])
+                                        for link in v["links"])) if isinstance(v, dict) else repr(v)
+                      for v in views.values()}
+            if (all(len(r["record"].get("links", {})) == 3 for r in records.values()) and len(graphs) == 1
+                    and all(len(v["links"]) == 6 for v in views.values())):
+                break
+            assert time.monotonic() < deadline, (records, summarise(views))
+            time.sleep(0.3)
+        formed = time.monotonic() - t0
+        index = {r["node_id"]: i for i, r in records.items()}
+
+        # per direction, as each node measured it (a, b) = measured from a to b
+        directed = {(i, index[b]): link["bandwidth_bytes_per_s"]
+                    for i, r in records.items() for b, link in r["record"]["links"].items()}
+        rtts = {(i, index[b]): link["rtt_s"] for i, r in records.items() for b, link in r["record"]["links"].items()}
+        touching = {k: v for k, v in directed.items() if shaped.index in k}
+        others = {k: v for k, v in directed.items() if shaped.index not in k}
+        print(f"\nhealthy after {healthy:.1f} s, cluster formed with all links measured after {formed:.1f} s")
+        for k in sorted(directed):
+            tag = "shaped" if shaped.index in k else "      "
+            print(f"  {tag} {k[0]} -> {k[1]}: {_mb(directed[k])}, rtt {rtts[k] * 1e3:.2f} ms")
+        assert len(touching) == 6 and len(others) == 6
+        worst_ratio = max(touching.values()) / min(others.values())
+        print(f"  fastest shaped {_mb(max(touching.values()))} / slowest unshaped {_mb(min(others.values()))}"
+              f" = {worst_ratio:.3f}")
+        assert worst_ratio <= 0.25, (touching, others)
+
+        # the topology on every node: exactly the shaped node's 3 links are slow
+        shaped_id = views[shaped.index]["node_id"]
+        for i, v in views.items():
+            slow = {frozenset((link["a"], link["b"])) for link in v["links"] if link["slow"]}
+            expected = {frozenset((shaped_id, v2["node_id"])) for j, v2 in views.items() if j != shaped.index}
+            assert slow == expected, (i, v["links"])
+    except BaseException:
+        print(lab.dump_logs(40))
+        raise
+
+
+# --------------------------------------------------------------------------- issue 5 item 7
+
+
+def _reference(max_tokens: int) -> subprocess.Popen:
+    """``ringlet generate`` (one process, no network) for the undisturbed ids, started now."""
+    return subprocess.Popen([sys.executable, "-m", "ringlet.daemon.ops.cli", "generate", "--json", "--max-tokens",
+                             str(max_tokens), PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _events(views: dict, kind: str, about: str, after: float) -> list[float]:
+    """Wall times of the ``kind`` events mentioning ``about`` after ``after``, over ``views``."""
+    return sorted(e["ts"] for v in views.values() if isinstance(v, dict) for e in v.get("events", [])
+                  if e["kind"] == kind and about in e["message"] and e["ts"] >= after)
+
+
+def test_cut_link_mid_stream_then_restore_rejoins(lab: NetnsLab):
+    """3 nodes; a stream through a node that stays connected; the middle stage's veth
+    is cut mid-stream: the stream completes with the undisturbed ids and no gap of
+    5 s; the link is restored and the node rejoins without a restart."""
+    ref = _reference(LONG)
+    try:
+        nodes = lab.start_all(3)
+        views = lab.wait_converged(stages=3, timeout_s=90)
+        out, err = ref.communicate(timeout=120)
+        assert ref.returncode == 0, err
+        expected = json.loads(out)["completion_ids"]
+        assert len(expected) == LONG
+
+        plan = views[0]["plan"]
+        epoch_before = views[0]["epoch"]
+        middle = lab.index_of(plan[1]["node_id"])
+        middle_id = plan[1]["node_id"]
+        api = next(d for d in nodes if d is not middle)
+        others = [d for d in nodes if d is not middle]
+        pids = {d.index: d.proc.pid for d in nodes}
+        print(f"\nplan epoch {epoch_before}: {[(s['node_id'][:8], s['start'], s['end']) for s in plan]}; "
+              f"cutting node {middle.index} ({middle.ip}, stage 1) on the switch side; "
+              f"streaming through node {api.index}")
+
+        stream = Stream(api.api_url, PROMPT, LONG, timeout_s=120, context=lambda: in_namespace(lab.hub))
+        stream.wait_tokens(15, timeout_s=60)
+        lab.cut(middle.index)
+        cut_wall, cut_at = time.time(), time.monotonic()
+        tokens_at_cut = len(stream.ids)
+        stream.join(120)
+
+        gaps = stream.gaps()
+        longest = max(gaps, default=0.0)
+        worst = gaps.index(longest) if gaps else 0
+        after = lab.views(others)
+        suspect = _events(after, "suspect", middle_id, cut_wall)
+        left = _events(after, "leave", middle_id, cut_wall)
+        replan = _events({api.index: after[api.index]}, "replan", "epoch", cut_wall)
+        resumed = _events({api.index: after[api.index]}, "resume", "", cut_wall)
+
+        def rel(ts: list[float]) -> str:
+            return ", ".join(f"{t - cut_wall:.2f}" for t in ts) or "-"
+
+        first_after = stream.times[worst + 1] - cut_at if len(stream.times) > worst + 1 else float("nan")
+        print(f"cut after {tokens_at_cut} tokens; survivors marked it suspect at [{rel(suspect)}] s and dropped it "
+              f"at [{rel(left)}] s; the API node committed the new plan at [{rel(replan)}] s and resumed the "
+              f"request at [{rel(resumed)}] s; first token after the cut at {first_after:.2f} s")
+        print(f"longest gap between tokens {longest:.2f} s (after token {worst}); "
+              f"the stream ended {stream.times[-1] - cut_at if stream.times else float('nan'):.1f} s after the cut")
+        # Every check is collected, so one run reports both the stream and the rejoin.
+        problems = []
+        if stream.error is not None:
+            problems.append(f"the stream failed: {stream.error}")
+        if len(left) != len(others):
+            problems.append(f"the cut node was not dropped by every survivor: {summarise(after)}")
+        if stream.finish != "length" or stream.ids != expected:
+            first_diff = next((k for k, (a, b) in enumerate(zip(stream.ids, expected, strict=False)) if a != b),
+                              min(len(stream.ids), len(expected)))
+            problems.append(f"the stream differs from the undisturbed run from token {first_diff} "
+                            f"({len(stream.ids)} tokens, finish {stream.finish!r})")
+        if tokens_at_cut >= LONG:
+            problems.append("the stream had ended before the cut")
+        # Timing goals (gap < 5 s) are measured and reported by bench/, not asserted here
+        # (a loaded CI box must not turn a speed figure into a red build); the test asserts
+        # that the stream never stalls until the 30 s step timeout.
+        if longest >= GAP_LIVENESS_S:
+            problems.append(f"longest gap between tokens {longest:.2f} s (>= {GAP_LIVENESS_S} s): "
+                            "the survivors dropped the cut "
+                            f"node at [{rel(left)}] s, the API node committed the new plan at [{rel(replan)}] s, "
+                            f"the first token after the cut came at {first_after:.2f} s")
+        try:
+            survivors = lab.wait_converged(others, stages=2, timeout_s=30)
+            if next(iter(survivors.values()))["epoch"] <= epoch_before:
+                problems.append("the survivors did not move to a newer epoch")
+        except AssertionError as exc:
+            problems.append(f"the survivors did not agree on a 2-stage plan: {exc}")
+        if not middle.alive():
+            problems.append(f"the cut node exited: {middle.tail()}")
+
+        # restore the link: the node must rejoin by itself, without a restart
+        lab.restore(middle.index)
+        restored_at = time.monotonic()
+        try:
+            final = lab.wait_converged(nodes, stages=3, timeout_s=30)
+        except AssertionError as exc:
+            problems.append(
+                "the cut node did not rejoin within 30 s of its link coming back. Nobody looks for it: heartbeats "
+                "go only to members (it was removed), and runner.redial() re-queries mDNS only while a member is "
+                f"*suspect*, i.e. for ~2 s after the cut, never after the removal. {exc}")
+        else:
+            rejoin_s = time.monotonic() - restored_at
+            first = next(iter(final.values()))
+            print(f"rejoined: all 3 list 3 members on epoch {first['epoch']} with 3 stages {rejoin_s:.1f} s after "
+                  f"the link came back")
+            if {d.index: d.proc.pid for d in nodes} != pids:
+                problems.append("a daemon was restarted")
+            # and the cluster serves again, through the node that was cut
+            resp = lab.post(middle, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                        "return_token_ids": True}, timeout=60)
+            if resp.status_code != 200 or resp.json()["choices"][0]["token_ids"] != expected[:8]:
+                problems.append(f"after the rejoin, node {middle.index} answered {resp.status_code}: {resp.text}")
+        assert not problems, "\n".join(problems)
+    except BaseException:
+        print(lab.dump_logs(40))
+        raise
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()

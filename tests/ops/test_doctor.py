@@ -1,0 +1,229 @@
+"""``ringlet doctor``: every check prints a result on this machine without a traceback,
+the exit status follows FAIL only, and each check's verdicts (ports, model, interfaces,
+firewall, Thunderbolt Bridge loop, wired limit) on real sockets or simulated probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_status import FakeNode, today_info
+
+from ringlet.daemon.ops import doctor
+from ringlet.daemon.ops.doctor import FAIL, OK, WARN, Context
+from ringlet.daemon.probes.common import ThunderboltPort
+from ringlet.daemon.probes.macos_thunderbolt import MacIfconfig, MacThunderbolt
+from ringlet.daemon.probes.memory import MemoryInfo
+
+GIB = 1 << 30
+NAMES = [name for name, _ in doctor.CHECKS]
+
+
+def run_doctor(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if home is not None:
+        env["HOME"] = str(home)
+        env.pop("XDG_CONFIG_HOME", None)
+    return subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "doctor", *args], capture_output=True,
+                          text=True, timeout=180, env=env)
+
+
+@pytest.fixture(scope="module")
+def this_machine(tmp_path_factory):
+    from tiny_models import make_tiny_model
+
+    home = tmp_path_factory.mktemp("home")
+    text = run_doctor(home=home)  # this machine as it is: the default model
+    tiny = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")  # quicker to read
+    as_json = run_doctor("--json", "--model", str(tiny), home=home)
+    return text, as_json
+
+
+def test_every_check_prints_a_result_without_a_traceback(this_machine):
+    r, _ = this_machine
+    assert "Traceback" not in r.stdout + r.stderr
+    rows = re.findall(r"^(OK|WARN|FAIL)\s+(\S.*?)\s{2,}", r.stdout, flags=re.M)
+    assert [name for _, name in rows] == NAMES, r.stdout
+    for status, _ in rows:
+        assert status in (OK, WARN, FAIL)
+    fails = sum(status == FAIL for status, _ in rows)
+    assert r.returncode == (1 if fails else 0), r.stdout
+    assert re.search(rf"{len(NAMES)} checks: \d+ OK, \d+ WARN, {fails} FAIL", r.stdout)
+    # every WARN and FAIL comes with a fix
+    for block in re.split(r"^(?=OK|WARN|FAIL)", r.stdout, flags=re.M):
+        if block.startswith(("WARN", "FAIL")):
+            assert "fix:" in block, block
+
+
+def test_json_output_matches(this_machine):
+    text, r = this_machine
+    data = json.loads(r.stdout)
+    assert [c["name"] for c in data["checks"]] == NAMES
+    assert data["failed"] == any(c["status"] == FAIL for c in data["checks"])
+    assert r.returncode == (1 if data["failed"] else 0)
+    model = next(c for c in data["checks"] if c["name"] == "model")
+    assert model["status"] == OK and "4 layers" in model["summary"] and model["details"]["bytes"] > 0
+
+
+def test_a_missing_model_fails_with_exit_1(tmp_path):
+    r = run_doctor("--model", str(tmp_path / "no-such-model"), home=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert re.search(r"^FAIL\s+model\s+", r.stdout, flags=re.M)
+
+
+@pytest.mark.parametrize("args", [["--port", "0"], ["--api-port", "x"]])
+def test_bad_input_is_one_error_line(args, tmp_path):
+    r = run_doctor(*args, home=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def ctx(**kw) -> Context:
+    return Context(platform=kw.pop("platform", sys.platform), **kw)
+
+
+def test_ports_busy_is_a_fail_with_the_fix():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        c = doctor.check_ports(ctx(port=s.getsockname()[1], api_port=s.getsockname()[1]))
+    finally:
+        s.close()
+    assert c.status == FAIL and "in use" in c.summary.lower() and "--port" in c.fix
+
+
+def test_ports_held_by_a_ringlet_daemon_is_a_warning():
+    with FakeNode(today_info(0, n=1)) as node:
+        c = doctor.check_ports(ctx(port=node.port, api_port=node.port))
+        d = doctor.check_daemon(ctx(api_port=node.port))
+    assert c.status == WARN and "running ringlet daemon" in c.summary and "--data-dir" in c.fix
+    assert d.status == OK and "127.0.0.1:7100" in d.summary and "ready" in d.summary
+
+
+def test_free_ports_are_ok():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    assert doctor.check_ports(ctx(port=port, api_port=port)).status == OK
+
+
+def test_interfaces():
+    assert doctor.check_multicast(ctx(interfaces=["lo"])).status in (OK, WARN)  # WARN only if 5353 is taken
+    bad = doctor.check_multicast(ctx(interfaces=["nosuch0"]))
+    assert bad.status == FAIL and "no such interface" in bad.summary and bad.fix
+    assert doctor.check_multicast(ctx(interfaces=["127.0.0.1"])).summary.startswith(("mDNS on lo", "mDNS on"))
+
+
+def test_no_interface_up_is_a_warning(monkeypatch):
+    monkeypatch.setattr(doctor, "_interfaces_info", lambda: {"lo": {"up": True, "flags": {"up", "loopback"},
+                                                                     "ipv4": ["127.0.0.1"], "loopback": True}})
+    c = doctor.check_multicast(ctx())
+    assert c.status == WARN and "--peers" in c.fix
+
+
+def mac_memory(total_gib: int, wired_gib: int | None = None, ws_gib: int | None = None) -> MemoryInfo:
+    return MemoryInfo(total_bytes=total_gib * GIB, available_bytes=total_gib * GIB // 2,
+                      usable_memory_bytes=(wired_gib or ws_gib or total_gib) * GIB, usable_rule="x",
+                      wired_limit_bytes=wired_gib * GIB if wired_gib else None,
+                      max_recommended_working_set_bytes=ws_gib * GIB if ws_gib else None)
+
+
+def test_wired_limit_advice(monkeypatch):
+    import ringlet.daemon.probes.memory as memory
+
+    assert doctor.recommended_wired_limit_mb(192 * GIB) == (192 * GIB - 192 * GIB // 10) // (1 << 20)
+    assert doctor.recommended_wired_limit_mb(512 * GIB) == (512 - 24) * 1024  # at most 24 GiB kept back
+    assert doctor.recommended_wired_limit_mb(16 * GIB) == (16 - 6) * 1024  # at least 6 GiB kept back
+    monkeypatch.setattr(memory, "probe_memory", lambda platform=None: mac_memory(192, ws_gib=144))
+    big = doctor.check_wired_limit(ctx(platform="darwin", model_bytes=140 * GIB))
+    assert big.status == WARN and "sudo sysctl iogpu.wired_limit_mb=176947" in big.fix
+    small = doctor.check_wired_limit(ctx(platform="darwin", model_bytes=4 * GIB))
+    assert small.status == OK and "iogpu.wired_limit_mb=" in small.summary
+    monkeypatch.setattr(memory, "probe_memory", lambda platform=None: mac_memory(192, wired_gib=180))
+    assert doctor.check_wired_limit(ctx(platform="darwin", model_bytes=140 * GIB)).status == OK
+    assert "macOS only" in doctor.check_wired_limit(ctx(platform="linux")).summary
+
+
+def tb_port(n: int, iface: str, peer: str | None, live: bool = True) -> ThunderboltPort:
+    return ThunderboltPort(port_id=str(n), interface=iface, own_domain_uuid="A" * 8, peer_domain_uuid=peer,
+                           link_speed_bytes_per_s=5_000_000_000 if live else None, speed_text="40 Gb/s",
+                           peer_name="Mac Studio")
+
+
+def test_thunderbolt_bridge_loop_is_a_warning(monkeypatch):
+    import ringlet.daemon.probes.macos_thunderbolt as mtb
+
+    bridge = MacIfconfig(name="bridge0", flags=("UP", "RUNNING"), mtu=1500, members=("en1", "en2"),
+                         status="active")
+    looped = MacThunderbolt(ports=(tb_port(1, "en1", "B" * 8), tb_port(2, "en2", "C" * 8)), bridge=bridge)
+    monkeypatch.setattr(mtb, "probe_macos_thunderbolt", lambda timeout=20.0: looped)
+    c = doctor.check_thunderbolt(ctx(platform="darwin"))
+    assert c.status == WARN and "loop" in c.summary and "Thunderbolt Bridge" in c.fix
+    one = MacThunderbolt(ports=(tb_port(1, "en1", "B" * 8), tb_port(2, "en2", None, live=False)), bridge=bridge)
+    monkeypatch.setattr(mtb, "probe_macos_thunderbolt", lambda timeout=20.0: one)
+    assert doctor.check_thunderbolt(ctx(platform="darwin")).status == OK
+    monkeypatch.setattr(mtb, "probe_macos_thunderbolt", lambda timeout=20.0: None)
+    assert doctor.check_thunderbolt(ctx(platform="darwin")).status == WARN
+
+
+@pytest.mark.parametrize("outputs, status", [
+    ({"--getglobalstate": "Firewall is disabled. (State = 0)"}, OK),
+    ({"--getglobalstate": "Firewall is enabled. (State = 1)", "--getblockall": "Block all DISABLED!"}, WARN),
+    ({"--getglobalstate": "Firewall is enabled. (State = 1)",
+      "--getblockall": "Firewall has block all state set to enabled."}, FAIL),
+    ({"--getglobalstate": "Firewall is blocking all non-essential incoming connections. (State = 2)",
+      "--getblockall": ""}, FAIL),
+    ({"--getglobalstate": "???"}, WARN),
+])
+def test_macos_firewall(monkeypatch, outputs, status):
+    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout=10.0: (0, outputs.get(cmd[-1], "")))
+    c = doctor.check_firewall(ctx(platform="darwin"))
+    assert c.status == status, c
+    if status != OK:
+        assert c.fix
+
+
+def test_secret(tmp_path):
+    assert doctor.check_secret(ctx()).status == WARN
+    missing = doctor.check_secret(ctx(secret_file=str(tmp_path / "nope")))
+    assert missing.status == FAIL and "ringlet secret new" in missing.fix
+    good = tmp_path / "s"
+    good.write_text("ab" * 32 + "\n")
+    good.chmod(0o600)
+    assert doctor.check_secret(ctx(secret_file=str(good))).status == OK
+    good.chmod(0o644)
+    assert doctor.check_secret(ctx(secret_file=str(good))).status in (WARN, FAIL)
+
+
+def test_a_check_that_breaks_is_a_warning_not_a_traceback(monkeypatch):
+    def boom(_ctx):
+        raise RuntimeError("probe exploded")
+
+    monkeypatch.setattr(doctor, "CHECKS", [("memory", boom), ("disk space", doctor.check_disk)])
+    results = doctor.run_checks(ctx())
+    assert results[0].status == WARN and "probe exploded" in results[0].summary
+    assert results[1].name == "disk space"
+
+
+def test_options_default_to_the_service_configuration(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    cdir = tmp_path / ".config" / "ringlet"
+    cdir.mkdir(parents=True)
+    (cdir / "service.toml").write_text('model = "/models/x"\napi_port = 8123\ninterfaces = ["lo"]\n')
+    import argparse
+
+    ns = argparse.Namespace(model=None, interface=None, host=None, port=None, api_port=None, data_dir=None,
+                            secret_file=None, json=False)
+    c = doctor.make_context(ns)
+    assert (c.model, c.api_port, c.interfaces, c.port) == ("/models/x", 8123, ["lo"], 7100)
+    assert c.config_source == str(cdir / "service.toml")
+    ns.api_port = "9000"
+    assert doctor.make_context(ns).api_port == 9000

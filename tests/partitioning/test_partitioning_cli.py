@@ -1,0 +1,171 @@
+"""``ringlet plan``: plan output, JSON, unit parsing, and one-line errors with exit code 2."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringlet.daemon.ops import plan as plan_cli
+from ringlet.partitioning import Plan, validate_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+TINY = {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 256, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture
+def files(tmp_path):
+    nodes = {
+        "nodes": [
+            {"node_id": "a", "memory": "1 MiB", "bandwidth": "100 GB/s", "flops": "1 TFLOPS"},
+            {"node_id": "b", "memory_bytes": 1048576, "bandwidth_bytes_per_s": 1e11, "flops": 1e12},
+        ],
+        "links": [{"a": "a", "b": "b", "bandwidth": "80 Gb/s", "latency": "50 us", "kind": "tb5"}],
+        "policy": {"fallback_bandwidth": "10 Gb/s", "fallback_latency": "200 us"},
+    }
+    (tmp_path / "nodes.json").write_text(json.dumps(nodes))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(TINY))
+    return tmp_path
+
+
+def run(*argv):
+    return plan_cli.main([str(a) for a in argv])
+
+
+def test_json_output_is_a_valid_plan(files, capsys):
+    assert run("--nodes", files / "nodes.json", "--model", files / "m", "--context", 64, "--json") == 0
+    plan = Plan.from_dict(json.loads(capsys.readouterr().out))
+    validate_plan(plan, 6)
+    assert plan.model_name == "m" and plan.context_tokens == 64
+    assert plan.hops[0].kind == "direct"
+
+
+def test_table_output(files, capsys):
+    assert run("--nodes", files / "nodes.json", "--model", files / "m", "--policy", "memory") == 0
+    out = capsys.readouterr().out
+    assert "ringlet plan" in out and "policy memory" in out and "plan id" in out
+
+
+def test_previous_plan_round_trip(files, capsys):
+    run("--nodes", files / "nodes.json", "--model", files / "m", "--json")
+    (files / "prev.json").write_text(capsys.readouterr().out)
+    assert run("--nodes", files / "nodes.json", "--model", files / "m", "--previous", files / "prev.json",
+               "--json") == 0
+    assert json.loads(capsys.readouterr().out)["load_bytes"] == 0
+
+
+def test_inline_json_model(files, capsys):
+    assert run("--nodes", files / "nodes.json", "--model", json.dumps(TINY), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["model"]["num_layers"] == 6
+
+
+def _bad(capsys, *argv):
+    code = run(*argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ringlet plan: error:"), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_missing_nodes_file(files, capsys):
+    assert "no such nodes file" in _bad(capsys, "--nodes", files / "nope.json", "--model", files / "m")
+
+
+def test_bad_units(files, capsys):
+    data = json.loads((files / "nodes.json").read_text())
+    data["nodes"][0]["memory"] = "lots"
+    (files / "bad.json").write_text(json.dumps(data))
+    assert "nodes[0].memory" in _bad(capsys, "--nodes", files / "bad.json", "--model", files / "m")
+
+
+def test_nan_memory_names_the_field(files, capsys):
+    text = (files / "nodes.json").read_text().replace("1048576", "NaN")
+    (files / "nan.json").write_text(text)
+    assert "memory_bytes" in _bad(capsys, "--nodes", files / "nan.json", "--model", files / "m")
+
+
+def test_duplicate_ids(files, capsys):
+    data = json.loads((files / "nodes.json").read_text())
+    data["nodes"][1]["node_id"] = "a"
+    (files / "dup.json").write_text(json.dumps(data))
+    assert "duplicate node_id 'a'" in _bad(capsys, "--nodes", files / "dup.json", "--model", files / "m")
+
+
+def test_bad_model(files, capsys):
+    (files / "x").mkdir()
+    (files / "x" / "config.json").write_text(json.dumps({"model_type": "nonexistent_arch"}))
+    assert "--model" in _bad(capsys, "--nodes", files / "nodes.json", "--model", files / "x")
+    assert "no such config" in _bad(capsys, "--nodes", files / "nodes.json", "--model", files / "missing")
+
+
+def test_bad_previous(files, capsys):
+    (files / "prev.json").write_text('{"format": 1}')
+    assert "--previous" in _bad(capsys, "--nodes", files / "nodes.json", "--model", files / "m",
+                                "--previous", files / "prev.json")
+
+
+def test_infeasible_exits_1_with_the_shortfall(files, capsys):
+    data = json.loads((files / "nodes.json").read_text())
+    for n in data["nodes"]:
+        n.pop("memory", None)
+        n["memory_bytes"] = 1000
+    (files / "small.json").write_text(json.dumps(data))
+    code = run("--nodes", files / "small.json", "--model", files / "m", "--json")
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert json.loads(out)["error"] == "infeasible" and json.loads(out)["shortfall_bytes"] > 0
+    assert "does not fit" in err and "Traceback" not in err
+
+
+def test_add_plan_parser_registers_the_subcommand(files):
+    parser = argparse.ArgumentParser(prog="ringlet")
+    sub = parser.add_subparsers(dest="command")
+    plan_cli.add_plan_parser(sub)
+    args = parser.parse_args(["plan", "--nodes", str(files / "nodes.json"), "--model", str(files / "m")])
+    assert args.command == "plan" and args.func is plan_cli.run_plan
+
+
+@pytest.mark.parametrize(
+    ("text", "parse", "value"),
+    [
+        ("480 GiB", plan_cli.parse_bytes, 480 * 2**30),
+        ("512GB", plan_cli.parse_bytes, 512e9),
+        ("819 GB/s", plan_cli.parse_bandwidth, 819e9),
+        ("80 Gb/s", plan_cli.parse_bandwidth, 10e9),
+        ("10 Gbit/s", plan_cli.parse_bandwidth, 1.25e9),
+        ("50 us", plan_cli.parse_seconds, 5e-5),
+        ("1 ms", plan_cli.parse_seconds, 1e-3),
+        ("28.4 TFLOPS", plan_cli.parse_flops, 28.4e12),
+        (7, plan_cli.parse_bytes, 7),
+    ],
+)
+def test_units(text, parse, value):
+    assert parse(text, "x") == pytest.approx(value)
+
+
+def test_seed_cluster_example_plans_all_three_models():
+    for model in ("deepseek-v3-671b-8bit", "kimi-k2-1t-4bit", "qwen3-235b-a22b-8bit"):
+        code = plan_cli.main(["--nodes", str(EXAMPLES / "seed_cluster.json"),
+                              "--model", str(EXAMPLES / "models" / model), "--context", "32768", "--json"])
+        assert code == 0
+
+
+def test_module_entry_point_has_no_traceback(files):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringlet.daemon.ops.plan", "--nodes", str(files / "nope.json"), "--model", "x"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("ringlet plan: error:") and "Traceback" not in proc.stderr
