@@ -33,7 +33,7 @@ system-deps:
 	  else echo "note: missing$$missing (the tests that need them will skip)"; fi; \
 	fi
 
-test: install system-deps
+test: install system-deps lint
 	$(PY) -m pytest -q tests
 
 demo: install
@@ -45,9 +45,12 @@ proto: install
 bench: install
 	$(PY) bench/run.py
 
+# ruff, then the layering (import-linter's contracts in pyproject.toml) and the
+# 500-line module limit; any failure fails the target.
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check . || true
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

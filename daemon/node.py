@@ -38,7 +38,6 @@ from dataclasses import dataclass, field, replace
 import grpc
 import psutil
 
-from ringlet.daemon.cluster.static_plan import StageSpec
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.scheduler import (
@@ -51,10 +50,12 @@ from ringlet.daemon.engine.scheduler import (
 )
 from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.engine.stage import Stage, load_stage, token_id_error
+from ringlet.daemon.errors import GenerationError, NoPlanError
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.hop import HopLink
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 from ringlet.daemon.wire.transport import TransportConfig, make_channel, make_server
 
 log = logging.getLogger(__name__)
@@ -71,14 +72,6 @@ PREFILL_TIMEOUT_TOKENS = 64
 EPOCH_SKEW_RETRY_S = 0.25
 
 
-class GenerationError(Exception):
-    """A generation failed on some stage; the message says where and why."""
-
-
-class NoPlanError(GenerationError):
-    """The cluster has no plan that serves the model (yet, or at all); the message says why."""
-
-
 class _PlanChanged(GenerationError):
     """The committed plan changed under a request (it resumes on the new one)."""
 
@@ -91,46 +84,6 @@ class _EpochSkew(GenerationError):
 class _Retry(GenerationError):
     """A stage lost the request's KV cache while the plan stands (its tensor group
     restarted): the request resumes on the same plan (``Activation.retry``)."""
-
-
-@dataclass(frozen=True)
-class ServingPlan:
-    """A committed plan as the serving path needs it.
-
-    Attributes:
-        epoch: plan epoch (strictly increasing across commits).
-        stages: ring order; each with node id, gRPC address and layer range.
-        plan_id: the planner's stable id (or a digest for static plans).
-        infeasible: when set, no plan can serve the model; the reason for users.
-        detail: the planner's plan as a dict (``Plan.to_dict()``), if any.
-        tp: the mode decision (:mod:`ringlet.daemon.tensor.serving`), if any. When its
-            ``mode`` is ``tensor``, ``stages`` are the ranks in rank order (each holds
-            every layer, in its rank process) and stage 0 (rank 0) drives the group.
-            When it is ``hybrid``, ``stages`` are the tensor groups' leaders with the
-            groups' layer ranges (a pipeline whose stages run in their groups' rank
-            processes, :mod:`ringlet.daemon.tensor.group_stage`).
-    """
-
-    epoch: int
-    stages: tuple[StageSpec, ...]
-    plan_id: str
-    infeasible: str | None = None
-    detail: dict | None = None
-    tp: dict | None = None
-
-    @property
-    def is_tensor(self) -> bool:
-        return bool(self.tp) and self.tp.get("mode") == "tensor"
-
-    @property
-    def is_hybrid(self) -> bool:
-        return bool(self.tp) and self.tp.get("mode") == "hybrid"
-
-    def index_of(self, node_id: str, address: str) -> int | None:
-        for i, s in enumerate(self.stages):
-            if (s.node_id and s.node_id == node_id) or (not s.node_id and s.address == address):
-                return i
-        return None
 
 
 @dataclass

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ringlet.daemon.engine.sampling import SamplingParams
-from ringlet.daemon.node import GenerationError, Node
+from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.node import Node
 from ringlet.daemon.wire.limits import ApiLimits, install
 
 log = logging.getLogger(__name__)

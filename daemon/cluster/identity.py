@@ -32,11 +32,12 @@ import logging
 import os
 import re
 import secrets
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ringlet.daemon.paths import default_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -101,23 +102,6 @@ def cluster_id(cluster_name: str) -> str:
         raise ValueError("cluster name must be a non-empty string")
     digest = hashlib.sha256(b"ringlet-cluster\0" + cluster_name.encode("utf-8")).hexdigest()
     return digest[:CLUSTER_ID_LEN]
-
-
-def default_data_dir() -> Path:
-    """Return the default data dir.
-
-    - macOS: ``~/Library/Application Support/ringlet``
-    - elsewhere: ``$XDG_DATA_HOME/ringlet``, else ``~/.local/share/ringlet``.
-
-    The daemon's ``--data-dir`` overrides it (pass it to :meth:`NodeIdentity.load_or_create`).
-    """
-    home = Path.home()
-    if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "ringlet"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "ringlet"
-    return home / ".local" / "share" / "ringlet"
 
 
 def should_yield(

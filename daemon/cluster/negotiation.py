@@ -38,14 +38,14 @@ import json
 import logging
 import time
 from dataclasses import replace
+from typing import Protocol
 
 import grpc
 
 from ringlet.daemon.cluster.membership import Membership
-from ringlet.daemon.cluster.static_plan import StageSpec
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
-from ringlet.daemon.node import Node, ServingPlan
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
 
 log = logging.getLogger(__name__)
@@ -55,11 +55,38 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+class PlanHost(Protocol):
+    """What negotiation needs of the node it plans for (:class:`ringlet.daemon.node.Node`).
+
+    Negotiation sits below the node: it drives the node through this interface and
+    never imports it.
+    """
+
+    node_id: str
+
+    @property
+    def epoch(self) -> int:
+        """The committed plan's epoch (0 before the first commit)."""
+
+    @property
+    def plan(self) -> ServingPlan | None:
+        """The committed plan, if any."""
+
+    async def prepare(self, plan: ServingPlan) -> int:
+        """Load ``plan``'s stage for this node while the old plan serves; bytes read."""
+
+    async def commit(self, plan: ServingPlan) -> None:
+        """Switch to ``plan`` (prepared before)."""
+
+    def event(self, kind: str, message: str) -> None:
+        """Record a one-line event for status and the dashboard."""
+
+
 class Negotiator:
     """Membership-driven planning for one node.
 
     Args:
-        node: the serving node.
+        node: the node it plans for (a :class:`PlanHost`).
         membership: the member table.
         model_spec: the model as the planner sees it.
         model_name: the model's name (a proposal for another model is refused).
@@ -73,7 +100,7 @@ class Negotiator:
             tensor groups; ``None`` = pipeline only.
     """
 
-    def __init__(self, node: Node, membership: Membership, model_spec: ModelSpec, model_name: str,
+    def __init__(self, node: PlanHost, membership: Membership, model_spec: ModelSpec, model_name: str,
                  num_layers: int, policy: Policy | None = None, *, settle_s: float = 0.3,
                  initial_settle_s: float = 1.0, prepare_timeout_s: float = 300.0, tp=None):
         self.node = node

@@ -7,19 +7,8 @@ with negotiated plans; it stays as an explicit override.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ringlet.daemon.errors import PlanError
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One stage: the node's gRPC address (``host:port``) and its layer range ``[start, end)``."""
-
-    address: str
-    start: int
-    end: int
-    node_id: str = ""
+from ringlet.daemon.wire.serving_plan import StageSpec
 
 
 def parse_plan(text: str) -> list[StageSpec]:

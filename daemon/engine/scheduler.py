@@ -29,18 +29,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
 from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
-from ringlet.daemon.engine.stage import Stage, forward_merged, mergeable, token_id_error
+from ringlet.daemon.engine.stage import Stage, StageRange, forward_merged, mergeable, token_id_error
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
-
-if TYPE_CHECKING:
-    from ringlet.daemon.tensor.group_stage import GroupStage
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +115,17 @@ class StageEngine:
     """Runs one stage for many requests, batching their decode steps.
 
     Args:
-        stage: the loaded stage (built on the worker thread via :meth:`create`).
+        stage: the loaded stage (built on the worker thread via :meth:`create`): a
+            :class:`Stage`, or a tensor group's stage (``tensor.group_stage.GroupStage``);
+            both are :class:`StageRange` with ``make_cache``, ``__call__``,
+            ``forward_many`` and ``settle``.
         executor: the single-thread executor that owns MLX.
         max_tensor_bytes: the largest incoming hidden-states payload accepted, bytes.
         max_batch: the most decode steps run as one forward (1 = no batching: one
             request per forward, each bit-identical to running it alone).
     """
 
-    def __init__(self, stage: Stage | GroupStage | None, executor: concurrent.futures.ThreadPoolExecutor,
+    def __init__(self, stage: StageRange | None, executor: concurrent.futures.ThreadPoolExecutor,
                  max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")

@@ -30,7 +30,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from datetime import datetime
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -38,6 +37,21 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from ringlet.daemon.ops.format import (
+    DASH,
+    fmt_bandwidth,
+    fmt_batch,
+    fmt_bytes,
+    fmt_pair,
+    fmt_range,
+    fmt_rate,
+    fmt_seconds,
+    fmt_ts,
+    main_word,
+    mode_text,
+    policy_text,
+    ts_key,
+)
 from ringlet.daemon.ops.status import Collector, normalize_api_url
 
 log = logging.getLogger(__name__)
@@ -54,142 +68,6 @@ STATE_STYLES = {
     "standby": "cyan", "alive": "green",
 }
 LINK_SHORT = {"thunderbolt": "TB", "ethernet": "eth", "loopback": "lo", "wifi": "wifi"}
-DASH = "—"
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Binary units, as macOS and Linux report RAM: ``192 GiB``, ``287 MiB``."""
-    if n is None:
-        return DASH
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_pair(used: float | None, total: float | None) -> str:
-    """``62/192 GiB`` (both in the unit of the total)."""
-    if total is None or total <= 0:
-        return fmt_bytes(used)
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)):
-        if total >= size:
-            t = total / size
-            u = DASH if used is None else (f"{used / size:.0f}" if used / size >= 10 else f"{used / size:.1f}")
-            return f"{u}/{t:.0f} {unit}" if t >= 10 else f"{u}/{t:.1f} {unit}"
-    return f"{used}/{total} B"
-
-
-def fmt_rate(tps: float | None) -> str:
-    if tps is None:
-        return DASH
-    return f"{tps:.0f}" if tps >= 100 else f"{tps:.1f}"
-
-
-def fmt_batch(mean: float | None, max_batch: int | None) -> str:
-    """A stage's decode batch: ``2.4/8`` (mean over its last seconds / its limit); ``—``
-    when it ran no forward lately (idle) or does not report batching."""
-    if mean is None:
-        return DASH
-    m = f"{mean:.1f}" if mean < 10 else f"{mean:.0f}"
-    return m if max_batch is None else f"{m}/{max_batch}"
-
-
-def fmt_seconds(s: float | None) -> str:
-    if s is None:
-        return DASH
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.0f} ms" if s >= 0.1 else f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.0f} µs"
-
-
-def fmt_bandwidth(bps: float | None) -> str:
-    """Bytes/s as link speed in bits: ``40 Gb/s``."""
-    if bps is None:
-        return DASH
-    bits = bps * 8
-    for unit, size in (("Tb/s", 1e12), ("Gb/s", 1e9), ("Mb/s", 1e6), ("kb/s", 1e3)):
-        if bits >= size:
-            v = bits / size
-            return f"{v:.0f} {unit}" if v >= 10 else f"{v:.1f} {unit}"
-    return f"{bits:.0f} b/s"
-
-
-def fmt_range(r: list[int] | None) -> str:
-    return DASH if not r else f"[{r[0]}, {r[1]})"
-
-
-def fmt_ts(ts: Any) -> str:
-    """Event time as ``HH:MM:SS`` (unix seconds or ISO 8601); other values as given."""
-    if isinstance(ts, (int, float)) and not isinstance(ts, bool):
-        try:
-            return time.strftime("%H:%M:%S", time.localtime(ts))
-        except (OverflowError, OSError, ValueError):
-            return str(ts)
-    if isinstance(ts, str):
-        try:
-            return datetime.fromisoformat(ts.replace("Z", "+00:00")).astimezone().strftime("%H:%M:%S")
-        except ValueError:
-            return ts[:8]
-    return DASH
-
-
-def _ts_key(ts: Any) -> float:
-    if isinstance(ts, (int, float)) and not isinstance(ts, bool):
-        return float(ts)
-    if isinstance(ts, str):
-        try:
-            return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return 0.0
-    return 0.0
-
-
-def _compact(value: Any) -> str:
-    """A policy / mode / negotiation value, whatever its shape, in a few words."""
-    if value is None or value == "":
-        return DASH
-    if isinstance(value, dict):
-        for key in ("name", "state", "phase", "policy", "mode"):
-            if isinstance(value.get(key), str):
-                extra = [f"{k} {v}" for k, v in value.items()
-                         if k != key and isinstance(v, (str, int, float)) and not isinstance(v, bool)][:2]
-                return " ".join([value[key]] + extra)
-        return " ".join(f"{k}={v}" for k, v in list(value.items())[:3])
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value[:4])
-    return str(value)
-
-
-def policy_text(policy: Any) -> str:
-    return _compact(policy)
-
-
-def mode_text(cluster: dict) -> str:
-    """``pipeline``, ``tensor/ring``, ``hybrid/ring`` or ``pipeline (tensor refused)``."""
-    mode = _compact(cluster.get("mode"))
-    backend = cluster.get("backend")
-    if backend and backend != "none":
-        mode += f"/{backend}"
-    refused = cluster.get("mode_refused")
-    if refused and not cluster.get("ranks"):
-        asked = str(refused).split()[0] if str(refused).split()[0] in ("tensor", "hybrid") else "tensor"
-        mode += f" ({asked} refused)"
-    return mode
-
-
-def _main_word(value: Any) -> str:
-    """The headline of a dict-shaped status (its ``state`` / ``name``), else :func:`_compact`."""
-    if isinstance(value, dict):
-        for key in ("state", "name", "phase"):
-            if isinstance(value.get(key), str):
-                return value[key]
-    return _compact(value)
 
 
 def layer_bar(r: list[int] | None, depth: int | None, width: int, color: str) -> Text:
@@ -379,7 +257,7 @@ class Dashboard:
             (f"{fmt_rate(c.get('tokens_per_s'))} tok/s", "bold"),
         )
         second = Text(f"policy {policy_text(c.get('policy'))} · mode {mode_text(c)} · "
-                      f"negotiation {_main_word(c.get('negotiation'))}", style="dim")
+                      f"negotiation {main_word(c.get('negotiation'))}", style="dim")
         def line(a: Text, b: Text) -> Table:
             grid = Table.grid(expand=True, padding=(0, 0, 0, 1))
             grid.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
@@ -532,7 +410,7 @@ class Dashboard:
         if height is not None and height <= 1:
             return
         n = limit if limit is not None else (8 if height is None else height - 1)
-        shown = sorted(events, key=lambda e: _ts_key(e.get("ts")))[-n:] if n > 0 else []
+        shown = sorted(events, key=lambda e: ts_key(e.get("ts")))[-n:] if n > 0 else []
         if not shown:
             yield Text("nothing yet", style="dim")
             return
@@ -591,7 +469,7 @@ class EventTracker:
             self._prev = snap
         merged = [e for e in snap.get("events", [])]
         merged += [e for e in self.events if e not in merged]
-        merged.sort(key=lambda e: _ts_key(e.get("ts")))
+        merged.sort(key=lambda e: ts_key(e.get("ts")))
         return dict(snap, events=merged)
 
     def _diff(self, prev: dict, cur: dict, now: float) -> None:

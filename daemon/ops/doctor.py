@@ -77,7 +77,7 @@ class Context:
 
 
 def _fmt(n: float | None) -> str:
-    from ringlet.daemon.ops.dashboard import fmt_bytes
+    from ringlet.daemon.ops.format import fmt_bytes
 
     return fmt_bytes(n)
 
@@ -222,7 +222,7 @@ def check_disk(ctx: Context) -> Check:
 
 
 def _default_data_dir() -> Path:
-    from ringlet.daemon.cluster.identity import default_data_dir
+    from ringlet.daemon.paths import default_data_dir
 
     return default_data_dir()
 

@@ -31,7 +31,7 @@ COMMANDS = frozenset({"secret"})
 
 
 def _default_path() -> Path:
-    from ringlet.daemon.cluster.identity import default_data_dir
+    from ringlet.daemon.paths import default_data_dir
 
     return default_data_dir() / "cluster.secret"
 

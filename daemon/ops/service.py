@@ -199,9 +199,9 @@ def ringlet_executable() -> list[str]:
 
 def run_options() -> set[str]:
     """Option strings ``ringlet run`` accepts in this installation."""
-    from ringlet.daemon.ops.cli import _parser
+    from ringlet.daemon.ops.run_options import run_only_parser
 
-    parser = _parser()
+    parser = run_only_parser()
     for action in parser._actions:  # argparse keeps subparsers here; there is no public accessor
         if isinstance(action, argparse._SubParsersAction) and "run" in action.choices:
             return set(action.choices["run"]._option_string_actions)
@@ -215,9 +215,9 @@ def check_run_arguments(argv: list[str]) -> None:
     Raises:
         RingletError: an option unknown to this ``ringlet run``, or a bad value.
     """
-    from ringlet.daemon.ops.cli import _parser
+    from ringlet.daemon.ops.run_options import run_only_parser
 
-    parser = _parser()
+    parser = run_only_parser()
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -624,7 +624,7 @@ def exit_status(snap: dict) -> int:
 def format_status(snap: dict) -> str:
     """The snapshot as plain text: a summary line and one aligned row per node, never
     truncated (for people and ``grep``)."""
-    from ringlet.daemon.ops.dashboard import fmt_batch, fmt_bytes, fmt_range, fmt_rate, policy_text
+    from ringlet.daemon.ops.format import fmt_batch, fmt_bytes, fmt_range, fmt_rate, policy_text
 
     if not snap["reachable"]:
         return f"unreachable: {snap['error']}\n"

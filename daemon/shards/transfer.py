@@ -159,11 +159,11 @@ _default_digests: DigestCache | None = None
 
 def default_digest_cache() -> DigestCache:
     """The process-wide digest cache in ``<default data dir>/shard-digests`` (see
-    :func:`ringlet.daemon.cluster.identity.default_data_dir`); a node with its own data dir should
+    :func:`ringlet.daemon.paths.default_data_dir`); a node with its own data dir should
     pass ``DigestCache(data_dir / "shard-digests")`` instead."""
     global _default_digests
     if _default_digests is None:
-        from ringlet.daemon.cluster.identity import default_data_dir
+        from ringlet.daemon.paths import default_data_dir
 
         _default_digests = DigestCache(default_data_dir() / "shard-digests")
     return _default_digests

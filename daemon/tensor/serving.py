@@ -65,7 +65,7 @@ import grpc
 import psutil
 
 from ringlet.daemon.engine.sampling import SamplingParams
-from ringlet.daemon.node import GenerationError, ServingPlan
+from ringlet.daemon.errors import GenerationError
 from ringlet.daemon.tensor import planning as tp_config
 from ringlet.daemon.tensor.group import LocalRankHandle, TPGroup, TPGroupError, start_rank_process
 from ringlet.daemon.tensor.group_stage import GroupStage
@@ -73,6 +73,7 @@ from ringlet.daemon.tensor.planning import TPDecision, TPLink, TPMember, TPModel
 from ringlet.daemon.tensor.worker import TOKEN_ENV
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.serving_plan import ServingPlan
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from ringlet.daemon.cluster import identity as ident_mod
 from ringlet.daemon.cluster.identity import (
     NODE_FILE,
     PROTOCOL_VERSION,
     DataDirLocked,
     NodeIdentity,
     cluster_id,
-    default_data_dir,
     should_yield,
     validate_node_id,
 )
@@ -131,12 +129,3 @@ def test_validate_node_id_rejects(bad: object) -> None:
         validate_node_id(bad)
 
 
-def test_default_data_dir_per_platform(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(ident_mod.Path, "home", classmethod(lambda cls: tmp_path))
-    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
-    monkeypatch.setattr(ident_mod.sys, "platform", "linux")
-    assert default_data_dir() == tmp_path / ".local/share/ringlet"
-    monkeypatch.setenv("XDG_DATA_HOME", "/xdg")
-    assert default_data_dir() == Path("/xdg/ringlet")
-    monkeypatch.setattr(ident_mod.sys, "platform", "darwin")
-    assert default_data_dir() == tmp_path / "Library/Application Support/ringlet"

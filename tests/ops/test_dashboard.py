@@ -17,16 +17,12 @@ from ringlet.daemon.ops import dashboard
 from ringlet.daemon.ops.dashboard import (
     DEFAULT_INTERVAL_S,
     EventTracker,
-    fmt_bandwidth,
-    fmt_bytes,
-    fmt_pair,
-    fmt_seconds,
-    fmt_ts,
     layer_bar,
     live_dashboard,
     render,
     run_live,
 )
+from ringlet.daemon.ops.format import fmt_bandwidth, fmt_bytes, fmt_pair, fmt_seconds, fmt_ts
 from ringlet.daemon.ops.status import build_snapshot
 
 GIB = 1 << 30

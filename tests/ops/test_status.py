@@ -240,7 +240,7 @@ def test_batch_figures_per_node_and_an_old_node_without_them():
 
 
 def test_batch_column_dash_when_idle_or_unknown():
-    from ringlet.daemon.ops.dashboard import fmt_batch
+    from ringlet.daemon.ops.format import fmt_batch
 
     assert fmt_batch(2.4, 8) == "2.4/8" and fmt_batch(1.0, 8) == "1.0/8" and fmt_batch(12.4, 16) == "12/16"
     assert fmt_batch(None, 8) == "—" and fmt_batch(None, None) == "—" and fmt_batch(3.0, None) == "3.0"

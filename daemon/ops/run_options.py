@@ -1,0 +1,85 @@
+"""The ``ringlet run`` options: one parser definition for the CLI and for ``ringlet service``.
+
+``ringlet service install`` checks the arguments it writes into a service with this
+same parser (:func:`run_only_parser`), so a service never starts with an option its
+``ringlet run`` rejects. Importing this module imports no engine code, so
+``ringlet --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.ops.secret import add_run_arguments, positive_int
+
+DEFAULT_GRPC_PORT = 7100
+DEFAULT_API_PORT = 8000
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--dtype``, shared by ``run``, ``generate`` and ``demo``."""
+    p.add_argument("--model", default=None,
+                   help="model path (MLX/HF directory or .gguf) or short name (default: smollm2-135m)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="dequantize/cast weights to this dtype (default: the model's own precision)")
+
+
+def add_global_options(parser: argparse.ArgumentParser) -> None:
+    """``-v`` and ``--log-json``, which stand before the subcommand."""
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines (for services)")
+
+
+def add_run_parser(sub) -> argparse.ArgumentParser:
+    """Add the ``run`` subcommand (the daemon) to ``sub`` (an argparse subparsers action)."""
+    run = sub.add_parser("run", help="run the daemon (a node of the cluster)")
+    add_model_args(run)
+    run.add_argument("--host", default="127.0.0.1", help="gRPC address to bind and advertise (default 127.0.0.1)")
+    run.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")
+    run.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address")
+    run.add_argument("--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port")
+    run.add_argument("--plan", default=None,
+                     help="static plan, ring order: HOST:PORT=START:END,... (half-open layer ranges); "
+                          "without it the cluster forms by discovery and negotiated plans")
+    run.add_argument("--no-dashboard", action="store_true",
+                     help="do not draw the live dashboard (it is shown when stdout is a terminal)")
+    run.add_argument("--fetch-model", action="store_true",
+                     help="the model is not on this machine: pull its shards from a member (negotiated mode)")
+    run.add_argument("--advertise-host", default=None, help="address peers dial (default: --host)")
+    run.add_argument("--cluster", default="ringlet", help="cluster name; nodes of other clusters are ignored")
+    run.add_argument("--data-dir", default=None, help="node id, caches (default: ~/.local/share/ringlet)")
+    run.add_argument("--interface", action="append", default=None,
+                     help="mDNS on this interface or IPv4 address (repeatable; default: every multicast "
+                          "interface; 127.0.0.1 for a cluster on one machine)")
+    run.add_argument("--peers", default=None, help="HOST:PORT,... to dial directly where multicast is blocked")
+    run.add_argument("--no-mdns", action="store_true", help="do not advertise or browse mDNS (use --peers)")
+    run.add_argument("--memory-limit", default=None, help="usable memory to offer the cluster, e.g. 8GB")
+    run.add_argument("--policy", choices=["balanced", "memory", "latency"], default="balanced",
+                     help="planner policy (default balanced)")
+    run.add_argument("--context", type=int, default=None, help="context tokens to size KV caches for")
+    run.add_argument("--mode", choices=["auto", "pipeline", "tensor", "hybrid"], default="auto",
+                     help="auto (default: decided from memory, links and predicted speed), pipeline, tensor "
+                          "(tensor parallel over MLX distributed whenever the members can; else the pipeline, "
+                          "saying why), or hybrid (tensor groups chained as pipeline stages; needs 4+ members "
+                          "in equal groups whose size the heads divide by)")
+    run.add_argument("--heartbeat-s", type=float, default=0.5, help="seconds between heartbeats")
+    run.add_argument("--remove-after-s", type=float, default=2.0,
+                     help="a member silent this long is removed and the cluster re-plans")
+    run.add_argument("--settle-s", type=float, default=0.3, help="membership quiet time before re-planning")
+    run.add_argument("--initial-settle-s", type=float, default=1.0, help="quiet time before the first plan")
+    run.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
+                     help=f"most decode steps a stage runs as one batch (1: no batching; default {DEFAULT_MAX_BATCH})")
+    run.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
+                     help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_CHUNK})")
+    run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
+    add_run_arguments(run)  # --secret-file, --api-key-file, limits
+    return run
+
+
+def run_only_parser() -> argparse.ArgumentParser:
+    """``ringlet`` with its global options and the ``run`` subcommand alone."""
+    parser = argparse.ArgumentParser(prog="ringlet")
+    add_global_options(parser)
+    add_run_parser(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    return parser

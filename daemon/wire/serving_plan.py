@@ -1,0 +1,62 @@
+"""The committed plan as every member holds it: epoch, stages in ring order, mode.
+
+A :class:`ServingPlan` is what negotiation commits (``cluster``), what the node
+serves (``node``) and what tensor groups start from (``tensor``); it lives here, below
+all three, so none of them reaches into another for it. Built from the wire's
+``Proposal`` / ``CommitRequest`` (``proto/ringlet.proto``) or from a static ``--plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: the node's gRPC address (``host:port``) and its layer range ``[start, end)``."""
+
+    address: str
+    start: int
+    end: int
+    node_id: str = ""
+
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """A committed plan as the serving path needs it.
+
+    Attributes:
+        epoch: plan epoch (strictly increasing across commits).
+        stages: ring order; each with node id, gRPC address and layer range.
+        plan_id: the planner's stable id (or a digest for static plans).
+        infeasible: when set, no plan can serve the model; the reason for users.
+        detail: the planner's plan as a dict (``Plan.to_dict()``), if any.
+        tp: the mode decision (:mod:`ringlet.daemon.tensor.serving`), if any. When its
+            ``mode`` is ``tensor``, ``stages`` are the ranks in rank order (each holds
+            every layer, in its rank process) and stage 0 (rank 0) drives the group.
+            When it is ``hybrid``, ``stages`` are the tensor groups' leaders with the
+            groups' layer ranges (a pipeline whose stages run in their groups' rank
+            processes, :mod:`ringlet.daemon.tensor.group_stage`).
+    """
+
+    epoch: int
+    stages: tuple[StageSpec, ...]
+    plan_id: str
+    infeasible: str | None = None
+    detail: dict | None = None
+    tp: dict | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return bool(self.tp) and self.tp.get("mode") == "tensor"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.tp) and self.tp.get("mode") == "hybrid"
+
+    def index_of(self, node_id: str, address: str) -> int | None:
+        for i, s in enumerate(self.stages):
+            if (s.node_id and s.node_id == node_id) or (not s.node_id and s.address == address):
+                return i
+        return None
