@@ -1,0 +1,67 @@
+"""A node's settings and the timing constants of its serving path."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.sources import ModelLocation
+from ringlet.daemon.wire.serving_plan import StageSpec
+from ringlet.daemon.wire.transport import TransportConfig
+
+PROTOCOL_VERSION = 1
+#: Seconds a failed request waits for a new plan before its error is reported:
+#: detection (2 s) + negotiation + loading, with room to spare.
+RESUME_WAIT_S = 10.0
+#: Prompt tokens per step timeout while waiting for the first token: a prefill may
+#: take one ``step_timeout_s`` per this many tokens (MLX on a CPU core prefills about
+#: 30 tokens/s per stage of a 135M model, so 64 tokens is ~2 s per stage of 30 s).
+PREFILL_TIMEOUT_TOKENS = 64
+#: Seconds between retries while stage 0 and this node hold different epochs.
+EPOCH_SKEW_RETRY_S = 0.25
+
+@dataclass
+class NodeConfig:
+    """Settings of one node.
+
+    Attributes:
+        host: address the gRPC server binds and peers use (``127.0.0.1`` for loopback).
+        port: gRPC port.
+        model: the resolved model.
+        plan: a static plan (ring order), or ``None`` to take negotiated plans.
+        dtype: ``None`` (model precision) or float16 / bfloat16 / float32.
+        node_id: this node's id.
+        transport: gRPC settings (message limit, keepalive, secret).
+        step_timeout_s: seconds stage 0 waits for a token before failing the request
+            (for the first token, this per ``PREFILL_TIMEOUT_TOKENS`` prompt tokens).
+        plan_wait_s: seconds a request waits for a plan while the cluster forms.
+        resume_attempts: how many times a request is resumed on a new plan.
+        fetch: for a node without the model files, ``await fetch(start, end)`` pulls that
+            stage's tensors from a member into the local sparse copy before loading.
+        max_batch: the most decode steps a stage runs as one forward (1: no batching).
+        prefill_chunk: prompt tokens per prefill chunk; stage 0 sends each chunk on
+            as soon as it is computed, so stages prefill in a pipeline.
+    """
+
+    host: str
+    port: int
+    model: ModelLocation
+    plan: list[StageSpec] | None = None
+    dtype: str | None = None
+    node_id: str = ""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    step_timeout_s: float = 30.0
+    plan_wait_s: float = 30.0
+    resume_attempts: int = 8
+    fetch: Callable[[int, int], Awaitable[None]] | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    vocab_size: int | None = None
+    context_tokens: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+

@@ -1,0 +1,294 @@
+"""The node: serves its stage of the committed plan, heads generations, talks gRPC.
+
+:class:`Node` holds the plan and the engine and switches plans (prepare, commit); its
+parts are mixins, one idea each: :mod:`.resume` (any node: run and resume a request),
+:mod:`.head` (stage 0), :mod:`.relay` (any stage: incoming activations);
+:mod:`.servicer` is its gRPC face.
+
+Data path of one generation (plan with stages 0..n-1 in ring order)::
+
+    API node --Generate--> stage 0 --Hop--> stage 1 --Hop--> ... stage n-1
+                              ^                                   |
+                              +------- Hop (sampled token) -------+
+
+Stage 0 heads the generation: it embeds the prompt (prefill, step 0), and each
+token the last stage samples comes back to it over the ring; it streams the token
+to the API node and embeds it for the next decode step, until an end-of-sequence
+token or ``max_tokens``. Then a release travels the ring and every stage drops the
+request's KV cache. A stage failing a request sends the error forward; it reaches
+stage 0, which ends that request with the error.
+
+Plans change by epoch (see :mod:`ringlet.daemon.cluster.negotiation`): :meth:`Node.prepare`
+loads the new stage in the background (reusing the layers it already holds) while
+the old plan serves; :meth:`Node.commit` switches. The API node owns each request's
+tokens so far: when the plan changes or a stage fails, it resumes the request on
+the new plan by re-prefilling prompt + tokens so far, so the client sees one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+from collections import deque
+
+import grpc
+import psutil
+
+from ringlet.daemon.engine.scheduler import StageEngine
+from ringlet.daemon.engine.stage import Stage, load_stage
+from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.node.config import NodeConfig
+from ringlet.daemon.node.head import Generation, Head
+from ringlet.daemon.node.memory import mlx_active_bytes, peak_rss_bytes, warm_up_mlx
+from ringlet.daemon.node.relay import Relay
+from ringlet.daemon.node.resume import ResumingClient
+from ringlet.daemon.node.servicer import RingServicer
+from ringlet.daemon.node.signals import PlanChanged
+from ringlet.daemon.wire.hop import HopLink
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
+from ringlet.daemon.wire.transport import make_server
+
+log = logging.getLogger("ringlet.daemon.node")
+
+
+class Node(ResumingClient, Head, Relay):
+    """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api.app`).
+
+    ``cluster`` (set by the runner in negotiated mode) handles membership and
+    negotiation RPCs; see :class:`ringlet.daemon.cluster.negotiation.Negotiator`.
+    """
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.node_id = config.node_id or config.address
+        self.state = "starting"
+        self.engine: StageEngine | None = None
+        self.plan: ServingPlan | None = None
+        self.index: int | None = None
+        self.cluster = None
+        self.tp = None  # tensor-parallel serving (tp_serving.TPServing) in negotiated mode
+        self.cluster_id = ""
+        self.incarnation = ""
+        self._server: grpc.aio.Server | None = None
+        self._next: HopLink | None = None
+        self._generations: dict[str, Generation] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prepared: dict[tuple[int, str], Stage | None] = {}
+        self._plan_changed = asyncio.Event()
+        self.hop_latency_s: deque[float] = deque(maxlen=512)
+        self.memory: dict[str, int] = {}
+        self.recent: deque[dict] = deque(maxlen=32)
+        self.tokens_generated_total = 0
+        self.requests_served = 0
+        self.events: deque[dict] = deque(maxlen=100)
+        self.loading_progress: float | None = None  # 0..1 while a stage loads
+        self._tasks: set[asyncio.Task] = set()
+        self._token_times: deque[float] = deque(maxlen=4096)  # monotonic time of each token headed here
+
+    # --- plan views ------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch if self.plan else 0
+
+    @property
+    def stage_spec(self) -> StageSpec | None:
+        return self.plan.stages[self.index] if self.plan and self.index is not None else None
+
+    @property
+    def is_head(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.plan is not None and self.index == len(self.plan.stages) - 1
+
+    def event(self, kind: str, message: str) -> None:
+        """Append to the event log shown by ``/v1/cluster`` and the dashboard."""
+        self.events.append({"ts": time.time(), "kind": kind, "message": message})
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def start(self, serve_grpc: bool = True) -> None:
+        """Start the gRPC server and the MLX worker; with a static plan, load and serve it."""
+        self.state = "starting"
+        if serve_grpc:
+            self._server = make_server(self.config.transport, self.config.address)
+            pb_grpc.add_RingServicer_to_server(RingServicer(self), self._server)
+            await self._server.start()
+        executor = StageEngine.new_executor()
+        # An empty daemon: server up, MLX worker started, no weights. Its RSS is the
+        # baseline the memory figures in info() are read against.
+        await asyncio.get_running_loop().run_in_executor(executor, warm_up_mlx)
+        self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
+        self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
+                                  max_batch=self.config.max_batch)
+        if self.config.plan is not None:
+            stages = tuple(self.config.plan)
+            digest = ",".join(f"{s.address}={s.start}:{s.end}" for s in stages)
+            plan = ServingPlan(epoch=1, stages=stages, plan_id=f"static:{digest}")
+            await self.prepare(plan)
+            await self.commit(plan)
+        else:
+            self.state = "discovering"
+
+    async def stop(self) -> None:
+        """Stop serving: fail open generations, close streams and the server."""
+        for gen in list(self._generations.values()):
+            self._finish(gen, GenerationError("the node is shutting down"))
+        if self._next is not None:
+            await self._next.close()
+        for ch in self._channels.values():
+            await ch.close()
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+        if self.engine is not None:
+            self.engine.close()
+        self.state = "stopped"
+
+    # --- plans: prepare, commit ----------------------------------------------------------
+
+    async def prepare(self, plan: ServingPlan) -> int:
+        """Load this node's stage of ``plan`` while the current plan keeps serving.
+
+        Layers this node already holds are reused; only the others are read.
+        Returns the bytes read from disk.
+
+        Raises:
+            ModelFormatError / PlanError / OSError: the stage cannot be loaded.
+        """
+        key = (plan.epoch, plan.plan_id)
+        index = plan.index_of(self.node_id, self.config.address)
+        if plan.infeasible or index is None or plan.is_tensor:  # tensor: the rank processes load
+            self._prepared[key] = None
+            return 0
+        if plan.is_hybrid:  # the group's rank processes load, once the plan is committed
+            self._prepared[key] = self.tp.group_stage(plan, index)
+            return 0
+        spec = plan.stages[index]
+        current = self.engine.stage if isinstance(self.engine.stage, Stage) else None
+        if current is not None and (current.start, current.end) == (spec.start, spec.end):
+            self._prepared[key] = current
+            return 0
+        self.state = "loading" if current is None else self.state
+        t0 = time.perf_counter()
+        if self.config.fetch is not None:
+            self.state = "fetching" if current is None else self.state
+            await self.config.fetch(spec.start, spec.end)
+
+        def progress(done: int, total: int) -> None:  # worker thread; a float store is atomic
+            self.loading_progress = done / total if total else 1.0
+
+        self.loading_progress = 0.0
+        try:
+            stage = await self.engine.run(lambda: load_stage(self.config.model, spec.start, spec.end,
+                                                             self.config.dtype, reuse=current, progress=progress))
+        finally:
+            self.loading_progress = None
+        loaded = stage.loaded_bytes()
+        self._prepared[key] = stage
+        log.info("prepared epoch %d: layers [%d, %d), read %.1f MB of %.1f MB in %.2f s", plan.epoch,
+                 spec.start, spec.end, loaded / 1e6, stage.nbytes() / 1e6, time.perf_counter() - t0)
+        if "stage_param_bytes" not in self.memory:
+            self.memory["stage_param_bytes"] = stage.nbytes()
+            self.memory["mlx_active_after_load_bytes"] = await self.engine.run(mlx_active_bytes)
+            self.memory["peak_rss_after_load_bytes"] = peak_rss_bytes()
+        return loaded
+
+    async def commit(self, plan: ServingPlan) -> None:
+        """Switch to ``plan`` (prepared before). In-flight requests of the old plan
+        are ended here with a plan-changed error; their API nodes resume them.
+
+        Raises:
+            KeyError: ``plan`` was never prepared.
+        """
+        key = (plan.epoch, plan.plan_id)
+        stage = self._prepared.pop(key)
+        for old in [k for k in self._prepared if k[0] <= plan.epoch]:
+            self._prepared.pop(old, None)
+        old_index_spec = self.stage_spec
+        await self.engine.swap_stage(stage)
+        self.plan = plan
+        self.index = plan.index_of(self.node_id, self.config.address)
+        for gen in list(self._generations.values()):
+            self._finish(gen, PlanChanged(f"the plan changed to epoch {plan.epoch}"))
+        successor = None
+        if self.index is not None and len(plan.stages) > 1:
+            successor = plan.stages[(self.index + 1) % len(plan.stages)].address
+        if self._next is not None and (successor is None or self._next.address != successor):
+            await self._next.close()
+            self._next = None
+        if successor is not None and self._next is None:
+            self._next = HopLink(successor, self.config.transport)
+        if plan.infeasible:
+            self.state = "unplanned"
+        elif self.index is None:
+            in_group = plan.is_hybrid and any(self.node_id in g for g in plan.tp.get("groups", ()))
+            self.state = "ready" if in_group else "standby"  # a hybrid group's member runs a rank
+        else:
+            self.state = "ready"
+        spec = self.stage_spec
+        where = f"layers [{spec.start}, {spec.end})" if spec else "no stage"
+        log.info("committed epoch %d: %s%s", plan.epoch, where,
+                 f" (was [{old_index_spec.start}, {old_index_spec.end}))" if old_index_spec else "")
+        changed, self._plan_changed = self._plan_changed, asyncio.Event()
+        changed.set()
+
+    # --- introspection -------------------------------------------------------------------
+
+    def plan_json(self) -> str:
+        """The committed plan as JSON (for peers' handshakes)."""
+        if self.plan is None:
+            return ""
+        return json.dumps({"epoch": self.plan.epoch, "plan_id": self.plan.plan_id,
+                           "infeasible": self.plan.infeasible,
+                           "stages": [s.__dict__ for s in self.plan.stages]})
+
+    def tokens_per_s(self, window_s: float = 10.0) -> float:
+        """Aggregate tokens/s of the requests this node heads (stage 0): tokens in the
+        last ``window_s`` seconds / ``window_s``, all requests together."""
+        now = time.monotonic()
+        return sum(1 for t in self._token_times if now - t <= window_s) / window_s
+
+    def info(self) -> dict:
+        """A JSON-safe summary of this node: stage, plan, state and live figures."""
+        lat = list(self.hop_latency_s)
+        spec = self.stage_spec
+        stage = self.engine.stage if self.engine else None
+        info = {
+            "node_id": self.node_id,
+            "address": self.config.address,
+            "state": self.state,
+            "epoch": self.epoch,
+            "plan_id": self.plan.plan_id if self.plan else None,
+            "infeasible": self.plan.infeasible if self.plan else None,
+            "model": self.config.model.name,
+            "num_layers": stage.num_layers if stage else None,
+            "stage": self.index,
+            "layer_range": [spec.start, spec.end] if spec else None,
+            "plan": [{"node_id": s.node_id, "address": s.address, "start": s.start, "end": s.end}
+                     for s in (self.plan.stages if self.plan else ())],
+            "plan_detail": self.plan.detail if self.plan else None,
+            "requests_in_flight": len(self._generations),
+            "kv_caches": self.engine.active_requests if self.engine else [],
+            "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
+                         "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
+            "hop_latency_median_s": statistics.median(lat) if lat else None,
+            "tokens_generated_total": self.tokens_generated_total,
+            "loading_progress": self.loading_progress,
+            "requests_served": self.requests_served,
+            "memory": {**self.memory, "rss_bytes": psutil.Process().memory_info().rss,
+                       "peak_rss_bytes": peak_rss_bytes(),
+                       "stage_bytes": stage.nbytes() if stage else 0},
+            "recent_requests": list(self.recent),
+            "events": list(self.events),
+        }
+        if self.cluster is not None:
+            info.update(self.cluster.info())
+        return info
+
+

@@ -1,0 +1,155 @@
+"""Stage 0 heading a generation: embed the prompt (in chunks), take each token the
+last stage samples, embed it for the next step, until a stop token or ``max_tokens``;
+then release the request's KV cache around the ring. A mixin of
+:class:`ringlet.daemon.node.Node`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ringlet.daemon.engine.sampling import SamplingParams
+from ringlet.daemon.engine.scheduler import RequestError, RequestRetry, sampling_to_pb
+from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS
+from ringlet.daemon.node.signals import RetryOnPlan
+from ringlet.daemon.wire import codec
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+
+log = logging.getLogger("ringlet.daemon.node")
+
+
+@dataclass
+class Generation:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    epoch: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    ttft_s: float | None = None
+    finished: bool = False
+
+
+
+
+class Head:
+    """Stage 0's part of :class:`ringlet.daemon.node.Node`."""
+
+    # --- stage 0: heading a generation --------------------------------------------------
+
+    async def _generate_local(self, request_id: str, prompt: list[int], max_tokens: int,
+                              sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
+        if not self.is_head:
+            raise GenerationError("this node does not hold stage 0 of the current plan")
+        if request_id in self._generations:
+            raise GenerationError(f"request id {request_id} is already in flight")
+        gen = Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch)
+        self._generations[request_id] = gen
+        self.state = "serving"
+        try:
+            if max_tokens <= 0:
+                return
+            await self._advance(gen, step=0, payload=list(prompt))
+            while True:
+                # the first token follows the whole prefill: one step's allowance per
+                # PREFILL_TIMEOUT_TOKENS prompt tokens
+                timeout = self.config.step_timeout_s * (1 if gen.tokens else -(-len(prompt) // PREFILL_TIMEOUT_TOKENS))
+                try:
+                    item = await asyncio.wait_for(gen.queue.get(), timeout=timeout)
+                except TimeoutError:
+                    raise GenerationError(f"no token within {timeout:.0f} s; a stage may be down") from None
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            if not gen.finished:
+                gen.finished = True
+                await self._release(request_id)
+            self._generations.pop(request_id, None)
+            elapsed = time.perf_counter() - gen.started
+            self.requests_served += 1
+            self.recent.append({
+                "request_id": request_id, "prompt_tokens": len(prompt), "completion_tokens": len(gen.tokens),
+                "ttft_s": gen.ttft_s, "tokens_per_s": (len(gen.tokens) - 1) / (elapsed - gen.ttft_s)
+                if gen.ttft_s is not None and len(gen.tokens) > 1 and elapsed > gen.ttft_s else None,
+            })
+            if not self._generations and self.state == "serving":
+                self.state = "ready"
+
+    async def _advance(self, gen: Generation, step: int, payload: list[int]) -> None:
+        """Run stage 0 for ``payload`` and pass the result on (or take the token, on a
+        single-stage plan). A prompt longer than ``prefill_chunk`` goes in chunks, each
+        sent on as soon as it is computed (the next stage starts on it meanwhile)."""
+        if step == 0:
+            chunk = max(1, self.config.prefill_chunk)
+            pieces = [(off, payload[off:off + chunk]) for off in range(0, len(payload), chunk)]
+        else:
+            pieces = [(len(gen.prompt) + len(gen.tokens) - 1, payload)]
+        for k, (offset, piece) in enumerate(pieces):
+            more = k < len(pieces) - 1
+            try:
+                out = await self.engine.submit(gen.request_id, step, offset, piece, gen.sampling, more=more)
+            except Exception as exc:  # fail this request only
+                if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
+                    log.exception("stage 0 failed request %s", gen.request_id)
+                kind = RetryOnPlan if isinstance(exc, RequestRetry) else GenerationError
+                self._finish(gen, kind(f"stage 0: {exc}"))
+                return
+            if gen.finished:
+                return
+            if out is None:  # a single-stage plan filling its cache chunk by chunk
+                continue
+            if isinstance(out, int):
+                self._on_token(gen, out)
+                return
+            message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
+                                    hidden=out, stage=1, sent_at=time.time(), more=more)
+            if step == 0 and offset == 0:
+                message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
+            try:
+                await self._next.send(message)
+            except (ConnectionError, AttributeError) as exc:
+                self._finish(gen, GenerationError(f"next stage unreachable: {exc}"))
+                return
+
+    def _on_token(self, gen: Generation, token: int) -> None:
+        if gen.finished:
+            return
+        if gen.ttft_s is None:
+            gen.ttft_s = time.perf_counter() - gen.started
+        gen.tokens.append(token)
+        self.tokens_generated_total += 1
+        self._token_times.append(time.monotonic())
+        gen.queue.put_nowait(token)
+        if token in gen.stop_ids or len(gen.tokens) >= gen.max_tokens:
+            self._finish(gen, None)
+            return
+        asyncio.ensure_future(self._advance(gen, step=len(gen.tokens), payload=[token]))
+
+    def _finish(self, gen: Generation, error: Exception | None) -> None:
+        if gen.finished:
+            return
+        gen.finished = True
+        gen.queue.put_nowait(error)
+        asyncio.ensure_future(self._release(gen.request_id))
+
+    async def _release(self, request_id: str) -> None:
+        """Drop the request's cache here and send a release around the ring."""
+        if self.engine is not None:
+            await self.engine.submit_release(request_id)
+        if self._next is not None and self.is_head:
+            try:
+                await self._next.send(pb.Activation(request_id=request_id, epoch=self.epoch, release=True))
+            except ConnectionError as exc:
+                log.debug("could not send release of %s: %s", request_id, exc)
+

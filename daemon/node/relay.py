@@ -1,0 +1,118 @@
+"""Any stage's part of the ring: take an activation from the previous stage, queue
+its step on the engine, and send the result (hidden states, or the sampled token
+from the last stage) or the request's error on. A mixin of
+:class:`ringlet.daemon.node.Node`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ringlet.daemon.engine.scheduler import RequestDropped, RequestError, RequestRetry, sampling_from_pb
+from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.node.signals import RetryOnPlan
+from ringlet.daemon.wire import codec
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+
+log = logging.getLogger("ringlet.daemon.node")
+
+
+class Relay:
+    """Incoming activations of :class:`ringlet.daemon.node.Node`."""
+
+    # --- any stage: incoming activations ------------------------------------------------
+
+    async def on_activation(self, message: pb.Activation) -> None:
+        """Handle one activation from the previous stage.
+
+        Returns as soon as the step is queued on the engine (the result is sent on
+        by a task), so the hop stream keeps reading and the steps of concurrent
+        requests can meet in one batch.
+
+        Raises:
+            codec.TensorDecodeError: malformed hidden states (after the error has been
+                sent on towards stage 0 for that request).
+        """
+        if message.sent_at:
+            self.hop_latency_s.append(max(0.0, time.time() - message.sent_at))
+        if message.WhichOneof("payload") == "hidden":
+            codec.check(message.hidden, max_bytes=self.config.transport.max_message_bytes)
+        rid = message.request_id
+        if self.is_head:
+            gen = self._generations.get(rid)
+            if gen is None or message.epoch != gen.epoch:
+                return  # a late token or error for a finished request or an old plan
+            if message.error:
+                self._finish(gen, (RetryOnPlan if message.retry else GenerationError)(message.error))
+            elif message.WhichOneof("payload") == "token":
+                self._on_token(gen, message.token)
+            return
+        if self.index is None or message.epoch != self.epoch:
+            if message.WhichOneof("payload") == "hidden" and not message.release:
+                await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
+                                                  error=f"stage at {self.config.address} serves epoch "
+                                                        f"{self.epoch}, not {message.epoch}"))
+            return
+        if message.release:
+            self._spawn(self._release_and_forward(message))
+            return
+        if message.error:
+            await self._forward(message)
+            return
+        if message.WhichOneof("payload") != "hidden":
+            raise codec.TensorDecodeError("activation carries no hidden states")
+        if (error := self.engine.shape_error(tuple(message.hidden.shape))) is not None:
+            await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
+                                              error=f"stage {self.index} ({self.config.address}): {error}"))
+            raise codec.TensorDecodeError(error)
+        sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
+        future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more)
+        self._spawn(self._complete(message, future))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _complete(self, message: pb.Activation, future: asyncio.Future) -> None:
+        """Send on the result of one queued step (hidden states, or the sampled token
+        from the last stage), or the error that failed the request."""
+        rid = message.request_id
+        try:
+            out = await future
+        except RequestDropped:
+            return  # released or re-planned while it waited: nobody wants the result
+        except Exception as exc:  # any failure fails this request only; the node keeps serving
+            if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
+                log.error("stage %s failed request %s: %s", self.index, rid, exc)
+            await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
+                                              error=f"stage {self.index} ({self.config.address}): {exc}",
+                                              retry=isinstance(exc, RequestRetry)))
+            return
+        if out is None:
+            return  # the last stage took a prefill chunk that more chunks follow
+        nxt = pb.Activation(request_id=rid, epoch=message.epoch, step=message.step, offset=message.offset,
+                            stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time(), more=message.more)
+        if isinstance(out, int):
+            nxt.token = out
+        else:
+            nxt.hidden.CopyFrom(out)
+            if message.HasField("sampling"):
+                nxt.sampling.CopyFrom(message.sampling)
+        await self._forward(nxt)
+
+    async def _release_and_forward(self, message: pb.Activation) -> None:
+        await self.engine.submit_release(message.request_id)
+        if not self.is_last:
+            await self._forward(message)
+
+    async def _forward(self, message: pb.Activation) -> None:
+        if self._next is None:
+            return
+        try:
+            await self._next.send(message)
+        except ConnectionError as exc:
+            log.warning("request %s: %s", message.request_id, exc)
+

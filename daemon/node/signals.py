@@ -1,0 +1,24 @@
+"""Why one try of a generation ended without a result: the resume loop's signals.
+
+Each is a :class:`~ringlet.daemon.errors.GenerationError`; the API node's resume loop
+(:mod:`ringlet.daemon.node.resume`) tells them apart to decide how to go on."""
+
+from __future__ import annotations
+
+from ringlet.daemon.errors import GenerationError
+
+
+class PlanChanged(GenerationError):
+    """The committed plan changed under a request (it resumes on the new one)."""
+
+
+class EpochSkew(GenerationError):
+    """Stage 0 has not committed the caller's epoch yet (or has a newer one): members
+    commit a plan within moments of each other, so the request is simply retried."""
+
+
+class RetryOnPlan(GenerationError):
+    """A stage lost the request's KV cache while the plan stands (its tensor group
+    restarted): the request resumes on the same plan (``Activation.retry``)."""
+
+
