@@ -51,7 +51,8 @@ PIECE = 4 * 1024 * 1024
 def _ranges(path: Path) -> list[tuple[int, int]]:
     """``(offset, length)`` of the header and every tensor, touching ones merged: the bytes
     a fetch of every layer asks for."""
-    from ringlet.daemon.shards.cache import gguf_layout, merge_spans
+    from ringlet.daemon.shards.layout import gguf_layout
+    from ringlet.daemon.shards.local import merge_spans
 
     return [(a, b - a) for a, b in merge_spans((r.offset, r.end) for r in gguf_layout(path).regions)]
 
@@ -78,8 +79,8 @@ async def _serve(digest_dir: str) -> None:
     import grpc  # noqa: F401
 
     from ringlet.daemon.engine.sources import resolve
-    from ringlet.daemon.shards import transfer as shard_transfer
-    from ringlet.daemon.shards.cache import DigestCache
+    from ringlet.daemon.shards import serve as shard_serve
+    from ringlet.daemon.shards.digests import DigestCache
     from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
     from ringlet.daemon.wire.transport import TransportConfig, make_server
 
@@ -88,10 +89,10 @@ async def _serve(digest_dir: str) -> None:
 
     class Servicer(pb_grpc.RingServicer):
         async def ShardManifest(self, request, context):  # noqa: N802
-            return await shard_transfer.serve_manifest(request, context, location, digests=digests)
+            return await shard_serve.serve_manifest(request, context, location, digests=digests)
 
         async def FetchShard(self, request, context):  # noqa: N802
-            async for chunk in shard_transfer.serve_fetch(request, context, location, digests=digests):
+            async for chunk in shard_serve.serve_fetch(request, context, location, digests=digests):
                 yield chunk
 
     with socket.socket() as probe:

@@ -82,14 +82,14 @@ class RingServicer(pb_grpc.RingServicer):
         return pb.Ping(sent_at=request.sent_at)
 
     async def ShardManifest(self, request, context):  # noqa: N802
-        from ringlet.daemon.shards import transfer as shard_transfer
+        from ringlet.daemon.shards import serve as shard_serve
 
-        return await shard_transfer.serve_manifest(request, context, self.node.config.model)
+        return await shard_serve.serve_manifest(request, context, self.node.config.model)
 
     async def FetchShard(self, request, context):  # noqa: N802
-        from ringlet.daemon.shards import transfer as shard_transfer
+        from ringlet.daemon.shards import serve as shard_serve
 
-        async for chunk in shard_transfer.serve_fetch(request, context, self.node.config.model):
+        async for chunk in shard_serve.serve_fetch(request, context, self.node.config.model):
             yield chunk
 
     async def Beat(self, request, context):  # noqa: N802

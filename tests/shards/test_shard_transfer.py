@@ -1,7 +1,7 @@
 """Peer-to-peer shard transfer over real gRPC on 127.0.0.1, with the real default model.
 
 A minimal Ring servicer (ShardManifest and FetchShard delegate to
-``ringlet.daemon.shards.transfer``) runs behind ``transport.make_server``; the client is
+``ringlet.daemon.shards.serve``) runs behind ``transport.make_server``; the client is
 ``fetch_shard`` over ``transport.make_channel``. The sparse copy must load a stage that
 computes exactly what the original file does, hold far fewer disk blocks than its
 apparent size, survive a corrupted chunk, resume after a kill, and be reused.
@@ -28,18 +28,15 @@ from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.engine.stage import load_stage
 from ringlet.daemon.errors import PlanError
 from ringlet.daemon.ops.demo import free_ports
+from ringlet.daemon.shards import serve as shard_serve
 from ringlet.daemon.shards import transfer as shard_transfer
-from ringlet.daemon.shards.cache import (
-    DEFAULT_CHUNK_BYTES,
-    HEADER,
-    STATE_SUFFIX,
-    DigestCache,
-    LocalShard,
-    ShardError,
-    gguf_layout,
-    read_gguf_header,
-    safe_rel,
-)
+from ringlet.daemon.shards.digests import DigestCache
+from ringlet.daemon.shards.fetch import FetchResult
+from ringlet.daemon.shards.gguf_header import read_gguf_header
+from ringlet.daemon.shards.layout import DEFAULT_CHUNK_BYTES, HEADER, STATE_SUFFIX, ShardError, gguf_layout
+from ringlet.daemon.shards.local import LocalShard, safe_rel
+from ringlet.daemon.shards.receiver import TransferProgress
+from ringlet.daemon.shards.selection import gguf_stage_names
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_channel, make_server
@@ -59,12 +56,12 @@ class Servicer(pb_grpc.RingServicer):
         self.fetch_calls: list[pb.ShardRequest] = []
 
     async def ShardManifest(self, request, context):  # noqa: N802
-        return await shard_transfer.serve_manifest(request, context, self.location, digests=self.digests)
+        return await shard_serve.serve_manifest(request, context, self.location, digests=self.digests)
 
     async def FetchShard(self, request, context):  # noqa: N802
         self.fetch_calls.append(request)
-        async for chunk in shard_transfer.serve_fetch(request, context, self.location, digests=self.digests,
-                                                      corrupt=self.corrupt):
+        async for chunk in shard_serve.serve_fetch(request, context, self.location, digests=self.digests,
+                                                   corrupt=self.corrupt):
             if self.fail_after is not None and self.served >= self.fail_after:
                 self.fail_after = None
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "test: the stream broke")
@@ -89,7 +86,7 @@ async def serving(servicer: Servicer):
         await server.stop(0)
 
 
-def fetch(servicer: Servicer, layers: tuple[int, int], cache: Path, **kwargs) -> shard_transfer.FetchResult:
+def fetch(servicer: Servicer, layers: tuple[int, int], cache: Path, **kwargs) -> FetchResult:
     async def main():
         async with serving(servicer) as (stub, _):
             return await shard_transfer.fetch_shard_detailed(stub, MODEL, layers, cache, progress=False, **kwargs)
@@ -170,7 +167,7 @@ def test_another_range_extends_the_cache_and_a_warm_cache_fetches_nothing(defaul
 
 
 def test_a_corrupted_chunk_is_sent_again(default_location, digests, tmp_path):
-    corrupter = shard_transfer.ChunkCorrupter(3)
+    corrupter = shard_serve.ChunkCorrupter(3)
     servicer = Servicer(default_location, digests, corrupt=corrupter)
     result = fetch(servicer, (0, 4), tmp_path)
     assert len(corrupter.corrupted) == 1 and result.chunks_resent == 1
@@ -181,7 +178,7 @@ def test_a_corrupted_chunk_is_sent_again(default_location, digests, tmp_path):
     assert 0 < result.bytes_fetched - result.bytes_needed <= DEFAULT_CHUNK_BYTES
     # every byte of every region the stage needs equals the original
     shard = LocalShard.load(result.location.path)
-    names, _, _ = shard_transfer._stage_names(result.location.path, 0, 4)
+    names, _, _ = gguf_stage_names(result.location.path, 0, 4)
     layout = gguf_layout(default_location.path).by_name
     for name in [HEADER, *names]:
         r = layout[name]
@@ -358,7 +355,7 @@ def test_progress_bar_on_a_terminal(monkeypatch):
 
     out = Tty()
     monkeypatch.setattr(sys, "stderr", out)
-    bar = shard_transfer._Progress(True, "smollm2-135m [10, 20)")
+    bar = TransferProgress(True, "smollm2-135m [10, 20)")
     bar.start()
     bar.add_total(50_000_000)
     bar.advance(25_000_000)
@@ -366,7 +363,7 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     assert "smollm2-135m [10, 20)" in out.getvalue() and "25.0/50.0 MB" in out.getvalue()
     quiet = Tty()
     monkeypatch.setattr(sys, "stderr", quiet)
-    off = shard_transfer._Progress(False, "x")
+    off = TransferProgress(False, "x")
     off.start()
     off.advance(1)
     off.stop()

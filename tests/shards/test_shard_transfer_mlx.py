@@ -17,7 +17,8 @@ from ringlet.daemon.engine.model_info import load_tokenizer
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.engine.stage import load_stage
 from ringlet.daemon.shards import transfer as shard_transfer
-from ringlet.daemon.shards.cache import DigestCache, safetensors_layout
+from ringlet.daemon.shards.digests import DigestCache
+from ringlet.daemon.shards.layout import safetensors_layout
 
 
 def split_checkpoint(directory: Path) -> None:
