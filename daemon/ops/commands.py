@@ -40,11 +40,11 @@ def add_parsers(subparsers) -> None:
     s.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     s.add_argument("--timeout", default="2", metavar="S", help="seconds to wait for each node (default 2)")
 
-    from ringlet.daemon.ops.service import add_service_parser
+    from ringlet.daemon.ops.service.command import add_service_parser
 
     add_service_parser(subparsers)
 
-    from ringlet.daemon.ops.doctor import add_doctor_parser
+    from ringlet.daemon.ops.doctor.command import add_doctor_parser
 
     add_doctor_parser(subparsers)
 
@@ -57,12 +57,12 @@ def run(args: argparse.Namespace) -> int:
 
         logging.getLogger("ringlet").setLevel(logging.WARNING)
     if args.command == "dashboard":
-        from ringlet.daemon.ops.dashboard import run_dashboard
+        from ringlet.daemon.ops.dashboard.live import run_dashboard
 
         return run_dashboard(args)
     if args.command == "status":
         from ringlet.daemon.errors import RingletError
-        from ringlet.daemon.ops.status import run_status
+        from ringlet.daemon.ops.status.command import run_status
 
         try:
             args.timeout = float(args.timeout)
@@ -72,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
             raise RingletError(f"--timeout {args.timeout}: give between 0 and 300 seconds")
         return run_status(args)
     if args.command == "service":
-        from ringlet.daemon.ops.service import run_service
+        from ringlet.daemon.ops.service.command import run_service
 
         return run_service(args)
     if args.command == "doctor":
-        from ringlet.daemon.ops.doctor import run_doctor
+        from ringlet.daemon.ops.doctor.command import run_doctor
 
         return run_doctor(args)
     raise ValueError(f"unknown command {args.command!r}")

@@ -430,7 +430,7 @@ async def serve(args) -> int:
     dashboard = None
     stop_dashboard = asyncio.Event()
     if sys.stdout.isatty() and not getattr(args, "no_dashboard", False):
-        from ringlet.daemon.ops.dashboard import live_dashboard
+        from ringlet.daemon.ops.dashboard.live import live_dashboard
         from ringlet.daemon.wire.auth import client_api_key
 
         local = "127.0.0.1" if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison

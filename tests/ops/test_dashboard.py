@@ -13,17 +13,13 @@ import pytest
 from rich.console import Console
 from test_status import FakeNode, batched_infos, batching_of, studio_infos, today_info
 
-from ringlet.daemon.ops import dashboard
-from ringlet.daemon.ops.dashboard import (
-    DEFAULT_INTERVAL_S,
-    EventTracker,
-    layer_bar,
-    live_dashboard,
-    render,
-    run_live,
-)
+from ringlet.daemon.ops.dashboard import live
+from ringlet.daemon.ops.dashboard.events import EventTracker
+from ringlet.daemon.ops.dashboard.frame import render
+from ringlet.daemon.ops.dashboard.live import DEFAULT_INTERVAL_S, live_dashboard, run_live
+from ringlet.daemon.ops.dashboard.widgets import layer_bar
 from ringlet.daemon.ops.format import fmt_bandwidth, fmt_bytes, fmt_pair, fmt_seconds, fmt_ts
-from ringlet.daemon.ops.status import build_snapshot
+from ringlet.daemon.ops.status.snapshot import build_snapshot
 
 GIB = 1 << 30
 
@@ -264,7 +260,7 @@ def test_live_dashboard_for_ringlet_run_stops_and_shows_warnings(capsys):
     text = capsys.readouterr().out
     assert "127.0.0.1:7100" in text and "[0, 30)" in text
     assert "stage 1 failed request x" in text  # the error reached the event log
-    assert not [h for h in logging.getLogger().handlers if isinstance(h, dashboard._LogToEvents)]
+    assert not [h for h in logging.getLogger().handlers if isinstance(h, live._LogToEvents)]
 
 
 @pytest.mark.parametrize("args", [["--interval", "0"], ["--interval", "fast"], ["--api", "nope://x"]])

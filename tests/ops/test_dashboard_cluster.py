@@ -19,9 +19,10 @@ import httpx
 import pytest
 from rich.console import Console
 
-from ringlet.daemon.ops.dashboard import EventTracker, render
+from ringlet.daemon.ops.dashboard.events import EventTracker
+from ringlet.daemon.ops.dashboard.frame import render
 from ringlet.daemon.ops.demo import LocalCluster
-from ringlet.daemon.ops.status import take_snapshot
+from ringlet.daemon.ops.status.collector import take_snapshot
 
 
 @pytest.fixture(scope="module")

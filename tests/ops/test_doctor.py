@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 from test_status import FakeNode, today_info
 
-from ringlet.daemon.ops import doctor
-from ringlet.daemon.ops.doctor import FAIL, OK, WARN, Context
+from ringlet.daemon.ops.doctor import command, config, machine, network
+from ringlet.daemon.ops.doctor.base import FAIL, OK, WARN, Context
 from ringlet.daemon.probes.common import ThunderboltPort
-from ringlet.daemon.probes.macos_thunderbolt import MacIfconfig, MacThunderbolt
+from ringlet.daemon.probes.macos_ifconfig import MacIfconfig
+from ringlet.daemon.probes.macos_thunderbolt import MacThunderbolt
 from ringlet.daemon.probes.memory import MemoryInfo
 
 GIB = 1 << 30
-NAMES = [name for name, _ in doctor.CHECKS]
+NAMES = [name for name, _ in command.CHECKS]
 
 
 def run_doctor(*args: str, home: Path | None = None) -> subprocess.CompletedProcess:
@@ -92,7 +93,7 @@ def test_ports_busy_is_a_fail_with_the_fix():
     s.bind(("127.0.0.1", 0))
     s.listen()
     try:
-        c = doctor.check_ports(ctx(port=s.getsockname()[1], api_port=s.getsockname()[1]))
+        c = network.check_ports(ctx(port=s.getsockname()[1], api_port=s.getsockname()[1]))
     finally:
         s.close()
     assert c.status == FAIL and "in use" in c.summary.lower() and "--port" in c.fix
@@ -100,8 +101,8 @@ def test_ports_busy_is_a_fail_with_the_fix():
 
 def test_ports_held_by_a_ringlet_daemon_is_a_warning():
     with FakeNode(today_info(0, n=1)) as node:
-        c = doctor.check_ports(ctx(port=node.port, api_port=node.port))
-        d = doctor.check_daemon(ctx(api_port=node.port))
+        c = network.check_ports(ctx(port=node.port, api_port=node.port))
+        d = network.check_daemon(ctx(api_port=node.port))
     assert c.status == WARN and "running ringlet daemon" in c.summary and "--data-dir" in c.fix
     assert d.status == OK and "127.0.0.1:7100" in d.summary and "ready" in d.summary
 
@@ -111,20 +112,20 @@ def test_free_ports_are_ok():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    assert doctor.check_ports(ctx(port=port, api_port=port)).status == OK
+    assert network.check_ports(ctx(port=port, api_port=port)).status == OK
 
 
 def test_interfaces():
-    assert doctor.check_multicast(ctx(interfaces=["lo"])).status in (OK, WARN)  # WARN only if 5353 is taken
-    bad = doctor.check_multicast(ctx(interfaces=["nosuch0"]))
+    assert network.check_multicast(ctx(interfaces=["lo"])).status in (OK, WARN)  # WARN only if 5353 is taken
+    bad = network.check_multicast(ctx(interfaces=["nosuch0"]))
     assert bad.status == FAIL and "no such interface" in bad.summary and bad.fix
-    assert doctor.check_multicast(ctx(interfaces=["127.0.0.1"])).summary.startswith(("mDNS on lo", "mDNS on"))
+    assert network.check_multicast(ctx(interfaces=["127.0.0.1"])).summary.startswith(("mDNS on lo", "mDNS on"))
 
 
 def test_no_interface_up_is_a_warning(monkeypatch):
-    monkeypatch.setattr(doctor, "_interfaces_info", lambda: {"lo": {"up": True, "flags": {"up", "loopback"},
+    monkeypatch.setattr(network, "_interfaces_info", lambda: {"lo": {"up": True, "flags": {"up", "loopback"},
                                                                      "ipv4": ["127.0.0.1"], "loopback": True}})
-    c = doctor.check_multicast(ctx())
+    c = network.check_multicast(ctx())
     assert c.status == WARN and "--peers" in c.fix
 
 
@@ -138,17 +139,17 @@ def mac_memory(total_gib: int, wired_gib: int | None = None, ws_gib: int | None 
 def test_wired_limit_advice(monkeypatch):
     import ringlet.daemon.probes.memory as memory
 
-    assert doctor.recommended_wired_limit_mb(192 * GIB) == (192 * GIB - 192 * GIB // 10) // (1 << 20)
-    assert doctor.recommended_wired_limit_mb(512 * GIB) == (512 - 24) * 1024  # at most 24 GiB kept back
-    assert doctor.recommended_wired_limit_mb(16 * GIB) == (16 - 6) * 1024  # at least 6 GiB kept back
+    assert machine.recommended_wired_limit_mb(192 * GIB) == (192 * GIB - 192 * GIB // 10) // (1 << 20)
+    assert machine.recommended_wired_limit_mb(512 * GIB) == (512 - 24) * 1024  # at most 24 GiB kept back
+    assert machine.recommended_wired_limit_mb(16 * GIB) == (16 - 6) * 1024  # at least 6 GiB kept back
     monkeypatch.setattr(memory, "probe_memory", lambda platform=None: mac_memory(192, ws_gib=144))
-    big = doctor.check_wired_limit(ctx(platform="darwin", model_bytes=140 * GIB))
+    big = machine.check_wired_limit(ctx(platform="darwin", model_bytes=140 * GIB))
     assert big.status == WARN and "sudo sysctl iogpu.wired_limit_mb=176947" in big.fix
-    small = doctor.check_wired_limit(ctx(platform="darwin", model_bytes=4 * GIB))
+    small = machine.check_wired_limit(ctx(platform="darwin", model_bytes=4 * GIB))
     assert small.status == OK and "iogpu.wired_limit_mb=" in small.summary
     monkeypatch.setattr(memory, "probe_memory", lambda platform=None: mac_memory(192, wired_gib=180))
-    assert doctor.check_wired_limit(ctx(platform="darwin", model_bytes=140 * GIB)).status == OK
-    assert "macOS only" in doctor.check_wired_limit(ctx(platform="linux")).summary
+    assert machine.check_wired_limit(ctx(platform="darwin", model_bytes=140 * GIB)).status == OK
+    assert "macOS only" in machine.check_wired_limit(ctx(platform="linux")).summary
 
 
 def tb_port(n: int, iface: str, peer: str | None, live: bool = True) -> ThunderboltPort:
@@ -164,13 +165,13 @@ def test_thunderbolt_bridge_loop_is_a_warning(monkeypatch):
                          status="active")
     looped = MacThunderbolt(ports=(tb_port(1, "en1", "B" * 8), tb_port(2, "en2", "C" * 8)), bridge=bridge)
     monkeypatch.setattr(mtb, "probe_macos_thunderbolt", lambda timeout=20.0: looped)
-    c = doctor.check_thunderbolt(ctx(platform="darwin"))
+    c = network.check_thunderbolt(ctx(platform="darwin"))
     assert c.status == WARN and "loop" in c.summary and "Thunderbolt Bridge" in c.fix
     one = MacThunderbolt(ports=(tb_port(1, "en1", "B" * 8), tb_port(2, "en2", None, live=False)), bridge=bridge)
     monkeypatch.setattr(mtb, "probe_macos_thunderbolt", lambda timeout=20.0: one)
-    assert doctor.check_thunderbolt(ctx(platform="darwin")).status == OK
+    assert network.check_thunderbolt(ctx(platform="darwin")).status == OK
     monkeypatch.setattr(mtb, "probe_macos_thunderbolt", lambda timeout=20.0: None)
-    assert doctor.check_thunderbolt(ctx(platform="darwin")).status == WARN
+    assert network.check_thunderbolt(ctx(platform="darwin")).status == WARN
 
 
 @pytest.mark.parametrize("outputs, status", [
@@ -183,31 +184,31 @@ def test_thunderbolt_bridge_loop_is_a_warning(monkeypatch):
     ({"--getglobalstate": "???"}, WARN),
 ])
 def test_macos_firewall(monkeypatch, outputs, status):
-    monkeypatch.setattr(doctor, "_run", lambda cmd, timeout=10.0: (0, outputs.get(cmd[-1], "")))
-    c = doctor.check_firewall(ctx(platform="darwin"))
+    monkeypatch.setattr(network, "run_command", lambda cmd, timeout=10.0: (0, outputs.get(cmd[-1], "")))
+    c = network.check_firewall(ctx(platform="darwin"))
     assert c.status == status, c
     if status != OK:
         assert c.fix
 
 
 def test_secret(tmp_path):
-    assert doctor.check_secret(ctx()).status == WARN
-    missing = doctor.check_secret(ctx(secret_file=str(tmp_path / "nope")))
+    assert config.check_secret(ctx()).status == WARN
+    missing = config.check_secret(ctx(secret_file=str(tmp_path / "nope")))
     assert missing.status == FAIL and "ringlet secret new" in missing.fix
     good = tmp_path / "s"
     good.write_text("ab" * 32 + "\n")
     good.chmod(0o600)
-    assert doctor.check_secret(ctx(secret_file=str(good))).status == OK
+    assert config.check_secret(ctx(secret_file=str(good))).status == OK
     good.chmod(0o644)
-    assert doctor.check_secret(ctx(secret_file=str(good))).status in (WARN, FAIL)
+    assert config.check_secret(ctx(secret_file=str(good))).status in (WARN, FAIL)
 
 
 def test_a_check_that_breaks_is_a_warning_not_a_traceback(monkeypatch):
     def boom(_ctx):
         raise RuntimeError("probe exploded")
 
-    monkeypatch.setattr(doctor, "CHECKS", [("memory", boom), ("disk space", doctor.check_disk)])
-    results = doctor.run_checks(ctx())
+    monkeypatch.setattr(command, "CHECKS", [("memory", boom), ("disk space", machine.check_disk)])
+    results = command.run_checks(ctx())
     assert results[0].status == WARN and "probe exploded" in results[0].summary
     assert results[1].name == "disk space"
 
@@ -222,8 +223,8 @@ def test_options_default_to_the_service_configuration(tmp_path, monkeypatch):
 
     ns = argparse.Namespace(model=None, interface=None, host=None, port=None, api_port=None, data_dir=None,
                             secret_file=None, json=False)
-    c = doctor.make_context(ns)
+    c = command.make_context(ns)
     assert (c.model, c.api_port, c.interfaces, c.port) == ("/models/x", 8123, ["lo"], 7100)
     assert c.config_source == str(cdir / "service.toml")
     ns.api_port = "9000"
-    assert doctor.make_context(ns).api_port == 9000
+    assert command.make_context(ns).api_port == 9000

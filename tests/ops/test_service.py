@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ringlet.daemon.ops import service
-from ringlet.daemon.ops.service import RUN_FLAGS, ServiceConfig, check_run_arguments, run_options, systemd_quote
+from ringlet.daemon.ops.service.config import RUN_FLAGS, ServiceConfig, check_run_arguments, run_options
+from ringlet.daemon.ops.service.paths import LAUNCHD_LABEL, host_target, service_file
+from ringlet.daemon.ops.service.status import EXIT_NOT_INSTALLED, EXIT_NOT_RUNNING, EXIT_RUNNING
+from ringlet.daemon.ops.service.units import systemd_quote
 
 RINGLET = Path(sys.executable).parent / "ringlet"
 
@@ -64,7 +66,7 @@ def test_plist_parses_and_runs_the_installed_ringlet_with_the_configured_argumen
     r = svc(home, "install", "--dry-run", "--target", "macos", *CONFIGURED, "--secret-file", str(secret))
     assert r.returncode == 0, r.stderr
     files = sections(r.stdout)
-    plist_file = home / "Library" / "LaunchAgents" / f"{service.LAUNCHD_LABEL}.plist"
+    plist_file = home / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
     assert plist_file.name.endswith(".ringlet.plist") and str(plist_file) in files
     plist = plistlib.loads(files[str(plist_file)].encode())
     args = plist["ProgramArguments"]
@@ -78,7 +80,7 @@ def test_plist_parses_and_runs_the_installed_ringlet_with_the_configured_argumen
     ns = _parser().parse_args(args[1:])
     assert (ns.command, ns.cluster, ns.port, ns.api_port, ns.interface, ns.log_json) == (
         "run", "studio", 7101, 8001, ["lo", "eth0"], True)
-    assert plist["Label"] == service.LAUNCHD_LABEL and plist["RunAtLoad"] is True and plist["KeepAlive"] is True
+    assert plist["Label"] == LAUNCHD_LABEL and plist["RunAtLoad"] is True and plist["KeepAlive"] is True
     logs = home / "Library" / "Logs" / "ringlet"
     assert plist["StandardErrorPath"] == str(logs / "ringlet.log")
     assert plist["StandardOutPath"] == str(logs / "ringlet.out.log")
@@ -133,8 +135,8 @@ def test_real_install_then_uninstall_removes_everything_it_wrote(home, secret):
     r = svc(home, "install", "--no-start", "--model", "smollm2-135m", "--secret-file", str(secret),
             "--cluster", "lab")
     assert r.returncode == 0, r.stderr
-    target = service.host_target()
-    spath = (home / "Library" / "LaunchAgents" / f"{service.LAUNCHD_LABEL}.plist" if target == "macos"
+    target = host_target()
+    spath = (home / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist" if target == "macos"
              else home / ".config" / "systemd" / "user" / "ringlet.service")
     cpath = home / ".config" / "ringlet" / "service.toml"
     assert spath.is_file() and cpath.is_file()
@@ -150,12 +152,12 @@ def test_real_install_then_uninstall_removes_everything_it_wrote(home, secret):
     cfg = ServiceConfig.from_toml(cpath.read_text())
     assert (cfg.cluster, cfg.api_port) == ("lab", 8123)
     s = svc(home, "status")
-    assert s.returncode in (service.EXIT_NOT_RUNNING, service.EXIT_RUNNING), s.stdout + s.stderr
+    assert s.returncode in (EXIT_NOT_RUNNING, EXIT_RUNNING), s.stdout + s.stderr
     assert str(spath) in s.stdout and "8123" in s.stdout
     r = svc(home, "uninstall")
     assert r.returncode == 0, r.stderr
     assert tree(home) == before
-    assert svc(home, "status").returncode == service.EXIT_NOT_INSTALLED
+    assert svc(home, "status").returncode == EXIT_NOT_INSTALLED
 
 
 def test_install_without_a_service_manager_writes_files_and_says_how_to_start(home):
@@ -176,7 +178,7 @@ def test_uninstall_keep_config_and_dry_run(home):
     assert r.returncode == 0 and str(cpath) in sections(r.stdout)["remove"] and cpath.exists()
     r = svc(home, "uninstall", "--keep-config")
     assert r.returncode == 0 and cpath.exists()
-    assert not service.service_file(service.host_target()).exists()
+    assert not service_file(host_target()).exists()
     r = svc(home, "uninstall")
     assert r.returncode == 0 and "not installed" in r.stdout
 
@@ -220,14 +222,14 @@ def test_config_toml_round_trip_with_awkward_strings():
 
 def test_every_configuration_key_is_a_flag_of_this_ringlet_run():
     missing = sorted(set(RUN_FLAGS.values()) - run_options())
-    assert not missing, f"ringlet run does not accept {missing}: update RUN_FLAGS in daemon/ops/service.py"
+    assert not missing, f"ringlet run does not accept {missing}: update RUN_FLAGS in daemon/ops/service/config.py"
     check_run_arguments(["run", "--model", "smollm2-135m", "--port", "7100"])
 
 
 def test_empty_option_values_unset_configured_keys():
     import argparse
 
-    from ringlet.daemon.ops.service import merge_options
+    from ringlet.daemon.ops.service.install_plan import merge_options
 
     base = ServiceConfig(cluster="lab", interfaces=["en1"], peers=["h:1"], extra_args=["--context", "8"],
                          model="smollm2-135m")

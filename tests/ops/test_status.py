@@ -18,16 +18,10 @@ import pytest
 from conftest import ringlet
 
 from ringlet.daemon.errors import RingletError
-from ringlet.daemon.ops.status import (
-    EXIT_DEGRADED,
-    EXIT_OK,
-    EXIT_UNREACHABLE,
-    Collector,
-    build_snapshot,
-    exit_status,
-    format_status,
-    normalize_api_url,
-)
+from ringlet.daemon.ops.status.collector import Collector
+from ringlet.daemon.ops.status.command import EXIT_DEGRADED, EXIT_OK, EXIT_UNREACHABLE, exit_status, format_status
+from ringlet.daemon.ops.status.snapshot import build_snapshot
+from ringlet.daemon.ops.status.urls import normalize_api_url
 
 GIB = 1 << 30
 
@@ -293,7 +287,7 @@ def test_nothing_answers():
 def test_garbage_fields_degrade_instead_of_raising(garbage):
     from rich.console import Console
 
-    from ringlet.daemon.ops.dashboard import render
+    from ringlet.daemon.ops.dashboard.frame import render
 
     snap = build_snapshot("http://g", {"http://g": garbage}, {})
     json.dumps(snap)
@@ -388,7 +382,7 @@ def test_status_cli_exit_codes_and_json():
 
 
 def test_a_member_bound_to_a_wildcard_is_polled_at_its_grpc_host():
-    from ringlet.daemon.ops.status import member_api_url
+    from ringlet.daemon.ops.status.urls import member_api_url
 
     assert member_api_url({"api_url": "http://0.0.0.0:8000", "grpc_address": "10.0.0.2:7100"}) == \
         "http://10.0.0.2:8000"
@@ -423,7 +417,7 @@ def test_a_member_that_leaves_is_no_longer_polled():
 
 
 def test_the_default_node_is_the_installed_services(tmp_path, monkeypatch):
-    from ringlet.daemon.ops.status import DEFAULT_API, default_api_url
+    from ringlet.daemon.ops.status.urls import DEFAULT_API, default_api_url
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)

@@ -1,6 +1,6 @@
-"""``ringlet dashboard``: a live terminal view of the cluster (rich).
+"""One dashboard frame: :func:`render` (pure: a snapshot in, a rich renderable out).
 
-What it draws, from a snapshot (:mod:`ringlet.daemon.ops.status`):
+What it draws, from a snapshot (:mod:`ringlet.daemon.ops.status.snapshot`):
 
 - a header: model, depth, plan epoch, policy, mode, negotiation, how many stages
   are ready, requests in flight and the ring's tokens/s, and the time;
@@ -17,18 +17,12 @@ What it draws, from a snapshot (:mod:`ringlet.daemon.ops.status`):
 Anything a daemon does not report is drawn as "—". :func:`render` is pure (a
 snapshot in, a rich renderable out) and lays the frame out for the width it is
 given: two lines per stage below 120 columns (readable at 80x24), one wide line
-per stage from 120 columns on. The live loop polls at 2 Hz and redraws in place
-(``rich.live.Live`` with ``auto_refresh=False``; no clearing, hence no flicker).
+per stage from 120 columns on.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import sys
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,12 +31,11 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from ringlet.daemon.ops.dashboard.widgets import STAGE_COLORS, hop_text, layer_bar, memory_text, state_text
 from ringlet.daemon.ops.format import (
     DASH,
-    fmt_bandwidth,
     fmt_batch,
     fmt_bytes,
-    fmt_pair,
     fmt_range,
     fmt_rate,
     fmt_seconds,
@@ -52,108 +45,9 @@ from ringlet.daemon.ops.format import (
     policy_text,
     ts_key,
 )
-from ringlet.daemon.ops.status import Collector, normalize_api_url
-
-log = logging.getLogger(__name__)
 
 #: Layout switch: one line per stage from this width on.
 WIDE = 120
-#: Poll and redraw period of the live view, seconds (2 Hz).
-DEFAULT_INTERVAL_S = 0.5
-STAGE_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
-STATE_STYLES = {
-    "serving": "bold green", "ready": "green", "loading": "yellow", "starting": "yellow",
-    "discovering": "cyan", "negotiating": "cyan", "suspect": "bold red", "unreachable": "bold red",
-    "left": "red", "gone": "red", "stopped": "dim", "leaving": "yellow", "unplanned": "yellow",
-    "standby": "cyan", "alive": "green",
-}
-LINK_SHORT = {"thunderbolt": "TB", "ethernet": "eth", "loopback": "lo", "wifi": "wifi"}
-
-
-def layer_bar(r: list[int] | None, depth: int | None, width: int, color: str) -> Text:
-    """The range ``[start, end)`` drawn against ``depth`` layers, ``width`` cells wide.
-
-    Cell ``i`` stands for layers ``[i*depth/width, (i+1)*depth/width)``; boundaries are
-    rounded so that consecutive stages tile the bar exactly.
-    """
-    width = max(1, width)
-    if not r or not depth or depth <= 0:
-        return Text("·" * width, style="dim")
-    def cell(layer: int) -> int:  # round half up, in integers: boundaries never drift
-        return (2 * max(0, min(layer, depth)) * width + depth) // (2 * depth)
-
-    a, b = cell(r[0]), cell(r[1])
-    if r[1] > r[0] and b == a:
-        b = min(width, a + 1)
-        a = b - 1
-    t = Text()
-    t.append("─" * a, style="dim")
-    t.append("━" * (b - a), style=f"bold {color}")
-    t.append("─" * (width - b), style="dim")
-    return t
-
-
-def memory_bar(used: float | None, total: float | None, width: int) -> Text:
-    """``████░░░░`` for used/total; empty when the total is unknown."""
-    if not total or used is None:
-        return Text(" " * width)
-    frac = max(0.0, min(1.0, used / total))
-    filled = round(frac * width)
-    style = "green" if frac < 0.7 else "yellow" if frac < 0.9 else "bold red"
-    t = Text("█" * filled, style=style)
-    t.append("░" * (width - filled), style="dim")
-    return t
-
-
-def memory_text(used: float | None, total: float | None, bar_width: int) -> Text:
-    """``████░░░░ 62/192 GiB``, or ``287 MiB used`` when the total is unknown."""
-    if not total:
-        return Text(f"{fmt_bytes(used)} used" if used is not None else DASH, style="dim" if used is None else "")
-    t = memory_bar(used, total, bar_width)
-    t.append(" " + fmt_pair(used, total))
-    return t
-
-
-def state_text(state: str | None, progress: float | None, width: int = 0) -> Text:
-    """``serving`` / ``loading 45% ██░░`` / ``—``, coloured."""
-    if not state:
-        return Text(DASH, style="dim")
-    style = STATE_STYLES.get(state, "")
-    if state == "loading" and progress is not None:
-        t = Text(f"loading {progress:.0%}", style=style)
-        room = width - len(t) - 1
-        if room >= 4:
-            filled = round(progress * room)
-            t.append(" " + "█" * filled, style="yellow")
-            t.append("░" * (room - filled), style="dim")
-        return t
-    return Text(state, style=style)
-
-
-def hop_text(hop: dict | None, short: bool) -> Text:
-    """The arrow to the next stage with what is known of the link."""
-    if hop is None:
-        return Text("")
-    arrow = "↩ " if hop["returns"] else "▼ "
-    parts = []
-    kind = hop.get("kind")
-    if kind:
-        parts.append(LINK_SHORT.get(kind.lower(), kind) if short else kind)
-    if hop.get("bandwidth_bytes_per_s") is not None:
-        parts.append(fmt_bandwidth(hop["bandwidth_bytes_per_s"]))
-    if hop.get("rtt_s") is not None:
-        parts.append(("" if short else "RTT ") + fmt_seconds(hop["rtt_s"]))
-    elif hop.get("hop_latency_s") is not None:
-        parts.append("hop " + fmt_seconds(hop["hop_latency_s"]))
-    t = Text(arrow, style="bold")
-    if hop["returns"]:
-        t.append(f"{hop['to_name']}" + (" · " if parts else ""), style="dim")
-    t.append((" " if short else " · ").join(parts) if parts else ("" if hop["returns"] else DASH),
-             style="bright_blue")
-    return t
-
-
-# --------------------------------------------------------------------------- the frame
 
 
 def render(snapshot: dict, *, height: int | None = None, last_good: dict | None = None,
@@ -161,7 +55,7 @@ def render(snapshot: dict, *, height: int | None = None, last_good: dict | None 
     """A rich renderable for ``snapshot`` (pure).
 
     Args:
-        snapshot: from :func:`ringlet.daemon.ops.status.build_snapshot`.
+        snapshot: from :func:`ringlet.daemon.ops.status.snapshot.build_snapshot`.
         height: lines available (a live terminal); ``None`` = as many as needed.
         last_good: the last snapshot that reached the cluster, drawn (with a banner)
             when ``snapshot`` did not.
@@ -433,209 +327,3 @@ def _f(v: Any) -> float | None:
 
 def _plain_int(v: Any) -> str:
     return str(v) if isinstance(v, int) and not isinstance(v, bool) else DASH
-
-
-# --------------------------------------------------------------------------- events
-
-
-class EventTracker:
-    """Events the dashboard sees happen between snapshots: contact lost and regained,
-    and -- when the daemon keeps no event log of its own -- joins, leaves, re-plans
-    and state changes (``ready`` <-> ``serving`` is not an event)."""
-
-    def __init__(self, maxlen: int = 200):
-        self.events: deque[dict] = deque(maxlen=maxlen)
-        self._prev: dict | None = None
-        self._reachable: bool | None = None
-
-    def add(self, kind: str, message: str, ts: float | None = None) -> None:
-        self.events.append({"ts": time.time() if ts is None else ts, "kind": kind, "message": message})
-
-    def observe(self, snap: dict) -> dict:
-        """Record what changed since the last snapshot; returns ``snap`` with its events
-        merged with the tracked ones (oldest first)."""
-        now = snap.get("taken_at") or time.time()
-        if snap.get("reachable") != self._reachable:
-            if snap.get("reachable"):
-                self.add("connected" if self._reachable is None else "back", f"reached {snap.get('source')}", now)
-            else:
-                self.add("lost", f"cannot reach the cluster: {snap.get('error')}", now)
-            self._reachable = snap.get("reachable")
-        own_log = bool(snap.get("events"))
-        prev = self._prev
-        if snap.get("reachable"):
-            if prev is not None and not own_log:
-                self._diff(prev, snap, now)
-            self._prev = snap
-        merged = [e for e in snap.get("events", [])]
-        merged += [e for e in self.events if e not in merged]
-        merged.sort(key=lambda e: ts_key(e.get("ts")))
-        return dict(snap, events=merged)
-
-    def _diff(self, prev: dict, cur: dict, now: float) -> None:
-        pc, cc = prev.get("cluster", {}), cur.get("cluster", {})
-        if pc.get("epoch") is not None and cc.get("epoch") is not None and pc["epoch"] != cc["epoch"]:
-            ranges = ", ".join(f"{n['name']} {fmt_range(n['layer_range'])}" for n in cur["nodes"] if n["in_plan"])
-            self.add("replan", f"epoch {pc['epoch']} → {cc['epoch']}: {ranges}", now)
-        before = {n["address"]: n for n in prev.get("nodes", [])}
-        after = {n["address"]: n for n in cur.get("nodes", [])}
-        for addr, n in after.items():
-            if addr not in before:
-                self.add("join", f"{n['name']} appeared ({n['state'] or DASH})", now)
-                continue
-            old = before[addr]["state"]
-            new = n["state"]
-            if old != new and {old, new} != {"ready", "serving"}:
-                kind = "suspect" if new in ("suspect", "unreachable") else "back" if old in (
-                    "suspect", "unreachable") else "state"
-                self.add(kind, f"{n['name']}: {old or DASH} → {new or DASH}", now)
-        for addr, n in before.items():
-            if addr not in after:
-                self.add("leave", f"{n['name']} left", now)
-
-
-class _LogToEvents(logging.Handler):
-    """Warnings and errors logged in this process, as dashboard events."""
-
-    def __init__(self, tracker: EventTracker):
-        super().__init__(logging.WARNING)
-        self.tracker = tracker
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.tracker.add("error" if record.levelno >= logging.ERROR else "warning", record.getMessage(),
-                             record.created)
-        except Exception:  # a log handler must never raise
-            self.handleError(record)
-
-
-@contextlib.contextmanager
-def _logs_through(stream) -> Iterator[None]:
-    """Point the root logger's stderr/stdout handlers at ``stream`` (the live display's
-    proxy, so log lines scroll above the dashboard instead of tearing it)."""
-    root = logging.getLogger()
-    swapped = []
-    for h in root.handlers:
-        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and h.stream in (
-                sys.__stderr__, sys.__stdout__):
-            swapped.append((h, h.setStream(stream)))
-    try:
-        yield
-    finally:
-        for h, old in swapped:
-            h.setStream(old)
-
-
-# --------------------------------------------------------------------------- live loop
-
-
-@contextlib.contextmanager
-def _quit_key(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> Iterator[None]:
-    """``q`` quits (when stdin is a terminal); Ctrl-C keeps working."""
-    try:
-        import termios
-        import tty
-
-        fd = sys.stdin.fileno()
-        if not sys.stdin.isatty():
-            raise OSError
-        saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
-        yield
-        return
-
-    def on_key() -> None:
-        try:
-            ch = sys.stdin.read(1)
-        except (OSError, ValueError):
-            return
-        if ch in ("q", "Q"):
-            stop.set()
-
-    tty.setcbreak(fd)
-    loop.add_reader(fd, on_key)
-    try:
-        yield
-    finally:
-        loop.remove_reader(fd)
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-
-
-async def run_live(collector: Collector, stop: asyncio.Event, *, console: Console | None = None,
-                   interval_s: float = DEFAULT_INTERVAL_S, screen: bool = False,
-                   tracker: EventTracker | None = None) -> None:
-    """Poll ``collector`` every ``interval_s`` and redraw in place until ``stop`` is set."""
-    from rich.live import Live
-
-    console = console or Console()
-    tracker = tracker or EventTracker()
-    loop = asyncio.get_running_loop()
-    last_good: dict | None = None
-    with Live(console=console, auto_refresh=False, screen=screen, transient=False,
-              redirect_stdout=not screen, redirect_stderr=not screen, vertical_overflow="crop") as live:
-        with _logs_through(sys.stderr):
-            while not stop.is_set():
-                started = loop.time()
-                snap = tracker.observe(await collector.snapshot())
-                height = console.height if screen else max(10, console.height - 1)
-                live.update(render(snap, height=height, last_good=last_good, live=True), refresh=True)
-                if snap["reachable"]:
-                    last_good = snap
-                delay = max(0.05, interval_s - (loop.time() - started))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=delay)
-
-
-async def live_dashboard(api_url: str, stop: asyncio.Event, api_key: str | None = None) -> None:
-    """The dashboard of ``ringlet run`` in an interactive terminal, until ``stop`` is set.
-
-    Draws inline (not on the alternate screen), so the last frame stays on the
-    terminal; log lines of the daemon scroll above it, and its warnings and errors
-    also appear in the event log.
-    """
-    collector = Collector([api_url], timeout_s=1.0, api_key=api_key)
-    tracker = EventTracker()
-    handler = _LogToEvents(tracker)
-    logging.getLogger().addHandler(handler)
-    try:
-        await run_live(collector, stop, tracker=tracker, screen=False)
-    finally:
-        logging.getLogger().removeHandler(handler)
-        await collector.aclose()
-
-
-async def _dashboard_main(api_urls: list[str], interval_s: float, screen: bool, api_key: str | None = None) -> None:
-    collector = Collector(api_urls, timeout_s=max(0.5, min(2.0, 2 * interval_s)), api_key=api_key)
-    stop = asyncio.Event()
-    try:
-        with _quit_key(asyncio.get_running_loop(), stop):
-            await run_live(collector, stop, interval_s=interval_s, screen=screen)
-    finally:
-        await collector.aclose()
-
-
-def run_dashboard(args) -> int:
-    """``ringlet dashboard [--api URL ...] [--once] [--interval S]``."""
-    from ringlet.daemon.errors import RingletError
-    from ringlet.daemon.ops.status import default_api_url, take_snapshot
-    from ringlet.daemon.wire.auth import client_api_key
-
-    urls = [normalize_api_url(u) for u in (args.api or [default_api_url()])]
-    api_key = client_api_key(getattr(args, "api_key_file", None))
-    if args.once:
-        snap = take_snapshot(urls, timeout_s=2.0, api_key=api_key)
-        snap = EventTracker().observe(snap)
-        console = Console()
-        console.print(render(snap))
-        return 0 if snap["reachable"] else 1
-    try:
-        interval = float(args.interval)
-    except (TypeError, ValueError):
-        raise RingletError(f"--interval {args.interval!r}: not a number of seconds") from None
-    if not 0.05 <= interval <= 60:
-        raise RingletError(f"--interval {interval}: give between 0.05 and 60 seconds (default 0.5, i.e. 2 Hz)")
-    try:
-        asyncio.run(_dashboard_main(urls, interval, screen=not args.inline, api_key=api_key))
-    except KeyboardInterrupt:
-        pass
-    return 0

@@ -1,0 +1,152 @@
+"""``ringlet doctor`` checks of this machine: MLX and its device, the model (it resolves;
+depth and size), memory against the model's size, the GPU wired limit (macOS) and
+free disk space where the data dir lives."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ringlet.daemon.ops.doctor.base import FAIL, OK, WARN, Check, Context
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def _fmt(n: float | None) -> str:
+    from ringlet.daemon.ops.format import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def check_mlx(ctx: Context) -> Check:
+    try:
+        import mlx.core as mx
+    except Exception as exc:  # not installed, or a broken wheel
+        return Check("mlx device", FAIL, f"MLX does not import: {type(exc).__name__}: {exc}",
+                     "pip install 'mlx>=0.32' (macOS on Apple silicon) or 'mlx[cpu]>=0.32' (Linux)")
+    try:
+        metal = bool(mx.metal.is_available())
+    except Exception:
+        metal = False
+    try:
+        value = mx.sum(mx.ones((64, 64)) @ mx.ones((64, 64))).item()
+        assert value == 64 * 64 * 64  # noqa: S101 - a self-test inside try/except; -O only makes it weaker
+    except Exception as exc:
+        return Check("mlx device", FAIL, f"MLX imports but cannot compute: {type(exc).__name__}: {exc}",
+                     "reinstall mlx in this environment (pip install --force-reinstall mlx)")
+    device = str(mx.default_device())
+    version = getattr(mx, "__version__", "?")
+    if ctx.platform == "darwin":
+        if not metal:
+            return Check("mlx device", FAIL, f"MLX {version} on {device}: no Metal GPU",
+                         "ringlet on macOS needs Apple silicon (M1 or later) with Metal")
+        name = ""
+        try:
+            info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+            name = f" ({info.get('device_name') or info.get('architecture')})"
+        except Exception:  # noqa: S110 - the device name is decoration; its absence is fine
+            pass
+        return Check("mlx device", OK, f"MLX {version} on the Metal GPU{name}")
+    note = " (the Linux build of MLX computes on the CPU)" if not metal else ""
+    return Check("mlx device", OK, f"MLX {version} on {device}{note}")
+
+
+def _model_bytes(location) -> int:
+    p = Path(location.path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.glob("*.safetensors"))
+
+
+def check_model(ctx: Context) -> Check:
+    from ringlet.daemon.engine.sources import DEFAULT_MODEL, resolve
+    from ringlet.daemon.errors import RingletError
+
+    name = ctx.model or DEFAULT_MODEL
+    try:
+        loc = resolve(ctx.model)
+    except RingletError as exc:
+        return Check("model", FAIL, str(exc),
+                     "give --model a model directory (config.json + *.safetensors) or a .gguf file")
+    ctx.model_bytes = _model_bytes(loc)
+    depth = ""
+    try:
+        from ringlet.daemon.engine.model_info import model_info
+
+        depth = f", {model_info(loc).num_layers} layers"
+    except Exception as exc:  # unreadable metadata is a FAIL: the daemon would stop on it
+        return Check("model", FAIL, f"{name}: {loc.path}: cannot read its metadata: {exc}",
+                     "check the files are complete (re-download or re-convert the model)")
+    return Check("model", OK, f"{name}: {loc.path} ({loc.kind}{depth}, {_fmt(ctx.model_bytes)})",
+                 details={"path": str(loc.path), "bytes": ctx.model_bytes})
+
+
+def check_memory(ctx: Context) -> Check:
+    from ringlet.daemon.probes.memory import probe_memory
+
+    mem = probe_memory(ctx.platform)
+    summary = (f"total {_fmt(mem.total_bytes)}, usable {_fmt(mem.usable_memory_bytes)} "
+               f"({mem.usable_rule}), available now {_fmt(mem.available_bytes)}")
+    details = {"total_bytes": mem.total_bytes, "usable_bytes": mem.usable_memory_bytes}
+    if ctx.model_bytes and ctx.model_bytes > mem.usable_memory_bytes:
+        need = -(-ctx.model_bytes // max(1, mem.usable_memory_bytes))
+        return Check("memory", OK, f"{summary}; the model ({_fmt(ctx.model_bytes)}) needs about {need} nodes "
+                     "like this one (the cluster splits it)", details=details)
+    return Check("memory", OK, summary, details=details)
+
+
+def recommended_wired_limit_mb(total_bytes: int) -> int:
+    """A GPU wired limit that leaves the OS 10 % of RAM (at least 6 GiB, at most 24 GiB)."""
+    reserve = min(max(total_bytes // 10, 6 * GIB), 24 * GIB)
+    return max(0, (total_bytes - reserve) // MIB)
+
+
+def check_wired_limit(ctx: Context) -> Check:
+    if ctx.platform != "darwin":
+        return Check("gpu wired limit", OK, "skipped: macOS only (iogpu.wired_limit_mb)")
+    from ringlet.daemon.probes.memory import probe_memory
+
+    mem = probe_memory("darwin")
+    rec = recommended_wired_limit_mb(mem.total_bytes)
+    fix = (f"sudo sysctl iogpu.wired_limit_mb={rec}  (lets the GPU wire {_fmt(rec * MIB)} of "
+           f"{_fmt(mem.total_bytes)}; resets at reboot: add 'iogpu.wired_limit_mb={rec}' to /etc/sysctl.conf "
+           "to keep it)")
+    if mem.wired_limit_bytes:
+        return Check("gpu wired limit", OK, f"iogpu.wired_limit_mb is set: the GPU may wire "
+                     f"{_fmt(mem.wired_limit_bytes)} of {_fmt(mem.total_bytes)}")
+    ws = mem.max_recommended_working_set_bytes
+    summary = (f"not set: the GPU may wire Metal's recommended {_fmt(ws)} of {_fmt(mem.total_bytes)}" if ws
+               else "not set, and Metal's recommended working set is unknown")
+    if ctx.model_bytes and ws and ctx.model_bytes > 0.9 * ws:
+        return Check("gpu wired limit", WARN, summary + f"; the model is {_fmt(ctx.model_bytes)}", fix)
+    return Check("gpu wired limit", OK, summary + f"; for big models: sudo sysctl iogpu.wired_limit_mb={rec}")
+
+
+def _existing_parent(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_disk(ctx: Context) -> Check:
+    data_dir = ctx.data_dir or _default_data_dir()
+    where = _existing_parent(data_dir)
+    usage = shutil.disk_usage(where)
+    summary = f"{_fmt(usage.free)} free at {where} (data dir {data_dir})"
+    if not os.access(where, os.W_OK):
+        return Check("disk space", FAIL, summary + "; not writable by this user",
+                     f"give --data-dir a directory you can write, or fix the permissions of {where}")
+    if usage.free < GIB:
+        return Check("disk space", FAIL, summary, "free some space: the node needs at least 1 GiB for its caches")
+    if ctx.model_bytes and usage.free < ctx.model_bytes:
+        return Check("disk space", WARN, summary + f"; less than the model ({_fmt(ctx.model_bytes)}), which a node "
+                     "without the files pulls from peers", "free space or point --data-dir at a larger disk")
+    return Check("disk space", OK, summary)
+
+
+def _default_data_dir() -> Path:
+    from ringlet.daemon.paths import default_data_dir
+
+    return default_data_dir()

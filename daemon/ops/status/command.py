@@ -1,0 +1,86 @@
+"""``ringlet status``: the snapshot as plain text (or JSON with ``--json``) and its exit status.
+
+Exit status of ``ringlet status``: 0 every stage of the plan is ready or serving,
+1 no node answered, 2 bad input, 3 reachable but some stage is not ready
+(loading, suspect, unreachable, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ringlet.daemon.ops.status.collector import take_snapshot
+from ringlet.daemon.ops.status.urls import default_api_url
+
+EXIT_OK, EXIT_UNREACHABLE, EXIT_BAD_INPUT, EXIT_DEGRADED = 0, 1, 2, 3
+
+
+def exit_status(snap: dict) -> int:
+    """0 healthy, 1 no node answered, 3 reachable but some stage not ready."""
+    if not snap["reachable"]:
+        return EXIT_UNREACHABLE
+    return EXIT_OK if snap["healthy"] else EXIT_DEGRADED
+
+
+def format_status(snap: dict) -> str:
+    """The snapshot as plain text: a summary line and one aligned row per node, never
+    truncated (for people and ``grep``)."""
+    from ringlet.daemon.ops.format import fmt_batch, fmt_bytes, fmt_range, fmt_rate, policy_text
+
+    if not snap["reachable"]:
+        return f"unreachable: {snap['error']}\n"
+    c = snap["cluster"]
+
+    def v(x) -> str:
+        return "—" if x is None else str(x)
+
+    lines = [" · ".join([
+        f"model {v(c['model'])}", f"layers {v(c['num_layers'])}", f"epoch {v(c['epoch'])}",
+        f"policy {policy_text(c['policy'])}", f"nodes {c['nodes_ready']}/{c['nodes']} ready",
+        f"in flight {v(c['requests_in_flight'])}", f"tokens/s {fmt_rate(c['tokens_per_s'])}",
+    ])]
+    if c.get("mode") is not None:
+        mode = [f"mode {c['mode']}"]
+        if c.get("backend") and c["backend"] != "none":
+            mode.append(f"backend {c['backend']}")
+        names = {n["node_id"]: n["name"] for n in snap["nodes"]}
+        if c.get("groups"):
+            mode.append("groups " + " | ".join(
+                f"{fmt_range(g['layers']).replace(' ', '')} " + ", ".join(f"{i} {names.get(r, r)}"
+                                                                         for i, r in enumerate(g["ranks"]))
+                for g in c["groups"]))
+        elif c.get("ranks"):
+            mode.append("ranks " + ", ".join(f"{i} {names.get(r, r)}" for i, r in enumerate(c["ranks"])))
+        if c.get("tensor_group"):
+            mode.append(f"group {c['tensor_group']}")
+        lines.append(" · ".join(mode))
+        if c.get("mode_reason"):
+            lines.append(f"why: {c['mode_reason']}")
+    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "grpc", "api")]
+    for n in snap["nodes"]:
+        mem = fmt_bytes(n["memory_used_bytes"]).replace(" ", "")
+        if n["memory_total_bytes"]:
+            mem += "/" + fmt_bytes(n["memory_total_bytes"]).replace(" ", "")
+        rows.append((v(n["stage"]), n["name"], v(n["state"]), fmt_range(n["layer_range"]).replace(" ", ""), mem,
+                     fmt_rate(n["tokens_per_s"]), fmt_batch(n.get("batch_mean"), n.get("max_batch")), n["address"],
+                     v(n["api_url"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if snap["error"]:
+        lines.append(f"not reached: {snap['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def run_status(args) -> int:
+    """``ringlet status``."""
+    from ringlet.daemon.wire.auth import client_api_key
+
+    snap = take_snapshot(args.api or [default_api_url()], timeout_s=args.timeout,
+                         api_key=client_api_key(getattr(args, "api_key_file", None)))
+    if args.json:
+        sys.stdout.write(json.dumps(snap, indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(format_status(snap))
+    return exit_status(snap)
