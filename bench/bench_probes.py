@@ -10,7 +10,9 @@ from pathlib import Path
 
 from ringlet.daemon.probes import probe_local
 from ringlet.daemon.probes.links import match_links
-from ringlet.daemon.probes.macos_thunderbolt import join_interfaces, parse_hardware_ports, parse_spthunderbolt_json
+from ringlet.daemon.probes.macos_networksetup import parse_hardware_ports
+from ringlet.daemon.probes.macos_spthunderbolt import parse_spthunderbolt_json
+from ringlet.daemon.probes.macos_thunderbolt import join_interfaces
 from ringlet.daemon.probes.speed import measure_speed
 
 FIX = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "macos"

@@ -7,21 +7,11 @@ therefore exact for any architecture mlx-lm supports:
 
 1. ``mlx_lm.utils._get_classes`` picks the Model/ModelArgs classes (with mlx-lm's
    own remapping, e.g. ``kimi_k2`` -> ``deepseek_v3``);
-2. floating parameters are cast to the checkpoint dtype (``torch_dtype`` /
-   ``dtype``, default bfloat16), honouring the model's ``cast_predicate`` exactly as
-   ``mlx_lm.convert`` does;
-3. quantization is applied the way ``mlx_lm.utils.load_model`` does: a
-   ``quantization`` block (per-module overrides included), or a legacy
-   ``quantization_config`` (mxfp4, mxfp8, ue8m0 fp8, compressed-tensors, modelopt
-   nvfp4, awq/gptq; other fp8 checkpoints are dequantized by mlx-lm and stay in the
-   float dtype). Which modules are quantized: the loader decides from the
-   ``<path>.scales`` tensors present in the checkpoint -- when the model directory
-   has ``*.safetensors`` files their headers (names, shapes, dtypes only) are read
-   and fed through the model's ``sanitize`` as lazy placeholders, so the decision is
-   the loader's own; without weights, mlx-lm's converter rule is used (every module
-   with ``to_quantized`` whose input size is a multiple of the group size, filtered
-   by the model's ``quant_predicate``);
-4. bytes are summed per decoder layer (``model.layers``), for the embedding
+2. floating parameters are cast to the checkpoint dtype and quantization is
+   applied the way mlx-lm's loader does (:mod:`ringlet.daemon.engine.lazy_model`
+   has the details: ``cast_predicate``, quantization blocks and legacy configs,
+   which modules are quantized);
+3. bytes are summed per decoder layer (``model.layers``), for the embedding
    (``nn.Embedding``/``nn.QuantizedEmbedding`` outside the layers) and for the head
    (everything else: final norm and ``lm_head``; only the norm when tied).
 
@@ -45,15 +35,16 @@ Per token and layer:
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from pathlib import Path
 from typing import Any
 
+from ringlet.daemon.engine.lazy_model import cast_parameters, placeholder_weights, quantize
+from ringlet.daemon.engine.model_config import ModelSpecError, dtype_name, load_config, text_config
 from ringlet.partitioning import ModelSpec
 
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
+__all__ = ["model_spec_from_config", "model_spec_from_model"]
+
 _EXPERTS_PER_TOKEN_KEYS = (
     "num_experts_per_tok",
     "num_experts_per_token",
@@ -63,59 +54,6 @@ _EXPERTS_PER_TOKEN_KEYS = (
     "num_selected_experts",
     "experts_per_token",
 )
-# safetensors dtype -> mlx dtype name with the same item size (fp8 has no mlx dtype; uint8 is the same size).
-_ST_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float32",
-    "U32": "uint32",
-    "I32": "int32",
-    "U8": "uint8",
-    "I8": "int8",
-    "U16": "uint16",
-    "I16": "int16",
-    "I64": "int64",
-    "U64": "uint64",
-    "BOOL": "bool_",
-    "F8_E4M3": "uint8",
-    "F8_E5M2": "uint8",
-    "F8_E8M0": "uint8",
-}
-
-
-class ModelSpecError(ValueError):
-    """The config cannot be turned into a model spec (unreadable, unsupported architecture,
-    missing fields). The message is one line and names the file or field."""
-
-
-def load_config(source: str | Path | dict) -> tuple[dict, str, Path | None]:
-    """Resolve ``source`` into (config dict, default model name, weights directory or None).
-
-    Args:
-        source: a config dict, a ``config.json`` path, or a model directory holding one.
-
-    Raises:
-        ModelSpecError: the path does not exist or is not a JSON object.
-    """
-    if isinstance(source, dict):
-        return dict(source), str(source.get("_name_or_path") or source.get("model_type") or "model"), None
-    path = Path(source).expanduser()
-    if path.is_dir():
-        directory, file = path, path / "config.json"
-    else:
-        directory, file = path.parent, path
-    if not file.is_file():
-        raise ModelSpecError(f"{file}: no such config file")
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelSpecError(f"{file}: not a readable JSON config ({exc})") from None
-    if not isinstance(config, dict):
-        raise ModelSpecError(f"{file}: the config must be a JSON object")
-    name = directory.name if file.name == "config.json" else file.stem
-    has_weights = any(directory.glob("*.safetensors"))
-    return config, name or "model", directory if has_weights else None
 
 
 def model_spec_from_config(
@@ -141,7 +79,7 @@ def model_spec_from_config(
     import mlx.nn as nn
 
     config, default_name, weights_dir = load_config(source)
-    text = _text_config(config)
+    text = text_config(config)
     try:
         from mlx_lm.utils import _get_classes
     except ImportError as exc:  # pragma: no cover - mlx-lm is a dependency
@@ -156,10 +94,10 @@ def model_spec_from_config(
     except (KeyError, TypeError, AttributeError) as exc:
         raise ModelSpecError(f"config for model_type {config['model_type']!r} is incomplete: {exc!r}") from None
 
-    dtype = getattr(mx, _dtype_name(config))
-    _cast(model, dtype)
-    weights = _placeholder_weights(weights_dir, model) if weights_dir is not None else None
-    _quantize(model, config, weights, nn)
+    dtype = getattr(mx, dtype_name(config))
+    cast_parameters(model, dtype)
+    weights = placeholder_weights(weights_dir, model) if weights_dir is not None else None
+    quantize(model, config, weights, nn)
     ctx = context_tokens if context_tokens is not None else int(text.get("max_position_embeddings") or 4096)
     return model_spec_from_model(model, context_tokens=ctx, name=name or default_name, config=config)
 
@@ -189,7 +127,7 @@ def model_spec_from_model(
 
     if config is None:
         config = dict(vars(getattr(model, "args", object())))
-    text = _text_config(config)
+    text = text_config(config)
     layers = [layer for layer in (getattr(model, "layers", None) or []) if layer is not None]
     if not layers:
         raise ModelSpecError("the model exposes no decoder layers (model.layers is empty)")
@@ -252,152 +190,23 @@ def model_spec_from_model(
 # --- helpers ------------------------------------------------------------------------
 
 
-def _text_config(config: dict) -> dict:
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
-
-
 def _get(config: dict, text: dict, key: str, default: Any = None) -> Any:
     if key in text:
         return text[key]
     return config.get(key, default)
 
 
-def _dtype_name(config: dict) -> str:
-    text = _text_config(config)
-    raw = config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
-    return _DTYPES.get(str(raw), "bfloat16") if raw else "bfloat16"
-
-
 def _dtype_bytes(config: dict, model: Any) -> int:
     import mlx.core as mx
 
     if any(k in config for k in ("torch_dtype", "dtype")) or "text_config" in config:
-        return getattr(mx, _dtype_name(config)).size
+        return getattr(mx, dtype_name(config)).size
     from mlx.utils import tree_flatten
 
     for _, v in tree_flatten(model.parameters()):
         if mx.issubdtype(v.dtype, mx.floating):
             return v.dtype.size
     return 2
-
-
-def _cast(model: Any, dtype: Any) -> None:
-    """Cast floating parameters like ``mlx_lm.convert`` (respecting ``cast_predicate``)."""
-    import mlx.core as mx
-    from mlx.utils import tree_map_with_path
-
-    cast_predicate = getattr(model, "cast_predicate", lambda _: True)
-
-    def cast(path, v):
-        if cast_predicate(path) and mx.issubdtype(v.dtype, mx.floating):
-            return v.astype(dtype)
-        return v
-
-    model.update(tree_map_with_path(cast, model.parameters()))
-
-
-def _read_safetensors_header(file: Path) -> dict:
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100_000_000:
-            raise ModelSpecError(f"{file}: implausible safetensors header size {n}")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
-
-
-def _placeholder_weights(directory: Path, model: Any) -> dict | None:
-    """Checkpoint tensors as lazy zero arrays (names, shapes, dtypes from the headers),
-    passed through the model's ``sanitize`` like the loader does. Nothing is allocated."""
-    import mlx.core as mx
-
-    weights = {}
-    for file in sorted(directory.glob("model*.safetensors")) or sorted(directory.glob("*.safetensors")):
-        try:
-            header = _read_safetensors_header(file)
-        except (OSError, ValueError, struct.error) as exc:
-            raise ModelSpecError(f"{file}: unreadable safetensors header ({exc})") from None
-        for key, info in header.items():
-            dtype = getattr(mx, _ST_DTYPES.get(str(info.get("dtype")), "uint8"))
-            weights[key] = mx.zeros(tuple(info.get("shape", ())), dtype=dtype)
-    if not weights:
-        return None
-    if hasattr(model, "sanitize"):
-        try:
-            weights = model.sanitize(weights)
-        except Exception:  # noqa: BLE001 - a sanitize that needs real values: fall back to the config rule
-            return None
-    return weights
-
-
-def _quantization(config: dict) -> dict | None:
-    """The quantization parameters mlx-lm's loader would apply, or None."""
-    if config.get("quantization") is not None:
-        return config["quantization"]
-    qc = config.get("quantization_config") or _text_config(config).get("quantization_config")
-    if not isinstance(qc, dict):
-        return None
-    method = qc.get("quant_method")
-    if method == "mxfp4":
-        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-    if method == "mxfp8":
-        return {"group_size": 32, "bits": 8, "mode": "mxfp8"}
-    if method == "fp8" and qc.get("scale_fmt") == "ue8m0" and list(qc.get("weight_block_size", ())) == [32, 32]:
-        return {"group_size": 32, "bits": 8, "mode": "mxfp8"}
-    if method == "compressed-tensors":
-        from mlx_lm.utils import _compressed_tensors_quantization
-
-        try:
-            return _compressed_tensors_quantization(qc)
-        except ValueError as exc:
-            raise ModelSpecError(f"config.quantization_config: {exc}") from None
-    if method == "modelopt":
-        settings = qc.get("quantization", qc)
-        algo = settings.get("quant_algo")
-        if algo != "NVFP4":
-            raise ModelSpecError(f"config.quantization_config: unsupported modelopt quant_algo {algo!r}")
-        return {"group_size": settings.get("group_size", 16), "bits": 4, "mode": "nvfp4"}
-    if method in ("awq", "gptq"):
-        return {"group_size": qc.get("group_size", 128), "bits": qc.get("bits", 4), "mode": "affine"}
-    if method == "bitnet":
-        return {"bitnet": qc}
-    return None  # e.g. block fp8: mlx-lm dequantizes to the float dtype in sanitize
-
-
-def _quantize(model: Any, config: dict, weights: dict | None, nn: Any) -> None:
-    q = _quantization(config)
-    if q is None:
-        return
-    if "bitnet" in q:
-        from mlx_lm.models.bitlinear_layers import bitnet_quantize
-
-        bitnet_quantize(model, q["bitnet"])
-        return
-    try:
-        group_size, bits = int(q["group_size"]), int(q["bits"])
-    except (KeyError, TypeError, ValueError):
-        raise ModelSpecError(f"config.quantization must give group_size and bits, got {q!r}") from None
-    mode = q.get("mode", "affine")
-    model_predicate = getattr(model, "quant_predicate", None)
-
-    def predicate(path, module):
-        if path in q:  # per-module override written by mlx_lm.convert
-            return q[path]
-        if not hasattr(module, "to_quantized"):
-            return False
-        if weights is not None:  # the loader's rule: quantized iff the checkpoint has scales
-            if f"{path}.scales" not in weights:
-                return False
-            from mlx_lm.utils import infer_quant_config
-
-            return infer_quant_config(path, module, weights)
-        weight = getattr(module, "weight", None)
-        if weight is not None and weight.shape[-1] % group_size != 0:  # the converter's rule
-            return False
-        return model_predicate(path, module) if model_predicate is not None else True
-
-    nn.quantize(model, group_size=group_size, bits=bits, mode=mode, class_predicate=predicate)
 
 
 def _owner(path: str, modules: dict) -> str:
@@ -424,7 +233,7 @@ def _logical_params(path: str, owner: Any, value: Any) -> float:
 
 
 def _experts_per_token(config: dict) -> int | None:
-    text = _text_config(config)
+    text = text_config(config)
     for key in _EXPERTS_PER_TOKEN_KEYS:
         v = text.get(key, config.get(key))
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:

@@ -181,7 +181,8 @@ def _no_unknown(entry: dict, where: str, allowed: set[str]) -> None:
 
 
 def _model_spec(model: str, context: int | None, name: str | None):
-    from ringlet.daemon.engine.modelspec import ModelSpecError, model_spec_from_config
+    from ringlet.daemon.engine.model_config import ModelSpecError
+    from ringlet.daemon.engine.modelspec import model_spec_from_config
 
     source: Any = model
     if model.lstrip().startswith("{"):

@@ -81,7 +81,7 @@ def _public_host(args) -> str:
         return args.advertise_host
     if args.host not in ("0.0.0.0", ""):  # noqa: S104 - comparison only
         return args.host
-    from ringlet.daemon.cluster.discovery import interface_addresses
+    from ringlet.daemon.cluster.addresses import interface_addresses
 
     addresses = [a for a in interface_addresses(args.interface or None) if not a.startswith("127.")]
     if not addresses:
@@ -177,7 +177,8 @@ def _make_fetcher(node: Node, membership, cache_dir: Path):
 
 async def _start_cluster(args, node: Node, context_tokens: int):
     """Identity, probes, membership, negotiation and discovery for a negotiated node."""
-    from ringlet.daemon.cluster.discovery import Discovery, parse_peers
+    from ringlet.daemon.cluster.discovery import Discovery
+    from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.cluster.identity import NodeIdentity, cluster_id
     from ringlet.daemon.cluster.membership import Membership
     from ringlet.daemon.cluster.negotiation import Negotiator
@@ -337,7 +338,8 @@ async def _bootstrap_fetch(args) -> None:
     Raises:
         RingletError: no member answered with the model.
     """
-    from ringlet.daemon.cluster.discovery import Discovery, parse_peers
+    from ringlet.daemon.cluster.discovery import Discovery
+    from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.cluster.identity import NodeIdentity
     from ringlet.daemon.engine.sources import KNOWN_MODELS
     from ringlet.daemon.errors import ModelNotFound

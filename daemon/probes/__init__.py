@@ -24,7 +24,8 @@ from .common import ProbeParseError, ThunderboltPort, from_jsonable, to_jsonable
 from .interfaces import NetInterface, candidate_interfaces_for_peer, interface_for_peer, list_interfaces
 from .links import ThunderboltLink, machines_cabled, match_links
 from .machine import MachineInfo, probe_machine
-from .macos_thunderbolt import MacIfconfig, bridge_loop_warning
+from .macos_ifconfig import MacIfconfig
+from .macos_thunderbolt import bridge_loop_warning
 from .memory import MemoryInfo, probe_memory
 from .speed import SpeedResult, load_or_measure, machine_key
 

@@ -17,7 +17,7 @@ Keys
     ============================ ==============================================
     purpose                      key
     ============================ ==============================================
-    mDNS advert signatures       ``HMAC-SHA256(secret, "ringlet/mdns-advert/v1")`` (discovery.py)
+    mDNS advert signatures       ``HMAC-SHA256(secret, "ringlet/mdns-advert/v1")`` (advert.py)
     RPC tokens (this module)     ``HKDF-SHA256(secret, info="ringlet/rpc-token/v1")``
     TLS CA key (tls.py)          ``HKDF-SHA256(secret, info="ringlet/tls-ca-key/v1")``
     log fingerprint              ``HKDF-SHA256(secret, info="ringlet/fingerprint/v1")``, 4 bytes

@@ -25,8 +25,9 @@ import pytest
 from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-from ringlet.daemon.cluster import discovery as disc_mod
-from ringlet.daemon.cluster.discovery import SERVICE_TYPE, Advert, Discovery, encode_txt
+from ringlet.daemon.cluster import addresses as addr_mod
+from ringlet.daemon.cluster.advert import SERVICE_TYPE, Advert, encode_txt
+from ringlet.daemon.cluster.discovery import Discovery
 from ringlet.daemon.cluster.identity import PROTOCOL_VERSION, NodeIdentity, cluster_id, new_node_id
 
 LOOPBACK = ["127.0.0.1"]
@@ -316,13 +317,13 @@ def test_address_change_is_reannounced(monkeypatch: pytest.MonkeyPatch) -> None:
         addrs["lo"] = [e for e in addrs["lo"] if e.family == socket.AF_INET] + extra
         return addrs
 
-    monkeypatch.setattr(disc_mod.psutil, "net_if_addrs", fake_if_addrs)
+    monkeypatch.setattr(addr_mod.psutil, "net_if_addrs", fake_if_addrs)
 
     async def main() -> None:
         name = cluster()
         a = Node(name, 41080)
         b = Discovery(new_node_id(), name, 41081, 42081, ["lo"], address_poll_s=0.1)
-        assert disc_mod.interface_addresses(["lo"]) == ["127.0.0.1"]
+        assert addr_mod.interface_addresses(["lo"]) == ["127.0.0.1"]
         try:
             await a.disc.start()
             await b.start()

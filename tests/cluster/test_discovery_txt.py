@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringlet.daemon.cluster.discovery import (
+from ringlet.daemon.cluster.addresses import interface_addresses
+from ringlet.daemon.cluster.advert import (
     MAX_TXT_BYTES,
     SIGNATURE_WINDOW_S,
     Advert,
@@ -21,11 +22,10 @@ from ringlet.daemon.cluster.discovery import (
     StaleSignature,
     canonical_txt,
     encode_txt,
-    interface_addresses,
-    parse_peers,
     parse_txt,
 )
 from ringlet.daemon.cluster.identity import PROTOCOL_VERSION, cluster_id
+from ringlet.daemon.cluster.static_peers import parse_peers
 
 CID = cluster_id("test-cluster")
 SECRET = b"s3cret-s3cret-s3cret"

@@ -110,7 +110,7 @@ def test_peer_that_advertises_but_never_answers_is_logged_once_and_not_admitted(
     from zeroconf import IPVersion
     from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
-    from ringlet.daemon.cluster.discovery import SERVICE_TYPE, Advert, encode_txt
+    from ringlet.daemon.cluster.advert import SERVICE_TYPE, Advert, encode_txt
     from ringlet.daemon.cluster.identity import PROTOCOL_VERSION, cluster_id, new_node_id
 
     silent = socket.socket()  # accepts connections (backlog) and never speaks HTTP/2

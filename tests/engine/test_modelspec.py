@@ -10,7 +10,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from ringlet.daemon.engine.modelspec import ModelSpecError, model_spec_from_config, model_spec_from_model
+from ringlet.daemon.engine.model_config import ModelSpecError
+from ringlet.daemon.engine.modelspec import model_spec_from_config, model_spec_from_model
 
 LLAMA = {
     "model_type": "llama",

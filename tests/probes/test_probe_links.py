@@ -26,7 +26,9 @@ import pytest
 
 from ringlet.daemon.probes.common import ThunderboltPort
 from ringlet.daemon.probes.links import ThunderboltLink, machines_cabled, match_links
-from ringlet.daemon.probes.macos_thunderbolt import join_interfaces, parse_hardware_ports, parse_spthunderbolt_json
+from ringlet.daemon.probes.macos_networksetup import parse_hardware_ports
+from ringlet.daemon.probes.macos_spthunderbolt import parse_spthunderbolt_json
+from ringlet.daemon.probes.macos_thunderbolt import join_interfaces
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "macos"
 

@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 
 from ringlet.daemon.probes.common import ProbeParseError, ThunderboltPort
+from ringlet.daemon.probes.macos_ifconfig import BridgeCacheEntry, IPv4Address, parse_ifconfig_macos
+from ringlet.daemon.probes.macos_networksetup import parse_hardware_ports, parse_network_services
+from ringlet.daemon.probes.macos_spthunderbolt import parse_spthunderbolt_json, parse_spthunderbolt_text
 from ringlet.daemon.probes.macos_thunderbolt import (
-    BridgeCacheEntry,
-    IPv4Address,
     active_thunderbolt_interfaces,
     bridge_loop_warning,
     join_interfaces,
-    parse_hardware_ports,
-    parse_ifconfig_macos,
-    parse_network_services,
-    parse_spthunderbolt_json,
-    parse_spthunderbolt_text,
 )
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "macos"

@@ -30,13 +30,9 @@ from ringlet.daemon.probes.machine import (
     parse_sysctl,
     parse_sysctl_hw_values,
 )
-from ringlet.daemon.probes.macos_thunderbolt import (
-    parse_hardware_ports,
-    parse_ifconfig_macos,
-    parse_network_services,
-    parse_spthunderbolt_json,
-    parse_spthunderbolt_text,
-)
+from ringlet.daemon.probes.macos_ifconfig import parse_ifconfig_macos
+from ringlet.daemon.probes.macos_networksetup import parse_hardware_ports, parse_network_services
+from ringlet.daemon.probes.macos_spthunderbolt import parse_spthunderbolt_json, parse_spthunderbolt_text
 from ringlet.daemon.probes.memory import parse_device_info, parse_sysctl_wired_limit
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"

@@ -2,7 +2,7 @@
 
 * the tensor codec (``codec.check``/``codec.decode``) raises only ``TensorDecodeError``;
 * the mDNS TXT record, as raw wire bytes through zeroconf's own TXT unpacking into
-  ``discovery.parse_txt``, raises only ``AdvertError``;
+  ``advert.parse_txt``, raises only ``AdvertError``;
 * the RPC token verifier raises only ``AuthError``; the secret file check only ``SecretError``.
 
 The daemons themselves are fuzzed in test_security_cluster.py (hostile tensors on Hop,
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zeroconf import ServiceInfo
 
-from ringlet.daemon.cluster import discovery
-from ringlet.daemon.cluster.identity import cluster_id
+from ringlet.daemon.cluster import advert as advert_codec
+from ringlet.daemon.cluster.identity import PROTOCOL_VERSION, cluster_id
 from ringlet.daemon.wire import auth, codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
@@ -98,7 +98,7 @@ def test_codec_rejects_non_finite_hidden_states_of_every_float_dtype():
 SECRET = b"s" * 40
 CID = cluster_id("fuzz")
 NOW = 1_800_000_000.0
-GOOD = discovery.Advert(node_id="n1", protocol_version=discovery.PROTOCOL_VERSION, grpc_port=7100, api_port=8000,
+GOOD = advert_codec.Advert(node_id="n1", protocol_version=PROTOCOL_VERSION, grpc_port=7100, api_port=8000,
                         cluster_id=CID, incarnation="0a1b2c3d", started_at_ms=1_700_000_000_000)
 
 
@@ -118,7 +118,7 @@ def txt_records(draw) -> bytes:
     if kind == "entries":
         items = draw(st.lists(st.binary(max_size=80), max_size=24))
         return b"".join(bytes([min(len(i), 255)]) + i[:255] for i in items)
-    wire = bytearray(txt_wire(discovery.encode_txt(GOOD, draw(st.sampled_from([None, SECRET])), now=NOW)))
+    wire = bytearray(txt_wire(advert_codec.encode_txt(GOOD, draw(st.sampled_from([None, SECRET])), now=NOW)))
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["flip", "cut", "insert"]))
         pos = draw(st.integers(0, max(0, len(wire) - 1)))
@@ -135,11 +135,11 @@ def txt_records(draw) -> bytes:
 @given(raw=txt_records(), secret=st.sampled_from([None, SECRET]))
 def test_txt_wire_bytes_raise_only_advert_error(raw, secret):
     # zeroconf's own unpacking of a received TXT record (bytes given as properties are the raw record)
-    info = ServiceInfo(discovery.SERVICE_TYPE, f"n1-0a1b2c3d.{discovery.SERVICE_TYPE}", properties=raw)
+    info = ServiceInfo(advert_codec.SERVICE_TYPE, f"n1-0a1b2c3d.{advert_codec.SERVICE_TYPE}", properties=raw)
     try:
-        advert = discovery.parse_txt(info.properties, secret=secret, cluster_id=CID, now=NOW,
+        advert = advert_codec.parse_txt(info.properties, secret=secret, cluster_id=CID, now=NOW,
                                      txt_bytes=len(info.text or b""))
-    except discovery.AdvertError as exc:
+    except advert_codec.AdvertError as exc:
         assert exc.reason and str(exc)
         return
     assert 1 <= advert.grpc_port <= 65535 and advert.cluster_id == CID
@@ -149,9 +149,9 @@ def test_txt_wire_bytes_raise_only_advert_error(raw, secret):
 
 def test_the_txt_fuzzer_reaches_acceptance():
     """The mutation strategy starts from valid records: unmutated ones are accepted."""
-    info = ServiceInfo(discovery.SERVICE_TYPE, f"n1-0a1b2c3d.{discovery.SERVICE_TYPE}",
-                       properties=txt_wire(discovery.encode_txt(GOOD, SECRET, now=NOW)))
-    assert discovery.parse_txt(info.properties, secret=SECRET, cluster_id=CID, now=NOW).node_id == "n1"
+    info = ServiceInfo(advert_codec.SERVICE_TYPE, f"n1-0a1b2c3d.{advert_codec.SERVICE_TYPE}",
+                       properties=txt_wire(advert_codec.encode_txt(GOOD, SECRET, now=NOW)))
+    assert advert_codec.parse_txt(info.properties, secret=SECRET, cluster_id=CID, now=NOW).node_id == "n1"
 
 
 # --------------------------------------------------------------------------- tokens and secrets

@@ -1,0 +1,78 @@
+"""Interface selection for discovery: the IPv4 addresses to bind and advertise (mDNS here is IPv4 only)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psutil
+
+__all__ = ["interface_addresses", "is_ipv4"]
+
+
+def interface_addresses(
+    interfaces: Sequence[str] | None,
+    *,
+    if_addrs: Mapping[str, Sequence[Any]] | None = None,
+    if_stats: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Resolve an interface selection to the IPv4 addresses to bind and advertise.
+
+    Args:
+        interfaces: ``None`` means every interface that is up, multicast-capable
+            and not loopback (its IPv4 addresses, link-local included: a
+            Thunderbolt bridge often has only 169.254.x.x). Otherwise a list
+            whose entries are IPv4 addresses (used as given, e.g. ``127.0.0.1``
+            for one-machine clusters) or interface names (``en0``, ``lo``:
+            their IPv4 addresses now; names absent or without IPv4 give none).
+        if_addrs, if_stats: ``psutil.net_if_addrs()``/``net_if_stats()``
+            results to use instead (tests).
+
+    Returns:
+        addresses in first-seen order, without duplicates (possibly empty).
+
+    Raises:
+        ValueError: an entry is empty, not a string, or an IPv6 address (mDNS
+            here is IPv4 only).
+    """
+    if interfaces is not None:
+        for spec in interfaces:
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"bad interface {spec!r}: want an IPv4 address or an interface name")
+            if ":" in spec:
+                raise ValueError(f"interface {spec!r}: IPv6 is not supported, give an IPv4 address or a name")
+        if all(is_ipv4(s) for s in interfaces):
+            return list(dict.fromkeys(str(ipaddress.IPv4Address(s)) for s in interfaces))
+    addrs = psutil.net_if_addrs() if if_addrs is None else if_addrs
+    out: list[str] = []
+    if interfaces is None:
+        stats = psutil.net_if_stats() if if_stats is None else if_stats
+        for name, entries in addrs.items():
+            st = stats.get(name)
+            if st is None or not st.isup:
+                continue
+            flags = set(filter(None, str(getattr(st, "flags", "") or "").split(",")))
+            if "loopback" in flags or (flags and "multicast" not in flags):
+                continue
+            out.extend(
+                e.address
+                for e in entries
+                if e.family == socket.AF_INET and not ipaddress.IPv4Address(e.address).is_loopback
+            )
+    else:
+        for spec in interfaces:
+            if is_ipv4(spec):
+                out.append(str(ipaddress.IPv4Address(spec)))
+            else:
+                out.extend(e.address for e in addrs.get(spec, ()) if e.family == socket.AF_INET)
+    return list(dict.fromkeys(out))
+
+
+def is_ipv4(s: str) -> bool:
+    try:
+        ipaddress.IPv4Address(s)
+    except ValueError:
+        return False
+    return True
