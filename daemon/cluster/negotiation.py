@@ -295,7 +295,7 @@ class Negotiator:
                            for s in plan.stages)
             serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=plan.plan_id, detail=plan.to_dict())
             if p.tp_json:
-                from ringlet.daemon.tensor.serving import check_tp_dict
+                from ringlet.daemon.tensor.serving.mode import check_tp_dict
 
                 try:
                     mode = json.loads(p.tp_json)

@@ -186,7 +186,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from ringlet.daemon.engine.stage import build_lazy_model
     from ringlet.daemon.probes import probe_local
     from ringlet.daemon.tensor.group import model_tp_spec
-    from ringlet.daemon.tensor.serving import TPServing, thunderbolt_record
+    from ringlet.daemon.tensor.serving.core import TPServing
+    from ringlet.daemon.tensor.serving.thunderbolt import thunderbolt_record
     from ringlet.partitioning import Policy
 
     loop = asyncio.get_running_loop()

@@ -37,7 +37,8 @@ import numpy as np
 
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.engine.stage import StageRange
-from ringlet.daemon.tensor.group import TPGroup, TPGroupError, TPStageLost
+from ringlet.daemon.tensor.group import TPGroup
+from ringlet.daemon.tensor.group_errors import TPGroupError, TPStageLost
 
 #: Seconds a step waits for its group to be attached (it starts at commit, ranks load first).
 ATTACH_WAIT_S = 120.0

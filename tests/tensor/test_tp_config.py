@@ -7,7 +7,7 @@ Fixtures:
 - two RDMA pairs joined only by Ethernet (hybrid);
 - the real M5 Max MBP <-> M3 Ultra Studio captures (tests/fixtures/macos) through the probes.
 
-Formats (checked against MLX's source, see daemon/tensor/planning.py): ring ``MLX_HOSTFILE`` = JSON
+Formats (checked against MLX's source, see daemon/tensor/planning/mlx_hosts.py): ring ``MLX_HOSTFILE`` = JSON
 list per rank of ``"ip:port"``, rank i listening on its IP on the cable from rank i-1;
 jaccl ``MLX_IBV_DEVICES`` = JSON matrix ``[i][j] = "rdma_<iface of i towards j>"`` with
 ``null`` on the diagonal, ``MLX_JACCL_COORDINATOR`` = rank 0's ``ip:port``.
@@ -22,21 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from ringlet.daemon.tensor.planning import (
-    HostConfig,
-    TPLink,
-    TPMember,
-    TPModelSpec,
-    TPRefused,
-    decide,
-    decision_host_configs,
-    find_ring,
-    host_config,
-    lan_links,
-    links_from_thunderbolt,
-    loopback_links,
-    tensor_refusal,
-)
+from ringlet.daemon.tensor.planning.decision import TPRefused, decide
+from ringlet.daemon.tensor.planning.inputs import TPLink, TPMember, TPModelSpec, tensor_refusal
+from ringlet.daemon.tensor.planning.links import lan_links, links_from_thunderbolt, loopback_links
+from ringlet.daemon.tensor.planning.mlx_hosts import HostConfig, decision_host_configs, host_config
+from ringlet.daemon.tensor.planning.topology import find_ring
 
 GiB = 1 << 30
 
@@ -404,11 +394,9 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures" / "macos"
 
 
 def _captured_ports():
-    from ringlet.daemon.probes.macos_thunderbolt import (
-        join_interfaces,
-        parse_hardware_ports,
-        parse_spthunderbolt_json,
-    )
+    from ringlet.daemon.probes.macos_networksetup import parse_hardware_ports
+    from ringlet.daemon.probes.macos_spthunderbolt import parse_spthunderbolt_json
+    from ringlet.daemon.probes.macos_thunderbolt import join_interfaces
 
     def ports(sp: str, ns: str):
         return join_interfaces(

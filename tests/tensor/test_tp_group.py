@@ -29,7 +29,7 @@ import pytest
 from tp_support import alive, make_model, mlx_greedy, rank_env, wait_dead, worker_pids
 
 from ringlet.daemon.tensor.group import TPGroup
-from ringlet.daemon.tensor.planning import TPRefused
+from ringlet.daemon.tensor.planning.decision import TPRefused
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -312,8 +312,8 @@ def test_losing_the_leader_rank_restarts_on_the_same_members(tiny_dir):
 
 
 def test_a_model_the_ranks_cannot_load_fails_fast(tmp_path):
-    from ringlet.daemon.tensor.group import TPGroupError
-    from ringlet.daemon.tensor.planning import TPModelSpec
+    from ringlet.daemon.tensor.group_errors import TPGroupError
+    from ringlet.daemon.tensor.planning.inputs import TPModelSpec
 
     before = worker_pids()
     spec = TPModelSpec(num_heads=4, num_kv_heads=2, num_layers=4, total_bytes=10**6, name="missing")
@@ -354,14 +354,14 @@ class CrashingLauncher:
     """Starts a process that exits at once instead of a rank."""
 
     async def start(self, node_id, argv, env, log_path):
-        from ringlet.daemon.tensor.group import LocalLauncher
+        from ringlet.daemon.tensor.launch import LocalLauncher
 
         return await LocalLauncher().start(node_id, [sys.executable, "-c", "raise SystemExit(3)"], env, log_path)
 
 
 def test_a_crash_loop_gives_up():
-    from ringlet.daemon.tensor.group import TPGroupError
-    from ringlet.daemon.tensor.planning import TPModelSpec
+    from ringlet.daemon.tensor.group_errors import TPGroupError
+    from ringlet.daemon.tensor.planning.inputs import TPModelSpec
 
     spec = TPModelSpec(num_heads=4, num_kv_heads=2, num_layers=4, total_bytes=10**6, name="crash")
     group = TPGroup.local("unused", 2, spec=spec, launcher=CrashingLauncher(), max_restarts=2)

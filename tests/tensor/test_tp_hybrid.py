@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 from tp_support import make_model, rank_env, worker_pids
 
-from ringlet.daemon.tensor.group import TPGroup, TPGroupError, TPStageLost
+from ringlet.daemon.tensor.group import TPGroup
+from ringlet.daemon.tensor.group_errors import TPGroupError, TPStageLost
 
 pytestmark = pytest.mark.timeout(300)
 

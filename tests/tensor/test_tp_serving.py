@@ -1,5 +1,5 @@
-"""The daemon's mode decision (tp_serving): members and links from membership records, the
-auto rules on top of tp_config.decide, and the checks a member applies to a proposal's decision.
+"""The daemon's mode decision (tensor.serving.mode): members and links from membership records, the
+auto rules on top of planning.decide, and the checks a member applies to a proposal's decision.
 Pure functions; expected values written by hand."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import ringlet
 
-from ringlet.daemon.tensor.planning import TPLink, TPMember, TPModelSpec
-from ringlet.daemon.tensor.serving import check_tp_dict, cluster_inputs, decide_mode, group_of, hybrid_layer_ranges
+from ringlet.daemon.tensor.planning.inputs import TPLink, TPMember, TPModelSpec
+from ringlet.daemon.tensor.serving.mode import check_tp_dict, cluster_inputs, decide_mode, group_of, hybrid_layer_ranges
 
 GiB = 1 << 30
 
@@ -179,12 +179,12 @@ def test_run_refuses_modes_it_cannot_serve(args, message):
 
 def test_thunderbolt_cables_in_records_make_jaccl_possible():
     """The real MBP <-> Studio captures, published in each node's record: with RDMA on both
-    ends the pair is a JACCL group (as tp_config decides from the probes directly)."""
+    ends the pair is a JACCL group (as planning decides from the probes directly)."""
     from dataclasses import replace
 
     from test_tp_config import BIG, _captured_ports
 
-    from ringlet.daemon.tensor.serving import thunderbolt_record
+    from ringlet.daemon.tensor.serving.thunderbolt import thunderbolt_record
 
     studio, mbp = _captured_ports()
     ids = ["mbp-a", "studio-a"]

@@ -1,0 +1,275 @@
+"""Rank 0 of a tensor group: take the supervisor's requests and drive every rank in lockstep.
+
+Rank 0 takes requests (``gen``, ``logits``, ``bench``, ``cancel``) from the supervisor and,
+before each model step, tells every other rank over the side channel what to run
+(:mod:`ringlet.daemon.tensor.side_channel`). Rank 0 samples
+(:class:`ringlet.daemon.engine.sampling.RequestSampler`) and sends each token to the
+supervisor as soon as it exists. Requests interleave one step at a time; long prompts are
+prefilled in chunks.
+
+Stage mode (``--layers START:END``, hybrid plans): rank 0 serves ``stage`` requests one at
+a time, in order: the input of one forward (token ids on the first stage, hidden states on
+the others) for one KV-cache slot, and answers ``out`` with the stage's output (hidden
+states, or the last position's logits on the last stage); ``free`` drops a slot's cache.
+Sampling, batching and the ring between stages stay with the daemon
+(:mod:`ringlet.daemon.tensor.group_stage`).
+"""
+
+from __future__ import annotations
+
+import base64
+import queue
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringlet.daemon.tensor.rank import Rank
+from ringlet.daemon.tensor.side_channel import (
+    DTYPE_CODES,
+    F_HEAD,
+    F_HIDDEN,
+    F_NEW_CACHE,
+    OP_BENCH,
+    OP_BSTEP,
+    OP_FREE,
+    OP_STEP,
+    OP_STOP,
+)
+
+#: All-reduces per bench round (the first round is a warm-up and not counted).
+BENCH_ROUND = 20
+
+
+@dataclass
+class Request:
+    id: str
+    slot: int
+    pending: list[int]
+    max_tokens: int
+    stop: frozenset[int]
+    sampler: Any = None
+    kind: str = "gen"  # gen | logits | bench
+    produced: int = 0
+    started: bool = False
+    cancelled: bool = False
+    bench_left: int = 0
+    bench_width: int = 1
+    bench_rounds: list = field(default_factory=list)  # (all-reduces, seconds each)
+
+
+class LeadRank(Rank):
+    """Rank 0: serves the supervisor's requests and drives the other ranks."""
+
+    def lead_stage(self) -> None:
+        """Stage mode: run each ``stage`` request as it comes (the daemon's engine orders and
+        times them) and answer with the stage's output; ``free`` drops a slot's cache."""
+        import mlx.core as mx
+        import numpy as np
+
+        while True:
+            self.health.phase = "idle"
+            msg = self.ctrl.inbox.get()
+            t = msg.get("t")
+            if t == "shutdown":
+                self.side.send([OP_STOP, 0, 0, 0, 0, 0, -1])
+                return
+            if t == "free":
+                slot = int(msg["slot"])
+                if slot in self.caches:
+                    self.side.send([OP_FREE, slot, 0, 0, 0, 0, -1])
+                    self.caches.pop(slot, None)
+                continue
+            if t != "stage":
+                continue
+            head = bool(msg.get("head"))
+            slots = [int(x) for x in msg["slots"]] if "slots" in msg else [int(msg["slot"])]
+            new = bool(msg.get("new")) and "slots" not in msg
+            missing = [x for x in slots if x not in self.caches]
+            if missing and not new:
+                self.ctrl.send({"t": "error", "id": msg["id"],
+                                "msg": f"no KV cache for slot {missing[0]} in this group"})
+                continue
+            slot = slots[0]
+            flags = (F_NEW_CACHE if new else 0) | (F_HEAD if head and self.last else 0)
+            data: bytes | None = msg.get("_data")
+            if "slots" in msg:  # a batched decode step: one token (or hidden state) per slot
+                if data is not None:
+                    header = [OP_BSTEP, 0, flags | F_HIDDEN, len(slots), DTYPE_CODES.index(msg["dtype"]),
+                              len(data), -1]
+                    tokens = slots
+                else:
+                    header = [OP_BSTEP, 0, flags, len(slots), 0, 0, -1]
+                    tokens = slots + [int(x) for x in msg["tokens"]]
+            elif data is not None:
+                n = len(data) // (4 * self.hidden_size)
+                header = [OP_STEP, slot, flags | F_HIDDEN, n, DTYPE_CODES.index(msg["dtype"]), len(data), -1]
+                tokens = None
+            else:
+                tokens = [int(x) for x in msg["tokens"]]
+                header = [OP_STEP, slot, flags, len(tokens), tokens[0], 0, -1]
+            self.health.phase = "lockstep"
+            self.health.begin()
+            self.side.send(header, tokens, data)
+            out = self.apply_header(header, tokens, data)
+            self.health.end()
+            if self.last and not head:
+                self.ctrl.send({"t": "out", "id": msg["id"], "shape": None})  # a prefill chunk: cache only
+                continue
+            if self.last:
+                out = out[:, -1:, :]  # the last position's logits: all the daemon samples from
+            dtype = str(out.dtype).removeprefix("mlx.core.")
+            arr = np.array(out.astype(mx.float32))
+            self.ctrl.send({"t": "out", "id": msg["id"], "shape": list(arr.shape), "dtype": dtype}, arr.tobytes())
+
+    def lead(self) -> None:
+        import mlx.core as mx
+
+        from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
+
+        reqs: dict[int, Request] = {}
+        order: list[int] = []  # round-robin over slots
+        next_slot = 0
+        to_free: list[int] = []
+        chunk = max(1, self.args.prefill_chunk)
+
+        def accept(msg: dict) -> bool:
+            nonlocal next_slot
+            t = msg.get("t")
+            if t == "shutdown":
+                self.side.send([OP_STOP, 0, 0, 0, 0, 0, -1])
+                return False
+            if t == "cancel":
+                for r in reqs.values():
+                    if r.id == msg["id"]:
+                        r.cancelled = True
+                return True
+            if t not in ("gen", "logits", "bench"):
+                return True
+            slot = next_slot
+            next_slot += 1
+            if t == "bench":
+                reqs[slot] = Request(
+                    msg["id"],
+                    slot,
+                    [],
+                    0,
+                    frozenset(),
+                    kind="bench",
+                    bench_left=int(msg.get("iters", 200)) + BENCH_ROUND,
+                    bench_width=int(msg.get("width", 1)),
+                )
+                order.append(slot)
+                return True
+            prompt = [int(x) for x in msg["prompt"]]
+            if not prompt:
+                self.ctrl.send({"t": "error", "id": msg["id"], "msg": "empty prompt"})
+                return True
+            req = Request(
+                msg["id"],
+                slot,
+                prompt,
+                int(msg.get("max_tokens", 0)),
+                frozenset(int(x) for x in msg.get("stop", ())),
+                kind=t,
+            )
+            if t == "gen":
+                s = msg.get("sampling") or {}
+                req.sampler = RequestSampler(
+                    SamplingParams(
+                        temperature=float(s.get("temperature", 0.0)),
+                        top_p=float(s.get("top_p", 1.0)),
+                        top_k=int(s.get("top_k", 0)),
+                        seed=s.get("seed"),
+                    )
+                )
+                # resumed request: advance the random key past the tokens already drawn
+                for _ in range(int(msg.get("skip", 0))):
+                    if not req.sampler._greedy:
+                        req.sampler._key, _ = mx.random.split(req.sampler._key)
+                if req.max_tokens <= 0:
+                    self.ctrl.send({"t": "done", "id": req.id, "reason": "length"})
+                    return True
+            reqs[slot] = req
+            order.append(slot)
+            return True
+
+        def finish(slot: int, reason: str) -> None:
+            r = reqs.pop(slot)
+            order.remove(slot)
+            if r.started:
+                to_free.append(slot)
+            if r.kind == "gen" and reason:
+                self.ctrl.send({"t": "done", "id": r.id, "reason": reason})
+
+        def run(header: list[int], tokens: list[int] | None = None):
+            self.health.begin()
+            self.side.send(header, tokens)
+            out = self.apply_header(header, tokens)
+            self.health.end()
+            return out
+
+        rr = 0
+        while True:
+            # take new work; block only when there is nothing to do
+            while True:
+                try:
+                    msg = self.ctrl.inbox.get(block=not reqs and not to_free)
+                except queue.Empty:
+                    break
+                if not accept(msg):
+                    return
+            for slot in [s for s, r in reqs.items() if r.cancelled]:
+                finish(slot, "cancelled")
+            if not reqs:
+                while to_free:  # no collective involved: the others just drop the cache
+                    run([OP_FREE, to_free.pop(0), 0, 0, 0, 0, -1])
+                self.health.phase = "idle"
+                continue
+            free = to_free.pop(0) if to_free else -1
+            self.health.phase = "lockstep"
+            rr %= len(order)
+            slot = order[rr]
+            rr += 1
+            r = reqs[slot]
+            if r.kind == "bench":  # short rounds so that no single step looks hung
+                k = min(BENCH_ROUND, r.bench_left)
+                sec = run([OP_BENCH, slot, 0, 0, r.bench_width, k, free])
+                r.bench_rounds.append((k, sec))
+                r.bench_left -= k
+                if r.bench_left <= 0:
+                    timed = r.bench_rounds[1:]  # the first round warms up
+                    mean = sum(k * s for k, s in timed) / max(1, sum(k for k, _ in timed))
+                    self.ctrl.send({"t": "bench", "id": r.id, "seconds_per_allreduce": mean, "size": self.size})
+                    reqs.pop(slot)
+                    order.remove(slot)
+                continue
+            n = len(r.pending) if r.kind == "logits" else min(chunk, len(r.pending))
+            feed, r.pending = r.pending[:n], r.pending[n:]
+            last = not r.pending
+            flags = (0 if r.started else F_NEW_CACHE) | (F_HEAD if last else 0)
+            logits = run([OP_STEP, slot, flags, n, feed[0] if n == 1 else 0, 0, free], feed)
+            r.started = True
+            if not last:
+                continue
+            if r.kind == "logits":
+                arr = logits[0].astype(mx.float32)
+                import numpy as np
+
+                data = np.array(arr)
+                self.ctrl.send(
+                    {
+                        "t": "logits",
+                        "id": r.id,
+                        "shape": list(data.shape),
+                        "b64": base64.b64encode(data.tobytes()).decode(),
+                    }
+                )
+                finish(slot, "")
+                continue
+            tok = r.sampler(logits[0, -1])
+            r.produced += 1
+            r.pending = [tok]
+            self.ctrl.send({"t": "tok", "id": r.id, "ids": [tok], "k": r.produced})
+            if tok in r.stop:
+                finish(slot, "stop")
+            elif r.produced >= r.max_tokens:
+                finish(slot, "length")
