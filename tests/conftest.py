@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from ringlet.daemon.probes import blas
+
+# In-process tests run MLX as ringlet's own processes do: on the optimized BLAS,
+# loaded before anything imports mlx.core (daemons and ranks load it themselves).
+blas.load()
+
 TESTS = Path(__file__).parent
 REFERENCE = json.loads((TESTS / "smollm2_135m_instruct_greedy.json").read_text())
 

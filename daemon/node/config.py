@@ -42,6 +42,10 @@ class NodeConfig:
         max_batch: the most decode steps a stage runs as one forward (1: no batching).
         prefill_chunk: prompt tokens per prefill chunk; stage 0 sends each chunk on
             as soon as it is computed, so stages prefill in a pipeline.
+        vocab_size: the tokenizer's vocabulary (token ids at or past it are refused).
+        context_tokens: the model's context length, tokens.
+        dtype_choice: how ``--dtype`` resolved (:meth:`ringlet.daemon.engine.dtype.DtypeChoice.to_dict`),
+            for ``/v1/cluster``.
     """
 
     host: str
@@ -59,6 +63,7 @@ class NodeConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     vocab_size: int | None = None
     context_tokens: int | None = None
+    dtype_choice: dict | None = None
 
     @property
     def address(self) -> str:

@@ -47,6 +47,7 @@ from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.node.servicer import RingServicer
 from ringlet.daemon.node.signals import PlanChanged
+from ringlet.daemon.probes import blas
 from ringlet.daemon.wire.hop import HopLink
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
@@ -286,6 +287,9 @@ class Node(ResumingClient, Head, Relay):
                        "stage_bytes": stage.nbytes() if stage else 0},
             "recent_requests": list(self.recent),
             "events": list(self.events),
+            "blas": {**blas.report().to_dict(), "mapped": blas.mapped_blas_libraries()},
+            "dtype": self.config.dtype_choice or {"requested": self.config.dtype or "native",
+                                                  "loaded": self.config.dtype or "native"},
         }
         if self.cluster is not None:
             info.update(self.cluster.info())

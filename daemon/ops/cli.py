@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that run MLX in this process (they load the optimized BLAS first).
+MLX_COMMANDS = frozenset({"run", "generate", "demo", "doctor"})
+
 #: Modules that contribute subcommands. Each exposes ``COMMANDS`` (names),
 #: ``add_parsers(subparsers)`` and ``run(args) -> int``.
 EXTENSIONS = ("plan", "commands", "secret")
@@ -88,10 +91,12 @@ def _generate(args) -> int:
     from ringlet.daemon.engine.sampling import SamplingParams
     from ringlet.daemon.engine.sources import resolve
     from ringlet.daemon.node import Node, NodeConfig
+    from ringlet.daemon.ops.runner import node_dtype
     from ringlet.daemon.wire.serving_plan import StageSpec
 
     location = resolve(args.model)
     info = model_info(location)
+    choice = node_dtype(args, location)
     tokenizer = load_tokenizer(location)
     if args.chat:
         prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
@@ -100,7 +105,7 @@ def _generate(args) -> int:
         prompt = tokenizer.encode(args.prompt)
     if not 0 <= args.temperature <= 2:
         raise RingletError("--temperature must be within [0, 2]")
-    config = NodeConfig(host="local", port=0, model=location, dtype=args.dtype,
+    config = NodeConfig(host="local", port=0, model=location, dtype=choice.dtype, dtype_choice=choice.to_dict(),
                         plan=[StageSpec(address="local:0", start=0, end=info.num_layers)])
 
     async def run() -> list[int]:
@@ -149,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logs.setup(args.verbose, args.log_json, quiet=args.command in ("generate", "chat", "plan"))
+    if args.command in MLX_COMMANDS:
+        # Before anything imports mlx.core: MLX's CPU matmuls bind to the BLAS loaded here.
+        from ringlet.daemon.probes import blas
+
+        blas.load(getattr(args, "threads", None))
     try:
         if args.command == "run":
             from ringlet.daemon.ops.runner import serve

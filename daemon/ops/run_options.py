@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.dtype import CHOICES as DTYPE_CHOICES
 from ringlet.daemon.ops.secret import add_run_arguments, positive_int
 
 DEFAULT_GRPC_PORT = 7100
@@ -18,11 +19,14 @@ DEFAULT_API_PORT = 8000
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model`` and ``--dtype``, shared by ``run``, ``generate`` and ``demo``."""
+    """``--model``, ``--dtype`` and ``--threads``, shared by ``run``, ``generate`` and ``demo``."""
     p.add_argument("--model", default=None,
                    help="model path (MLX/HF directory or .gguf) or short name (default: smollm2-135m)")
-    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="dequantize/cast weights to this dtype (default: the model's own precision)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights' precision: auto (default: float32 on a CPU when the model fits that way, "
+                        "else the model's own), native (the model's own), float32, float16, bfloat16")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="BLAS threads of this process (default: the cores / the ringlet processes on this machine)")
 
 
 def add_global_options(parser: argparse.ArgumentParser) -> None:

@@ -22,12 +22,16 @@ import uvicorn
 from ringlet.daemon.api.app import create_app
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
 from ringlet.daemon.engine.memory_tuning import tune_allocator
 from ringlet.daemon.engine.model_info import load_tokenizer, model_info
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
 from ringlet.daemon.ops.secret import api_limits, transport_config
+from ringlet.daemon.paths import machine_cache_dir
+from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
+from ringlet.daemon.probes.colocated import ThreadSizer
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +58,6 @@ def parse_size(text: str | None) -> int | None:
     if value <= 0:
         raise RingletError("--memory-limit must be positive")
     return int(value)
-
-
-def machine_cache_dir() -> Path:
-    """Machine-wide cache (``$XDG_CACHE_HOME/ringlet``, ``~/Library/Caches/ringlet`` on macOS)."""
-    import os
-    import sys
-
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    path = base / "ringlet"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _public_host(args) -> str:
@@ -99,6 +89,7 @@ def build_config(args) -> tuple[NodeConfig, int]:
     """
     location = getattr(args, "fetched_location", None) or resolve(args.model)
     info = model_info(location)
+    choice = node_dtype(args, location)
     address = f"{args.host}:{args.port}"
     plan = None
     if args.plan:
@@ -106,13 +97,25 @@ def build_config(args) -> tuple[NodeConfig, int]:
         validate(plan, info.num_layers)
         if address not in {s.address for s in plan}:
             raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
-    return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=args.dtype,
+    return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=choice.dtype,
+                      dtype_choice=choice.to_dict(),
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
                       prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
                       transport=transport_config(args, getattr(args, "node_id", "") or address),
                       vocab_size=info.vocab_size, context_tokens=info.context_tokens), \
         info.context_tokens
+
+
+def node_dtype(args, location) -> DtypeChoice:
+    """``--dtype`` resolved for this node against its usable memory (``--memory-limit``,
+    else the memory probe); logged once."""
+    from ringlet.daemon.probes.memory import probe_memory
+
+    usable = parse_size(getattr(args, "memory_limit", None)) or probe_memory().usable_memory_bytes
+    choice = resolve_dtype(getattr(args, "dtype", None), location, usable)
+    log.info("dtype: %s", choice.reason)
+    return choice
 
 
 async def _measure_links(node: Node, membership, probe) -> None:
@@ -178,10 +181,10 @@ def _make_fetcher(node: Node, membership, cache_dir: Path):
 async def _start_cluster(args, node: Node, context_tokens: int):
     """Identity, probes, membership, negotiation and discovery for a negotiated node."""
     from ringlet.daemon.cluster.discovery import Discovery
-    from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.cluster.identity import NodeIdentity, cluster_id
     from ringlet.daemon.cluster.membership import Membership
     from ringlet.daemon.cluster.negotiation import Negotiator
+    from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.engine.modelspec import model_spec_from_model
     from ringlet.daemon.engine.stage import build_lazy_model
     from ringlet.daemon.probes import probe_local
@@ -340,8 +343,8 @@ async def _bootstrap_fetch(args) -> None:
         RingletError: no member answered with the model.
     """
     from ringlet.daemon.cluster.discovery import Discovery
-    from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.cluster.identity import NodeIdentity
+    from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.engine.sources import KNOWN_MODELS
     from ringlet.daemon.errors import ModelNotFound
     from ringlet.daemon.shards.transfer import cached_shard, fetch_shard_detailed
@@ -407,6 +410,7 @@ async def serve(args) -> int:
     config, context = build_config(args)
     node = Node(config)
     loop = asyncio.get_running_loop()
+    threads = ThreadSizer(machine_cache_dir() / PROCS_DIR, getattr(args, "threads", None)).start()
     stop_cluster = None
     # Import what the worker threads import, here, once: two threads importing
     # mlx_lm at the same time can deadlock on the import lock.
@@ -452,5 +456,6 @@ async def serve(args) -> int:
         if stop_cluster is not None:
             await stop_cluster()
         await node.stop()
+        threads.stop()
     log.info("stopped after %.0f s", time.monotonic() - started)
     return 0

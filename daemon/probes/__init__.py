@@ -98,6 +98,7 @@ def probe_local(data_dir: Path | str, *, measure_speed: bool = True, platform: s
         machine.model_identifier,
         machine.cpu_count,
         memory.total_bytes,
+        _blas_key(),  # the matmul figure is that of the BLAS in use
     )
     if measure_speed:
         speed = load_or_measure(data_dir, key)
@@ -126,3 +127,11 @@ def probe_local(data_dir: Path | str, *, measure_speed: bool = True, platform: s
         bridge=bridge,
         probed_at=time.time(),
     )
+
+
+def _blas_key() -> str:
+    """The BLAS MLX's CPU backend uses here (kind and library), for the speed cache key."""
+    from .blas import report
+
+    r = report()
+    return f"blas={r.kind}:{r.library or ''}"

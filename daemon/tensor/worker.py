@@ -38,6 +38,8 @@ import sys
 import threading
 import traceback
 
+from ringlet.daemon.paths import machine_cache_dir
+from ringlet.daemon.probes import blas, colocated
 from ringlet.daemon.tensor.control import TOKEN_ENV, Control, Health, heartbeat
 from ringlet.daemon.tensor.rank import Rank
 from ringlet.daemon.tensor.rank_lead import LeadRank
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         help="exit when stdin closes (the launching daemon holds its other end: a rank never outlives it)",
     )
     args = p.parse_args(argv)
+    # Before MLX is imported (lazily, by the rank): its CPU matmuls bind to this BLAS.
+    blas.load()
+    fixed = int(os.environ[blas.THREADS_ENV]) if os.environ.get(blas.THREADS_ENV, "").isdigit() else None
+    colocated.ThreadSizer(machine_cache_dir() / colocated.DIR_NAME, fixed, kind="rank").start()
     if args.exit_with_stdin:
         threading.Thread(target=_exit_on_stdin_eof, name="tp-parent-watch", daemon=True).start()
 

@@ -59,6 +59,19 @@ def test_three_daemons_equal_one_process(cluster):
     assert choice["finish_reason"] == "length"
 
 
+def test_the_quantized_path_across_daemons_equals_one_process():
+    """--dtype native keeps the GGUF's Q4_1 weights (what memory-bound nodes run): two
+    daemons give the tokens one process gives on the same path."""
+    proc = ringlet("generate", "--dtype", "native", "--json", "--max-tokens", "8", RAW["raw"])
+    assert proc.returncode == 0, proc.stderr
+    one_process = json.loads(proc.stdout)
+    with LocalCluster(2, dtype="native") as c:
+        info = httpx.get(f"{c.api_urls[0]}/v1/cluster", timeout=5).json()
+        assert info["dtype"]["requested"] == "native" and info["dtype"]["loaded"] == "native"
+        body = complete(c.api_urls[1], RAW["raw"], 8)
+    assert body["choices"][0]["token_ids"] == one_process["completion_ids"]
+
+
 def test_any_node_takes_requests(cluster):
     for url in cluster.api_urls[1:]:
         body = complete(url, RAW["prompt_ids"], 8)

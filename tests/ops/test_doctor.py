@@ -228,3 +228,27 @@ def test_options_default_to_the_service_configuration(tmp_path, monkeypatch):
     assert c.config_source == str(cdir / "service.toml")
     ns.api_port = "9000"
     assert command.make_context(ns).api_port == 9000
+
+
+def test_blas_and_dtype_are_reported_with_the_fix_on_the_slow_path(tmp_path):
+    """The BLAS and dtype checks on this machine: the system OpenBLAS (installed by make
+    install) is OK; RINGLET_BLAS pointing at a missing file is the slow path, a WARN whose
+    fix names the package. --dtype auto on this CPU loads the bundled Q4 model as float32."""
+    import ctypes.util
+
+    env = dict(os.environ, HOME=str(tmp_path))
+    good = json.loads(subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "doctor", "--json"],
+                                     capture_output=True, text=True, timeout=180, env=env).stdout)
+    checks = {c["name"]: c for c in good["checks"]}
+    dtype = checks["dtype"]
+    assert dtype["status"] == OK and dtype["details"]["loaded"] == "float32" and "auto" in dtype["summary"]
+    if ctypes.util.find_library("openblas"):
+        assert checks["blas"]["status"] == OK and "openblas" in checks["blas"]["summary"].lower()
+        assert checks["blas"]["details"]["library"] in checks["blas"]["details"]["mapped"]
+    env["RINGLET_BLAS"] = str(tmp_path / "missing-libblas.so")
+    bad = subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "doctor"], capture_output=True,
+                         text=True, timeout=180, env=env)
+    block = re.search(r"^WARN\s+blas\b.*?(?=^(?:OK|WARN|FAIL)\s)", bad.stdout, flags=re.M | re.S)
+    assert block, bad.stdout
+    assert "bundled reference BLAS" in block.group(0) and "missing-libblas.so" in block.group(0).replace("\n", "")
+    assert "fix:" in block.group(0) and "libopenblas0-pthread" in block.group(0)

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ringlet.daemon.ops.doctor.base import FAIL, OK, WARN, Check, Context
+from ringlet.daemon.ops.doctor.compute import check_blas, check_dtype
 from ringlet.daemon.ops.doctor.config import check_secret, check_service
 from ringlet.daemon.ops.doctor.machine import check_disk, check_memory, check_mlx, check_model, check_wired_limit
 from ringlet.daemon.ops.doctor.network import (
@@ -25,7 +26,8 @@ from ringlet.daemon.ops.doctor.network import (
 )
 
 CHECKS: list[tuple[str, Callable[[Context], Check]]] = [
-    ("mlx device", check_mlx), ("model", check_model), ("memory", check_memory),
+    ("mlx device", check_mlx), ("blas", check_blas), ("model", check_model), ("dtype", check_dtype),
+    ("memory", check_memory),
     ("gpu wired limit", check_wired_limit), ("disk space", check_disk), ("multicast", check_multicast),
     ("ports", check_ports), ("firewall", check_firewall), ("thunderbolt", check_thunderbolt),
     ("secret", check_secret), ("service", check_service), ("daemon", check_daemon),

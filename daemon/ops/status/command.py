@@ -57,17 +57,21 @@ def format_status(snap: dict) -> str:
         lines.append(" · ".join(mode))
         if c.get("mode_reason"):
             lines.append(f"why: {c['mode_reason']}")
-    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "grpc", "api")]
+    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "compute", "grpc", "api")]
     for n in snap["nodes"]:
         mem = fmt_bytes(n["memory_used_bytes"]).replace(" ", "")
         if n["memory_total_bytes"]:
             mem += "/" + fmt_bytes(n["memory_total_bytes"]).replace(" ", "")
         rows.append((v(n["stage"]), n["name"], v(n["state"]), fmt_range(n["layer_range"]).replace(" ", ""), mem,
-                     fmt_rate(n["tokens_per_s"]), fmt_batch(n.get("batch_mean"), n.get("max_batch")), n["address"],
+                     fmt_rate(n["tokens_per_s"]), fmt_batch(n.get("batch_mean"), n.get("max_batch")),
+                     (n.get("compute") or "—").replace(" · ", "/").replace(" ", "-"), n["address"],
                      v(n["api_url"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    for n in snap["nodes"]:
+        if n.get("compute_fix"):
+            lines.append(f"slow path on {n['name']}: {n['compute_fix']}")
     if snap["error"]:
         lines.append(f"not reached: {snap['error']}")
     return "\n".join(lines) + "\n"

@@ -164,6 +164,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "stage_queued": as_int(batching.get("queued")),
             "api_queued": as_int(admission.get("queued")),
             "head_tokens_per_s": as_num(batching.get("head_tokens_per_s")),
+            **compute_fields(info),
             "api_url": api_url,
             "reachable": reachable,
             "error": error,
@@ -321,3 +322,22 @@ def _find_link(links: list[dict], a: dict, b: dict) -> dict:
         if (x in ka and y in kb) or (x in kb and y in ka):
             return link
     return {}
+
+
+def compute_fields(info: dict) -> dict:
+    """``compute`` (the loaded precision and the BLAS, e.g. ``float32 · openblas``) and
+    ``compute_fix`` (what to do when either is the slow path, else ``None``) of one node's
+    ``/v1/cluster``; ``None`` for what it does not report."""
+    blas = info.get("blas") if isinstance(info.get("blas"), dict) else {}
+    dtype = info.get("dtype") if isinstance(info.get("dtype"), dict) else {}
+    kind = as_str(blas.get("kind"))
+    lib = as_str(blas.get("library"))
+    blas_name = {"optimized": (lib or "optimized").rsplit("/", 1)[-1].split(".so")[0].removeprefix("lib"),
+                 "bundled": "reference BLAS", "platform": "platform BLAS"}.get(kind or "", None)
+    parts = [p for p in (as_str(dtype.get("loaded")), blas_name) if p]
+    fixes = []
+    if kind == "bundled" and blas.get("fix"):
+        fixes.append(str(blas["fix"]))
+    if dtype.get("slow_path"):
+        fixes.append(str(dtype.get("reason")))
+    return {"compute": " · ".join(parts) or None, "compute_fix": "; ".join(fixes) or None}

@@ -1,0 +1,43 @@
+"""``ringlet doctor`` checks of the compute path: the BLAS under MLX's CPU backend
+(:mod:`ringlet.daemon.probes.blas`) and the precision ``--dtype auto`` would load
+(:mod:`ringlet.daemon.engine.dtype`), each with the fix when it is the slow path."""
+
+from __future__ import annotations
+
+from ringlet.daemon.ops.doctor.base import FAIL, OK, WARN, Check, Context
+
+
+def check_blas(ctx: Context) -> Check:
+    """OK on an optimized (or the platform's) BLAS; WARN, with the fix, on MLX's bundled one."""
+    from ringlet.daemon.probes import blas
+
+    r = blas.load()  # `ringlet doctor` loaded it already, before MLX; this only reads the report
+    details = {**r.to_dict(), "mapped": blas.mapped_blas_libraries()}
+    if r.kind == "platform":
+        return Check("blas", OK, "MLX uses the platform's own libraries (Accelerate / Metal)", details=details)
+    if r.kind == "optimized":
+        threads = f", {r.threads} threads" if r.threads else ""
+        core = f", OPENBLAS_CORETYPE={r.coretype}" if r.coretype else ""
+        return Check("blas", OK, f"MLX's CPU matmuls run on {r.library}{threads}{core}", details=details)
+    return Check("blas", WARN, f"MLX's CPU matmuls run on its bundled reference BLAS (~30x slower): {r.reason}",
+                 r.fix, details=details)
+
+
+def check_dtype(ctx: Context) -> Check:
+    """What ``--dtype auto`` loads for the model on this machine, WARN when that is the slow path."""
+    from ringlet.daemon.engine.dtype import resolve_dtype
+    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.errors import RingletError
+    from ringlet.daemon.probes.memory import probe_memory
+
+    try:
+        location = resolve(ctx.model)
+        choice = resolve_dtype("auto", location, probe_memory().usable_memory_bytes)
+    except (RingletError, OSError, ValueError) as exc:
+        return Check("dtype", FAIL, f"cannot size the model's weights: {exc}", "see the model check above")
+    if choice.slow_path:
+        return Check("dtype", WARN, f"--dtype auto keeps {location.name} quantized: {choice.reason}",
+                     "give this node more memory (or fewer layers: more nodes), or run on Metal",
+                     details=choice.to_dict())
+    return Check("dtype", OK, f"--dtype auto loads {location.name} as {choice.loaded}: {choice.reason}",
+                 details=choice.to_dict())
