@@ -12,6 +12,7 @@ through mlx-lm's ``TokenizerWrapper``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -214,16 +215,29 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
         seed = None if body.seed is None else body.seed % 2**64
         return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=top_k, seed=seed)
 
-    async def _run(prompt_ids: list[int], body: _Common,
-                   ids: list[int] | None = None) -> AsyncIterator[tuple[str, str | None, int]]:
+    def _cache_scope(request: Request | None) -> str:
+        """The prefix cache scope of a request: its API key's digest when the node checks
+        keys and scopes entries per key (``--prefix-cache-scope key``), else the cluster's."""
+        if request is None or not limits.api_key_digests or node.config.prefix_cache_scope != "key":
+            return ""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        raw = key.strip().encode("utf-8", "surrogateescape")
+        return hashlib.sha256(b"ringlet prefix scope\0" + raw).hexdigest()[:32]
+
+    async def _run(prompt_ids: list[int], body: _Common, ids: list[int] | None = None,
+                   request: Request | None = None, info: dict | None = None,
+                   ) -> AsyncIterator[tuple[str, str | None, int]]:
         """Yield ``(text delta, finish_reason or None, completion tokens so far)``; token
-        ids are appended to ``ids`` when given."""
+        ids are appended to ``ids`` when given; ``info["cached_tokens"]`` gets the prompt
+        tokens the prefix cache served."""
         max_tokens = _budget(len(prompt_ids), body)
         detok = tokenizer.detokenizer
         matcher = _StopMatcher(body.stop or [])
         count = 0
         finish = "length"
-        async with contextlib.aclosing(node.generate(prompt_ids, max_tokens, _sampling(body), eos_ids)) as tokens:
+        generation = node.generate(prompt_ids, max_tokens, _sampling(body), eos_ids,
+                                   cache_scope=_cache_scope(request), info=info)
+        async with contextlib.aclosing(generation) as tokens:
             async for token in tokens:
                 count += 1
                 if ids is not None:
@@ -271,10 +285,17 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
 
+        info: dict = {}
+
+        def usage_of(count: int) -> dict:
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": count,
+                    "total_tokens": len(prompt_ids) + count,
+                    "prompt_tokens_details": {"cached_tokens": int(info.get("cached_tokens", 0))}}
+
         if not body.stream:
             text, finish, count, ids = [], "length", 0, []
             try:
-                async for delta, reason, so_far in _run(prompt_ids, body, ids):
+                async for delta, reason, so_far in _run(prompt_ids, body, ids, request, info):
                     count = so_far
                     text.append(delta)
                     if reason:
@@ -282,8 +303,7 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
             content = "".join(text)
-            usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": count,
-                     "total_tokens": len(prompt_ids) + count}
+            usage = usage_of(count)
             if kind == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": content},
                           "finish_reason": finish, "logprobs": None}
@@ -320,7 +340,7 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
             count, ids, sent = 0, [], 0
             yield chunk("", None, first=True)
             try:
-                async with contextlib.aclosing(_run(prompt_ids, body, ids)) as pieces:
+                async with contextlib.aclosing(_run(prompt_ids, body, ids, request, info)) as pieces:
                     async for delta, reason, so_far in pieces:
                         count = so_far
                         if delta or reason:
@@ -334,8 +354,7 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
                                  "param": None, "code": None}}
                 yield f"data: {json.dumps(err)}\n\n"
             if include_usage:
-                usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": count,
-                         "total_tokens": len(prompt_ids) + count}
+                usage = usage_of(count)
                 yield ("data: " + json.dumps({"id": rid, "object": "chat.completion.chunk" if kind == "chat"
                                               else "text_completion", "created": created, "model": model_name,
                                               "choices": [], "usage": usage}) + "\n\n")

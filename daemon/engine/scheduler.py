@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
+from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
 from ringlet.daemon.engine.stage import Stage, StageRange, forward_merged, mergeable, token_id_error
 from ringlet.daemon.wire import codec
@@ -49,6 +50,15 @@ class RequestError(Exception):
 
 class RequestDropped(RequestError):
     """The request's work was dropped before it ran: released, or the plan changed."""
+
+
+class PrefixMiss(RequestError):
+    """This stage's prefix store cannot serve the prefix stage 0 chose for a request;
+    ``holds`` is how many of its tokens it can serve (stage 0 retries with at most that)."""
+
+    def __init__(self, message: str, holds: int):
+        super().__init__(message)
+        self.holds = holds
 
 
 class RequestRetry(RequestError):
@@ -69,6 +79,9 @@ class _Work:
     sampling: SamplingParams | None = None
     more: bool = False
     release: bool = False
+    prefix_ids: list[int] | None = None  # first chunk of a request reusing a cached prefix
+    scope: str = ""  # its prefix cache scope (first chunk), or the ids to store (release)
+    token_ids: list[int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -84,6 +97,7 @@ class _RequestState:
     cache: list
     sampler: RequestSampler | None
     offset: int = 0
+    scope: str = ""
 
 
 def sampling_from_pb(message: pb.Sampling | None) -> SamplingParams:
@@ -123,16 +137,20 @@ class StageEngine:
         max_tensor_bytes: the largest incoming hidden-states payload accepted, bytes.
         max_batch: the most decode steps run as one forward (1 = no batching: one
             request per forward, each bit-identical to running it alone).
+        prefix: the stage's prefix store (default: one with no budget, holding nothing).
     """
 
     def __init__(self, stage: StageRange | None, executor: concurrent.futures.ThreadPoolExecutor,
-                 max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH):
+                 max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH,
+                 prefix: PrefixStore | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.stage = stage
         self.executor = executor
         self.max_tensor_bytes = max_tensor_bytes
         self.max_batch = max_batch
+        #: the prefix store of this stage (finished requests' KV, by token ids)
+        self.prefix = prefix if prefix is not None else PrefixStore(0)
         self._requests: dict[str, _RequestState] = {}
         self._queue: deque[_Work] = deque()
         self._wakeup: asyncio.Event | None = None
@@ -173,7 +191,8 @@ class StageEngine:
     # --- scheduler (event loop) -----------------------------------------------------------
 
     def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
-               sampling: SamplingParams | None, more: bool = False) -> asyncio.Future:
+               sampling: SamplingParams | None, more: bool = False, prefix_ids: list[int] | None = None,
+               scope: str = "") -> asyncio.Future:
         """Queue one forward of this stage for one request.
 
         Args:
@@ -187,6 +206,9 @@ class StageEngine:
                 creates the request's cache).
             more: a prefill chunk that more chunks follow: the last stage fills its
                 cache and samples nothing.
+            prefix_ids: on a request's first chunk with ``offset`` > 0, the ``offset`` token
+                ids its KV cache starts from, taken from the prefix store.
+            scope: the request's prefix cache scope (first chunk).
 
         Returns:
             A future with the encoded hidden states ``(1, tokens, hidden_size)`` for
@@ -194,16 +216,20 @@ class StageEngine:
             last stage for a chunk with ``more``. Its exception:
             codec.TensorDecodeError (malformed hidden states), RequestError (unknown
             request or offset mismatch), RequestDropped (released, or the plan
-            changed, before the step ran).
+            changed, before the step ran), PrefixMiss (the store lacks ``prefix_ids``).
         """
-        work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more)
+        work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more,
+                     prefix_ids=list(prefix_ids) if prefix_ids else None, scope=scope)
         self._enqueue(work)
         return work.future
 
-    def submit_release(self, request_id: str) -> asyncio.Future:
+    def submit_release(self, request_id: str, token_ids: list[int] | None = None) -> asyncio.Future:
         """Drop a request's KV cache and any of its steps still waiting, after the step
-        running now (if any). The future's result says whether a cache was held."""
-        work = _Work(request_id, asyncio.get_running_loop().create_future(), release=True)
+        running now (if any); with ``token_ids`` (every token in the cache, and maybe
+        more), keep the cache in the prefix store first. The future's result says
+        whether a cache was held."""
+        work = _Work(request_id, asyncio.get_running_loop().create_future(), release=True,
+                     token_ids=list(token_ids) if token_ids else None)
         self._enqueue(work)
         return work.future
 
@@ -263,8 +289,7 @@ class StageEngine:
             releases, batch = self._take_round()
             if releases:
                 try:
-                    held = await loop.run_in_executor(self.executor, self._release_many,
-                                                      [w.request_id for w in releases])
+                    held = await loop.run_in_executor(self.executor, self._release_many, releases)
                 except Exception as exc:  # noqa: BLE001 - reported to each waiter
                     held = [exc] * len(releases)
                 for work, result in zip(releases, held, strict=True):
@@ -285,14 +310,27 @@ class StageEngine:
         stage is dropped (its requests resume on the new plan by re-prefilling)."""
         self.stage = stage
         self._requests.clear()
+        if isinstance(stage, Stage):
+            self.prefix.retain(stage.start, stage.end)
+        else:
+            self.prefix.clear()  # no layers here (a tensor plan), or a tensor group's stage
         mx.clear_cache()
 
-    def _state(self, request_id: str, step: int, offset: int, sampling: SamplingParams | None) -> _RequestState:
+    def _state(self, work: _Work) -> _RequestState:
+        request_id, step, offset, sampling = work.request_id, work.step, work.offset, work.sampling
         if self.stage is None:
             raise RequestError("this node holds no stage of the current plan")
-        if step == 0 and offset == 0:
+        if step == 0 and (offset == 0 or work.prefix_ids):
+            if offset == 0:
+                cache = self.stage.make_cache()
+            elif len(work.prefix_ids) != offset:
+                raise RequestError(f"request {request_id}: {len(work.prefix_ids)} prefix ids for offset {offset}")
+            elif (cache := self.prefix.take(work.scope, work.prefix_ids)) is None:
+                holds = self.prefix.longest(work.scope, work.prefix_ids)
+                raise PrefixMiss(f"request {request_id}: the prefix store holds {holds} of the {offset} "
+                                 "prefix tokens", holds)
             sampler = RequestSampler(sampling or SamplingParams()) if self.stage.last else None
-            state = _RequestState(cache=self.stage.make_cache(), sampler=sampler)
+            state = _RequestState(cache=cache, sampler=sampler, offset=offset, scope=work.scope)
             self._requests[request_id] = state
             return state
         state = self._requests.get(request_id)
@@ -342,7 +380,7 @@ class StageEngine:
         for i, work in enumerate(batch):
             try:
                 x = self._input(work.payload)
-                ready.append((i, self._state(work.request_id, work.step, work.offset, work.sampling), x))
+                ready.append((i, self._state(work), x))
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 results[i] = exc
         if len(ready) > 1 and mergeable([state.cache for _, state, _ in ready]):
@@ -376,12 +414,21 @@ class StageEngine:
         for row, (i, state, _) in enumerate(ready):
             results[i] = self._finish_one(state, out[row:row + 1], 1, False)
 
-    def _release_many(self, request_ids: list[str]) -> list[bool]:
-        return [self.release(rid) for rid in request_ids]
+    def _release_many(self, releases: list[_Work]) -> list[bool]:
+        return [self.release(w.request_id, w.token_ids) for w in releases]
 
-    def release(self, request_id: str) -> bool:
-        """Drop a request's KV cache (worker thread). Returns whether it was held."""
-        return self._requests.pop(request_id, None) is not None
+    def release(self, request_id: str, token_ids: list[int] | None = None) -> bool:
+        """Drop a request's KV cache (worker thread), keeping it in the prefix store first
+        when ``token_ids`` name its tokens. Returns whether it was held."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        if token_ids and len(token_ids) >= state.offset > 0:
+            try:
+                self.prefix.insert(state.scope, token_ids[: state.offset], state.cache)
+            except Exception:  # a store failure must not fail the release
+                log.exception("prefix store: cannot keep request %s", request_id)
+        return True
 
     def batch_stats(self, window_s: float = 10.0) -> dict:
         """Decode batching figures for ``/v1/cluster``: the limit, the last batch, the

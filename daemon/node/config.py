@@ -20,6 +20,12 @@ RESUME_WAIT_S = 10.0
 PREFILL_TIMEOUT_TOKENS = 64
 #: Seconds between retries while stage 0 and this node hold different epochs.
 EPOCH_SKEW_RETRY_S = 0.25
+#: Tries with a shorter cached prefix after a stage's prefix store missed, before the
+#: request prefills from scratch.
+PREFIX_ATTEMPTS = 3
+#: Default prefix store budget: this share of the usable memory the stage's weights leave
+#: free (the rest is for in-flight KV caches, activations and MLX's own buffers).
+PREFIX_CACHE_FRACTION = 0.25
 
 @dataclass
 class NodeConfig:
@@ -46,6 +52,11 @@ class NodeConfig:
         context_tokens: the model's context length, tokens.
         dtype_choice: how ``--dtype`` resolved (:meth:`ringlet.daemon.engine.dtype.DtypeChoice.to_dict`),
             for ``/v1/cluster``.
+        prefix_cache_bytes: the prefix store's budget, bytes (``None``: the default
+            fraction, :data:`PREFIX_CACHE_FRACTION`; 0: off).
+        usable_memory_bytes: memory this node offers, bytes (``None``: the machine's total).
+        prefix_cache_scope: ``key`` (entries per API key, when keys are configured) or
+            ``cluster`` (one scope for every caller).
     """
 
     host: str
@@ -64,6 +75,9 @@ class NodeConfig:
     vocab_size: int | None = None
     context_tokens: int | None = None
     dtype_choice: dict | None = None
+    prefix_cache_bytes: int | None = None
+    usable_memory_bytes: int | None = None
+    prefix_cache_scope: str = "key"
 
     @property
     def address(self) -> str:

@@ -40,14 +40,15 @@ import psutil
 from ringlet.daemon.engine.scheduler import StageEngine
 from ringlet.daemon.engine.stage import Stage, load_stage
 from ringlet.daemon.errors import GenerationError
-from ringlet.daemon.node.config import NodeConfig
+from ringlet.daemon.node.config import PREFIX_CACHE_FRACTION, NodeConfig
 from ringlet.daemon.node.head import Generation, Head
 from ringlet.daemon.node.memory import mlx_active_bytes, peak_rss_bytes, warm_up_mlx
 from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.node.servicer import RingServicer
 from ringlet.daemon.node.signals import PlanChanged
-from ringlet.daemon.probes import blas
+from ringlet.daemon.paths import machine_cache_dir
+from ringlet.daemon.probes import blas, colocated
 from ringlet.daemon.wire.hop import HopLink
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
@@ -213,6 +214,7 @@ class Node(ResumingClient, Head, Relay):
             self._prepared.pop(old, None)
         old_index_spec = self.stage_spec
         await self.engine.swap_stage(stage)
+        await self.engine.run(self.engine.prefix.set_budget, self.prefix_budget(stage))
         self.plan = plan
         self.index = plan.index_of(self.node_id, self.config.address)
         for gen in list(self._generations.values()):
@@ -240,6 +242,20 @@ class Node(ResumingClient, Head, Relay):
         changed.set()
 
     # --- introspection -------------------------------------------------------------------
+
+    def prefix_budget(self, stage) -> int:
+        """Bytes this node's prefix store may hold under ``stage``: ``--prefix-cache-bytes``,
+        else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION` of the usable memory
+        (``--memory-limit``, else this machine's share per ringlet process) the stage's weights
+        leave free (0 for a stage of another kind, e.g. a tensor group's)."""
+        if not isinstance(stage, Stage):
+            return 0
+        if self.config.prefix_cache_bytes is not None:
+            return max(0, self.config.prefix_cache_bytes)
+        usable = self.config.usable_memory_bytes
+        if usable is None:  # the machine's memory, shared with the other ringlet processes on it
+            usable = psutil.virtual_memory().total // colocated.count(machine_cache_dir() / colocated.DIR_NAME)
+        return int(PREFIX_CACHE_FRACTION * max(0, usable - stage.nbytes()))
 
     def plan_json(self) -> str:
         """The committed plan as JSON (for peers' handshakes)."""
@@ -276,6 +292,7 @@ class Node(ResumingClient, Head, Relay):
             "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),
             "kv_caches": self.engine.active_requests if self.engine else [],
+            "prefix_cache": self.engine.prefix.info() if self.engine else None,
             "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "hop_latency_median_s": statistics.median(lat) if lat else None,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry, sampling_to_pb
 from ringlet.daemon.errors import GenerationError
-from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS
-from ringlet.daemon.node.signals import RetryOnPlan
+from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS
+from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
@@ -36,6 +36,8 @@ class Generation:
     started: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
     finished: bool = False
+    scope: str = ""
+    cached: int = 0  # prompt tokens taken from the prefix stores
 
 
 
@@ -46,18 +48,47 @@ class Head:
     # --- stage 0: heading a generation --------------------------------------------------
 
     async def _generate_local(self, request_id: str, prompt: list[int], max_tokens: int,
-                              sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
+                              sampling: SamplingParams, stop_ids: frozenset[int], scope: str = "",
+                              info: dict | None = None) -> AsyncIterator[int]:
+        """Head a generation on this stage 0, reusing the longest prompt prefix that this
+        stage's prefix store holds. A later stage lacking it answers with how much it
+        holds, and the request starts again (under a new id) with at most that much,
+        down to none: the ring always computes over one prefix length, so the output
+        never depends on what the stores hold. ``info["cached_tokens"]`` gets the length
+        used."""
+        cap = len(prompt) - 1  # at least one token is computed: its logits give the first token
+        for attempt in range(PREFIX_ATTEMPTS + 1):
+            rid = request_id if attempt == 0 else f"{request_id}~p{attempt}"
+            reuse = 0
+            if cap > 0 and attempt < PREFIX_ATTEMPTS and self.engine is not None:
+                reuse = await self.engine.run(self.engine.prefix.longest, scope, prompt, cap)
+                if reuse == 0:
+                    await self.engine.run(self.engine.prefix.miss)
+            try:
+                async for token in self._generate_once(rid, prompt, max_tokens, sampling, stop_ids, scope, reuse,
+                                                       info):
+                    yield token
+                return
+            except PrefixMissed as miss:
+                log.info("request %s: %s; prefilling with at most %d cached tokens", request_id, miss, miss.holds)
+                cap = min(cap, miss.holds) if miss.holds < reuse else reuse - 1
+
+    async def _generate_once(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
+                             stop_ids: frozenset[int], scope: str, reuse: int,
+                             info: dict | None) -> AsyncIterator[int]:
         if not self.is_head:
             raise GenerationError("this node does not hold stage 0 of the current plan")
         if request_id in self._generations:
             raise GenerationError(f"request id {request_id} is already in flight")
-        gen = Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch)
+        gen = Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch, scope=scope,
+                         cached=reuse)
         self._generations[request_id] = gen
         self.state = "serving"
         try:
             if max_tokens <= 0:
                 return
             await self._advance(gen, step=0, payload=list(prompt))
+            first = True
             while True:
                 # the first token follows the whole prefill: one step's allowance per
                 # PREFILL_TIMEOUT_TOKENS prompt tokens
@@ -70,11 +101,14 @@ class Head:
                     return
                 if isinstance(item, Exception):
                     raise item
+                if first and info is not None:
+                    info.setdefault("cached_tokens", gen.cached)
+                first = False
                 yield item
         finally:
             if not gen.finished:
                 gen.finished = True
-                await self._release(request_id)
+                await self._release(request_id, gen.prompt + gen.tokens)
             self._generations.pop(request_id, None)
             elapsed = time.perf_counter() - gen.started
             self.requests_served += 1
@@ -89,16 +123,20 @@ class Head:
     async def _advance(self, gen: Generation, step: int, payload: list[int]) -> None:
         """Run stage 0 for ``payload`` and pass the result on (or take the token, on a
         single-stage plan). A prompt longer than ``prefill_chunk`` goes in chunks, each
-        sent on as soon as it is computed (the next stage starts on it meanwhile)."""
+        sent on as soon as it is computed (the next stage starts on it meanwhile). The
+        first ``gen.cached`` prompt tokens come from the prefix stores: the first chunk
+        names them (``prefix_ids``) and the prefill starts after them."""
         if step == 0:
             chunk = max(1, self.config.prefill_chunk)
-            pieces = [(off, payload[off:off + chunk]) for off in range(0, len(payload), chunk)]
+            pieces = [(off, payload[off:off + chunk]) for off in range(gen.cached, len(payload), chunk)]
         else:
             pieces = [(len(gen.prompt) + len(gen.tokens) - 1, payload)]
         for k, (offset, piece) in enumerate(pieces):
             more = k < len(pieces) - 1
+            prefix = gen.prompt[:offset] if step == 0 and k == 0 and offset > 0 else None
             try:
-                out = await self.engine.submit(gen.request_id, step, offset, piece, gen.sampling, more=more)
+                out = await self.engine.submit(gen.request_id, step, offset, piece, gen.sampling, more=more,
+                                               prefix_ids=prefix, scope=gen.scope)
             except Exception as exc:  # fail this request only
                 if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
                     log.exception("stage 0 failed request %s", gen.request_id)
@@ -114,8 +152,11 @@ class Head:
                 return
             message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
                                     hidden=out, stage=1, sent_at=time.time(), more=more)
-            if step == 0 and offset == 0:
+            if step == 0 and k == 0:
                 message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
+                message.cache_scope = gen.scope
+                if prefix:
+                    message.prefix_ids.extend(prefix)
             try:
                 await self._next.send(message)
             except (ConnectionError, AttributeError) as exc:
@@ -141,15 +182,18 @@ class Head:
             return
         gen.finished = True
         gen.queue.put_nowait(error)
-        asyncio.ensure_future(self._release(gen.request_id))
+        asyncio.ensure_future(self._release(gen.request_id, gen.prompt + gen.tokens))
 
-    async def _release(self, request_id: str) -> None:
-        """Drop the request's cache here and send a release around the ring."""
+    async def _release(self, request_id: str, token_ids: list[int] | None = None) -> None:
+        """Drop the request's cache here and send a release around the ring; with
+        ``token_ids`` (the request's tokens), every stage keeps its cache in its prefix
+        store first."""
         if self.engine is not None:
-            await self.engine.submit_release(request_id)
+            await self.engine.submit_release(request_id, token_ids)
         if self._next is not None and self.is_head:
             try:
-                await self._next.send(pb.Activation(request_id=request_id, epoch=self.epoch, release=True))
+                await self._next.send(pb.Activation(request_id=request_id, epoch=self.epoch, release=True,
+                                                    token_ids=token_ids or []))
             except ConnectionError as exc:
                 log.debug("could not send release of %s: %s", request_id, exc)
 

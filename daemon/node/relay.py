@@ -10,9 +10,9 @@ import asyncio
 import logging
 import time
 
-from ringlet.daemon.engine.scheduler import RequestDropped, RequestError, RequestRetry, sampling_from_pb
+from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry, sampling_from_pb
 from ringlet.daemon.errors import GenerationError
-from ringlet.daemon.node.signals import RetryOnPlan
+from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
@@ -44,7 +44,9 @@ class Relay:
             gen = self._generations.get(rid)
             if gen is None or message.epoch != gen.epoch:
                 return  # a late token or error for a finished request or an old plan
-            if message.error:
+            if message.error and message.prefix_miss:
+                self._finish(gen, PrefixMissed(message.error, message.prefix_holds))
+            elif message.error:
                 self._finish(gen, (RetryOnPlan if message.retry else GenerationError)(message.error))
             elif message.WhichOneof("payload") == "token":
                 self._on_token(gen, message.token)
@@ -68,7 +70,8 @@ class Relay:
                                               error=f"stage {self.index} ({self.config.address}): {error}"))
             raise codec.TensorDecodeError(error)
         sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
-        future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more)
+        future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more,
+                                    prefix_ids=list(message.prefix_ids), scope=message.cache_scope)
         self._spawn(self._complete(message, future))
 
     def _spawn(self, coro) -> None:
@@ -87,9 +90,11 @@ class Relay:
         except Exception as exc:  # any failure fails this request only; the node keeps serving
             if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
                 log.error("stage %s failed request %s: %s", self.index, rid, exc)
+            miss = isinstance(exc, PrefixMiss)
             await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
                                               error=f"stage {self.index} ({self.config.address}): {exc}",
-                                              retry=isinstance(exc, RequestRetry)))
+                                              retry=isinstance(exc, RequestRetry), prefix_miss=miss,
+                                              prefix_holds=exc.holds if miss else 0))
             return
         if out is None:
             return  # the last stage took a prefill chunk that more chunks follow
@@ -101,10 +106,12 @@ class Relay:
             nxt.hidden.CopyFrom(out)
             if message.HasField("sampling"):
                 nxt.sampling.CopyFrom(message.sampling)
+            nxt.cache_scope = message.cache_scope
+            nxt.prefix_ids.extend(message.prefix_ids)
         await self._forward(nxt)
 
     async def _release_and_forward(self, message: pb.Activation) -> None:
-        await self.engine.submit_release(message.request_id)
+        await self.engine.submit_release(message.request_id, list(message.token_ids))
         if not self.is_last:
             await self._forward(message)
 

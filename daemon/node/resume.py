@@ -64,13 +64,16 @@ class ResumingClient:
 
     async def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                        stop_ids: frozenset[int] | set[int], request_id: str | None = None,
-                       ) -> AsyncIterator[int]:
+                       cache_scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` tokens after ``prompt``; yields token ids as they come.
 
         Stops after a token in ``stop_ids`` (that token is yielded). Works on any node:
         the request runs on the committed plan's stage 0 (here or over gRPC). If the
         plan changes or a stage fails mid-stream, the request resumes on the next
         plan by re-prefilling prompt + tokens so far; the caller sees one stream.
+
+        The longest prompt prefix the stages' prefix stores hold under ``cache_scope``
+        is reused; ``info["cached_tokens"]`` gets how many prompt tokens that was.
 
         Raises:
             NoPlanError: no plan can serve the model (the message says why).
@@ -88,7 +91,7 @@ class ResumingClient:
             resumed = replace(sampling, steps_done=sampling.steps_done + len(produced))
             try:
                 async for token in self._attempt(plan, request_id, prompt + produced, max_tokens - len(produced),
-                                                 resumed, stop_ids):
+                                                 resumed, stop_ids, cache_scope, info):
                     produced.append(token)
                     yield token
                     if token in stop_ids:
@@ -138,7 +141,8 @@ class ResumingClient:
         return None
 
     async def _attempt(self, plan: ServingPlan, request_id: str, prompt: list[int], max_tokens: int,
-                       sampling: SamplingParams, stop_ids: frozenset[int]) -> AsyncIterator[int]:
+                       sampling: SamplingParams, stop_ids: frozenset[int], scope: str = "",
+                       info: dict | None = None) -> AsyncIterator[int]:
         """One try of a generation on ``plan``; raises :class:`PlanChanged` as soon as
         this node commits another plan."""
         changed = self._plan_changed
@@ -146,10 +150,10 @@ class ResumingClient:
             raise PlanChanged("the plan changed before the request started")
         head = plan.stages[0]
         if plan.index_of(self.node_id, self.config.address) == 0:
-            source = self.head_source(request_id, prompt, max_tokens, sampling, stop_ids)
+            source = self.head_source(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
         else:
             source = self._generate_remote(head.address, plan.epoch, request_id, prompt, max_tokens, sampling,
-                                           stop_ids)
+                                           stop_ids, scope, info)
         it = source.__aiter__()
         change = asyncio.ensure_future(changed.wait())
         nxt: asyncio.Future | None = None
@@ -175,15 +179,19 @@ class ResumingClient:
 
     async def _generate_remote(self, address: str, epoch: int, request_id: str, prompt: list[int],
                                max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-                               ) -> AsyncIterator[int]:
+                               scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
         stub = pb_grpc.RingStub(self._channel(address))
         call = stub.Generate(pb.GenerateRequest(
             request_id=request_id, prompt=prompt, max_tokens=max_tokens, epoch=epoch,
-            sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids)))
+            sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids), cache_scope=scope))
+        first = True
         try:
             async for event in call:
                 if event.WhichOneof("event") == "error":
                     raise (RetryOnPlan if event.retry else GenerationError)(event.error)
+                if first and info is not None:
+                    info.setdefault("cached_tokens", event.cached_tokens)
+                first = False
                 yield event.token
         except grpc.aio.AioRpcError as exc:
             error = EpochSkew if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else GenerationError
@@ -199,9 +207,10 @@ class ResumingClient:
         return ch
 
     def head_source(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                     stop_ids: frozenset[int]) -> AsyncIterator[int]:
-        """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group."""
+                    stop_ids: frozenset[int], scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
+        """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group
+        (which has no prefix store: its ranks hold the KV)."""
         if self.plan is not None and self.plan.is_tensor and self.tp is not None:
             return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids)
-        return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids)
+        return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
 

@@ -50,11 +50,14 @@ class RingServicer(pb_grpc.RingServicer):
                                 f"this node serves epoch {node.epoch}, not {request.epoch}")
         if (why := node.prompt_error(list(request.prompt), request.max_tokens)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        info: dict = {}
+        first = True
         try:
             async for token in node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt),
-                                                 request.max_tokens, sampling_from_pb(request.sampling),
-                                                 frozenset(request.stop_ids)):
-                yield pb.GenerateEvent(token=token)
+                                                request.max_tokens, sampling_from_pb(request.sampling),
+                                                frozenset(request.stop_ids), request.cache_scope, info):
+                yield pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0)
+                first = False
         except GenerationError as exc:
             yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan))
 

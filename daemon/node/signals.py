@@ -22,3 +22,10 @@ class RetryOnPlan(GenerationError):
     restarted): the request resumes on the same plan (``Activation.retry``)."""
 
 
+class PrefixMissed(GenerationError):
+    """A later stage's prefix store lacks the prefix stage 0 chose; it holds ``holds`` of
+    its tokens (stage 0 starts the request again with at most that many)."""
+
+    def __init__(self, message: str, holds: int):
+        super().__init__(message)
+        self.holds = holds

@@ -76,6 +76,12 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                      help=f"most decode steps a stage runs as one batch (1: no batching; default {DEFAULT_MAX_BATCH})")
     run.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK,
                      help=f"prompt tokens per prefill chunk (default {DEFAULT_PREFILL_CHUNK})")
+    run.add_argument("--prefix-cache-bytes", default=None, metavar="SIZE",
+                     help="KV of finished requests each stage keeps for later turns, e.g. 2GB (default: a quarter "
+                          "of the memory the stage's weights leave free; 0: off)")
+    run.add_argument("--prefix-cache-scope", choices=["key", "cluster"], default="key",
+                     help="with --api-key-file, keep cached prefixes per API key (key, default) or shared by "
+                          "every caller (cluster)")
     run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
     add_run_arguments(run)  # --secret-file, --api-key-file, limits
     return run

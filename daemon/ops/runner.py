@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 LINK_REFRESH_S = 30.0
 
 
-def parse_size(text: str | None) -> int | None:
-    """``"4GB"``, ``"512MiB"``, ``"1e9"`` -> bytes.
+def parse_size(text: str | None, option: str = "--memory-limit", allow_zero: bool = False) -> int | None:
+    """``"4GB"``, ``"512MiB"``, ``"1e9"`` -> bytes (``None`` for ``None``).
 
     Raises:
-        RingletError: not a size.
+        RingletError: not a size, or not positive (zero too, unless ``allow_zero``);
+            the message names ``option``.
     """
     if text is None:
         return None
@@ -54,9 +55,9 @@ def parse_size(text: str | None) -> int | None:
     try:
         value = float(num) * units[unit]
     except (ValueError, KeyError):
-        raise RingletError(f"--memory-limit: {text!r} is not a size (e.g. 8GB, 512MiB)") from None
-    if value <= 0:
-        raise RingletError("--memory-limit must be positive")
+        raise RingletError(f"{option}: {text!r} is not a size (e.g. 8GB, 512MiB)") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise RingletError(f"{option} must be positive" + (" or 0" if allow_zero else ""))
     return int(value)
 
 
@@ -89,7 +90,6 @@ def build_config(args) -> tuple[NodeConfig, int]:
     """
     location = getattr(args, "fetched_location", None) or resolve(args.model)
     info = model_info(location)
-    choice = node_dtype(args, location)
     address = f"{args.host}:{args.port}"
     plan = None
     if args.plan:
@@ -97,8 +97,13 @@ def build_config(args) -> tuple[NodeConfig, int]:
         validate(plan, info.num_layers)
         if address not in {s.address for s in plan}:
             raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
+    choice = node_dtype(args, location)
     return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=choice.dtype,
                       dtype_choice=choice.to_dict(),
+                      prefix_cache_bytes=parse_size(getattr(args, "prefix_cache_bytes", None), "--prefix-cache-bytes",
+                                                    allow_zero=True),
+                      prefix_cache_scope=getattr(args, "prefix_cache_scope", "key"),
+                      usable_memory_bytes=parse_size(getattr(args, "memory_limit", None)),
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
                       prefill_chunk=getattr(args, "prefill_chunk", DEFAULT_PREFILL_CHUNK),
@@ -113,7 +118,15 @@ def node_dtype(args, location) -> DtypeChoice:
     from ringlet.daemon.probes.memory import probe_memory
 
     usable = parse_size(getattr(args, "memory_limit", None)) or probe_memory().usable_memory_bytes
-    choice = resolve_dtype(getattr(args, "dtype", None), location, usable)
+    requested = getattr(args, "dtype", None)
+    try:
+        choice = resolve_dtype(requested, location, usable)
+    except ValueError:
+        raise
+    except Exception as exc:  # an unreadable model: the loader reports it with its own clear error
+        log.debug("cannot size %s for --dtype: %s", location.name, exc)
+        fallback = None if requested in (None, "auto", "native") else requested
+        choice = DtypeChoice(fallback, requested or "auto", "the model could not be sized; loading as given")
     log.info("dtype: %s", choice.reason)
     return choice
 

@@ -1,0 +1,279 @@
+"""The prefix store of one stage: KV caches of finished requests for this stage's layers,
+keyed by token ids, bounded in bytes, least recently used evicted first.
+
+Why: chat apps and coding agents send the whole conversation again every turn. A turn
+that starts with a cached prefix prefills only its new tokens.
+
+Design (issue "Conversations stay in the ring"):
+
+* **Keyed by token ids, per scope.** The index is mlx-lm's token trie
+  (:class:`mlx_lm.models.cache.PromptTrie`, the one behind ``mlx_lm.server``'s
+  ``LRUPromptCache``), one trie per scope (an API key's digest, or the cluster). Every
+  stage learns the token ids: stage 0 sends the reused prefix's ids with a request's
+  first prefill chunk and all of a request's ids with its release.
+* **Copy on extend, not shared blocks.** An entry is one conversation's KV for exactly
+  its tokens, stored compact (``mx.contiguous`` slices: no 256-token padding), so a
+  cached token costs the model's KV bytes per token for these layers. A request that
+  reuses an entry gets fresh arrays (:meth:`take`), so an entry is never mutated by
+  the request that reuses it, and two requests may extend one prefix at once. When a
+  finished request extends an entry (its tokens start with the entry's), the entry is
+  dropped: the new one answers every lookup the old one did. Conversations that share
+  a system prompt keep one entry each (the shared part is held once per
+  conversation); a block trie would hold it once, but every hit would then have to
+  concatenate blocks into a contiguous cache anyway, and conversations rarely share
+  more than their system prompt.
+* **Exact lengths.** :meth:`longest` says how many leading tokens of a prompt this stage
+  can serve; :meth:`take` builds caches of exactly that many, trimming a longer entry.
+  Stage 0 decides one length for the ring and every stage must take exactly it, or
+  the request falls back to a shorter one (never to wrong output).
+* **Layer ranges.** Entries carry their layer range ``[start, end)``; after a re-plan a
+  stage keeps the entries covering its new range (sliced to it) and drops the others
+  (:meth:`retain`). :meth:`export_entry` / :meth:`import_entry` give an entry as plain
+  tensors (for moving KV with its layers).
+
+Only mlx-lm ``KVCache`` layers are stored (full attention); a stage whose caches are
+of another kind (rotating windows, SSM state, a tensor group's ranks) stores nothing.
+All methods run on the engine's MLX worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, PromptTrie
+
+
+@dataclass
+class Entry:
+    """One cached sequence: ``tokens`` and, per layer of ``[start, end)``, its keys and
+    values, each ``(1, kv_heads, len(tokens), head_dim)`` in the cache dtype."""
+
+    scope: str
+    tokens: list[int]
+    start: int
+    end: int
+    layers: list[tuple[mx.array, mx.array]]
+    nbytes: int = 0
+    id: int = 0
+
+
+@dataclass
+class StoreStats:
+    """Counters of one store, for ``/v1/cluster``: lookups that found a prefix (hits) and
+    found none (misses), tokens served from it, entries and bytes held, evictions."""
+
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    inserted: int = 0
+    dropped_on_replan: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def storable(cache: list) -> bool:
+    """Whether a request's cache is made of plain mlx-lm ``KVCache`` layers only."""
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+class PrefixStore:
+    """The prefix store of one stage holding layers ``[start, end)``.
+
+    Args:
+        budget_bytes: the most bytes of KV it holds (0: it holds nothing).
+        start, end: the stage's layer range.
+    """
+
+    def __init__(self, budget_bytes: int, start: int = 0, end: int = 0):
+        self.budget_bytes = max(0, int(budget_bytes))
+        self.start, self.end = start, end
+        self._trie = PromptTrie()
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
+        self._ids = itertools.count(1)
+        self.nbytes = 0
+        self.stats = StoreStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- lookup -------------------------------------------------------------------------
+
+    def _search(self, scope: str, tokens: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` and that prefix's length."""
+        if not tokens:
+            return None, 0
+        found = self._trie.search(scope, tokens)
+        if found.exact is not None:
+            return self._entries[self._trie.get(scope, found.exact)], len(tokens)
+        best: tuple[Entry | None, int] = (None, 0)
+        if found.shorter is not None:
+            best = (self._entries[self._trie.get(scope, found.shorter)], len(found.shorter))
+        if found.longer is not None and found.common_prefix > best[1]:
+            best = (self._entries[self._trie.get(scope, found.longer)], found.common_prefix)
+        return best
+
+    def longest(self, scope: str, tokens: list[int], limit: int | None = None) -> int:
+        """How many leading tokens of ``tokens`` (at most ``limit``) this stage can serve."""
+        if not self._entries:
+            return 0
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        entry, n = self._search(scope, tokens[:limit])
+        return n if entry is not None and self._covers(entry) else 0
+
+    def take(self, scope: str, tokens: list[int]) -> list[KVCache] | None:
+        """Fresh caches holding exactly ``tokens`` (all of them) for this stage's layers,
+        or ``None`` when the store cannot serve that many (counted as a miss). The entry
+        is moved to the most recently used end; its arrays are never handed out."""
+        entry, n = self._search(scope, tokens) if self._entries else (None, 0)
+        if entry is None or n < len(tokens) or not self._covers(entry):
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(entry.id)
+        offset = self.start - entry.start
+        caches = []
+        for keys, values in entry.layers[offset:offset + (self.end - self.start)]:
+            c = KVCache()
+            # new array objects (slices): the request's updates never reach the entry
+            c.keys, c.values, c.offset = keys[..., : len(tokens), :], values[..., : len(tokens), :], len(tokens)
+            caches.append(c)
+        self.stats.hits += 1
+        self.stats.hit_tokens += len(tokens)
+        return caches
+
+    def miss(self) -> None:
+        """Count a lookup that found nothing to reuse."""
+        self.stats.misses += 1
+
+    def _covers(self, entry: Entry) -> bool:
+        return entry.start <= self.start and entry.end >= self.end
+
+    # --- insert, evict ------------------------------------------------------------------
+
+    def insert(self, scope: str, tokens: list[int], cache: list) -> bool:
+        """Keep a finished request's ``cache`` (one ``KVCache`` per layer of this stage)
+        for ``tokens`` (its ids, as many as the cache holds). Entries it extends are
+        dropped; the least recently used go until the budget holds. Returns whether it
+        was kept (not when the budget is 0, the cache is of another kind, or it alone is
+        over the budget)."""
+        n = len(tokens)
+        if self.budget_bytes <= 0 or n == 0 or not storable(cache) or any(c.offset != n for c in cache):
+            return False
+        layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])) for c in cache]
+        mx.eval(layers)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if nbytes > self.budget_bytes:
+            return False
+        self._drop_covered(scope, tokens)
+        entry = Entry(scope, list(tokens), self.start, self.end, layers, nbytes, next(self._ids))
+        self._add(entry)
+        self.stats.inserted += 1
+        self._evict_to(self.budget_bytes)
+        return True
+
+    def _add(self, entry: Entry) -> None:
+        prev = self._trie.add(entry.scope, entry.tokens, entry.id)
+        if prev is not None:
+            self._forget(self._entries[prev], in_trie=False)
+        self._entries[entry.id] = entry
+        self.nbytes += entry.nbytes
+
+    def _drop_covered(self, scope: str, tokens: list[int]) -> None:
+        """Drop entries whose tokens are ``tokens`` or a prefix of them (the new entry serves them)."""
+        while True:
+            found = self._trie.search(scope, tokens)
+            prefix = found.exact if found.exact is not None else found.shorter
+            if prefix is None:
+                return
+            self._forget(self._entries[self._trie.get(scope, prefix)])
+
+    def _forget(self, entry: Entry, in_trie: bool = True) -> None:
+        if in_trie:
+            self._trie.pop(entry.scope, entry.tokens)
+        self._entries.pop(entry.id, None)
+        self.nbytes -= entry.nbytes
+
+    def _evict_to(self, budget: int) -> None:
+        while self.nbytes > budget and self._entries:
+            _, oldest = next(iter(self._entries.items()))
+            self._forget(oldest)
+            self.stats.evictions += 1
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget (bytes); entries beyond it are evicted now."""
+        self.budget_bytes = max(0, int(budget_bytes))
+        self._evict_to(self.budget_bytes)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        for entry in list(self._entries.values()):
+            self._forget(entry)
+
+    # --- re-plans, export ---------------------------------------------------------------
+
+    def retain(self, start: int, end: int) -> None:
+        """The stage now holds ``[start, end)``: entries covering it are sliced to it, the
+        others are dropped (they lack layers this stage needs)."""
+        for entry in list(self._entries.values()):
+            if entry.start <= start and entry.end >= end:
+                lo = start - entry.start
+                kept = entry.layers[lo:lo + (end - start)]
+                self.nbytes -= entry.nbytes - sum(k.nbytes + v.nbytes for k, v in kept)
+                entry.layers, entry.start, entry.end = kept, start, end
+                entry.nbytes = sum(k.nbytes + v.nbytes for k, v in kept)
+            else:
+                self._forget(entry)
+                self.stats.dropped_on_replan += 1
+        self.start, self.end = start, end
+
+    def entries(self) -> list[Entry]:
+        """Entries, least recently used first."""
+        return list(self._entries.values())
+
+    @staticmethod
+    def export_entry(entry: Entry) -> tuple[dict[str, mx.array], dict[str, str]]:
+        """An entry as tensors (``layer.<i>.keys`` / ``.values``, ``i`` absolute) and string
+        metadata (scope, layer range, token ids), e.g. for ``mx.save_safetensors``."""
+        arrays = {"tokens": mx.array(entry.tokens, dtype=mx.int32)}
+        for i, (k, v) in enumerate(entry.layers, start=entry.start):
+            arrays[f"layer.{i}.keys"], arrays[f"layer.{i}.values"] = k, v
+        return arrays, {"scope": entry.scope, "start": str(entry.start), "end": str(entry.end)}
+
+    def import_entry(self, arrays: dict[str, Any], meta: dict[str, str]) -> bool:
+        """Add an entry given as :meth:`export_entry` made it, if it covers this stage's
+        layers (it is sliced to them) and its shapes agree. Returns whether it was kept.
+
+        Raises:
+            ValueError: the tensors do not form an entry (missing layers, shapes disagree).
+        """
+        start, end = int(meta["start"]), int(meta["end"])
+        tokens = [int(t) for t in arrays["tokens"].tolist()]
+        layers = []
+        for i in range(start, end):
+            k, v = arrays.get(f"layer.{i}.keys"), arrays.get(f"layer.{i}.values")
+            if k is None or v is None or k.ndim != 4 or k.shape[2] != len(tokens) or v.shape[2] != len(tokens):
+                raise ValueError(f"prefix entry: layer {i} is missing or does not hold {len(tokens)} tokens")
+            layers.append((k, v))
+        if not (start <= self.start and end >= self.end) or self.budget_bytes <= 0:
+            return False
+        lo = self.start - start
+        layers = layers[lo:lo + (self.end - self.start)]
+        entry = Entry(meta.get("scope", ""), tokens, self.start, self.end, layers,
+                      sum(k.nbytes + v.nbytes for k, v in layers), next(self._ids))
+        if entry.nbytes > self.budget_bytes:
+            return False
+        self._drop_covered(entry.scope, tokens)
+        self._add(entry)
+        self._evict_to(self.budget_bytes)
+        return True
+
+    def info(self) -> dict:
+        """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache``."""
+        s = self.stats
+        return {"budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
+                "tokens": sum(len(e.tokens) for e in self._entries.values()), "hits": s.hits, "misses": s.misses,
+                "hit_tokens": s.hit_tokens, "evictions": s.evictions, "inserted": s.inserted,
+                "dropped_on_replan": s.dropped_on_replan, "layer_range": [self.start, self.end]}
