@@ -37,3 +37,18 @@ def test_import_contracts_hold():
         pytest.skip("import-linter is not installed (make install brings it)")
     r = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists packages one by one (the design card fixes the layout under
+    ``ringlet.daemon``): every folder with an ``__init__.py`` must be listed, or a plain
+    ``pip install`` leaves it out."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("daemon", "ringlet.daemon"), ("partitioning", "ringlet.partitioning")):
+        for init in (ROOT / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / top).parts
+            found.add(".".join((name, *rel)))
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -186,6 +186,8 @@ class PrefixStore:
         while True:
             found = self._trie.search(scope, tokens)
             prefix = found.exact if found.exact is not None else found.shorter
+            if prefix is None and len(tokens) > 1 and self._trie.search(scope, tokens[:1]).exact is not None:
+                prefix = tokens[:1]  # PromptTrie.search never reports a one-token prefix as ``shorter``
             if prefix is None:
                 return
             self._forget(self._entries[self._trie.get(scope, prefix)])
@@ -254,7 +256,8 @@ class PrefixStore:
         layers = []
         for i in range(start, end):
             k, v = arrays.get(f"layer.{i}.keys"), arrays.get(f"layer.{i}.values")
-            if k is None or v is None or k.ndim != 4 or k.shape[2] != len(tokens) or v.shape[2] != len(tokens):
+            if (k is None or v is None or k.ndim != 4 or v.ndim != 4 or k.shape[2] != len(tokens)
+                    or v.shape[2] != len(tokens)):
                 raise ValueError(f"prefix entry: layer {i} is missing or does not hold {len(tokens)} tokens")
             layers.append((k, v))
         if not (start <= self.start and end >= self.end) or self.budget_bytes <= 0:

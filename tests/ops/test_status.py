@@ -227,10 +227,33 @@ def test_batch_figures_per_node_and_an_old_node_without_them():
     assert snap["cluster"]["tokens_per_s"] == 7.5 and snap["cluster"]["requests_in_flight"] == 3
     assert format_status(snap) == (
         "model smollm2-135m · layers 30 · epoch 1 · policy — · nodes 3/3 ready · in flight 3 · tokens/s 7.5\n"
-        "stage  node            state    layers   memory  tok/s  batch  grpc            api\n"
-        "0      127.0.0.1:7100  serving  [0,10)   280MiB  7.5    2.4/8  127.0.0.1:7100  http://a0\n"
-        "1      127.0.0.1:7101  serving  [10,20)  281MiB  7.5    12/16  127.0.0.1:7101  http://a1\n"
-        "2      127.0.0.1:7102  serving  [20,30)  282MiB  7.5    —      127.0.0.1:7102  http://a2\n")
+        "stage  node            state    layers   memory  tok/s  batch  compute  grpc            api\n"
+        "0      127.0.0.1:7100  serving  [0,10)   280MiB  7.5    2.4/8  —        127.0.0.1:7100  http://a0\n"
+        "1      127.0.0.1:7101  serving  [10,20)  281MiB  7.5    12/16  —        127.0.0.1:7101  http://a1\n"
+        "2      127.0.0.1:7102  serving  [20,30)  282MiB  7.5    —      —        127.0.0.1:7102  http://a2\n")
+
+
+def test_compute_column_and_the_fix_for_a_slow_path():
+    """What each node computes on (its loaded dtype and BLAS, from /v1/cluster) and, for a
+    node on MLX's reference BLAS or quantized weights on a CPU, one line with the fix."""
+    infos = batched_infos()
+    urls = list(infos)
+    infos[urls[0]]["blas"] = {"kind": "optimized", "library": "/usr/lib/x86_64-linux-gnu/openblas-pthread/"
+                              "libopenblasp-r0.3.21.so", "threads": 2}
+    infos[urls[0]]["dtype"] = {"requested": "auto", "loaded": "float32", "slow_path": False, "reason": "auto: ..."}
+    infos[urls[1]]["blas"] = {"kind": "bundled", "reason": "RINGLET_BLAS=/x.so: no such file",
+                              "fix": "apt-get install libopenblas0-pthread"}
+    infos[urls[1]]["dtype"] = {"requested": "native", "loaded": "native", "slow_path": True,
+                               "reason": "--dtype native: the model's own precision"}
+    snap = build_snapshot("http://a0", infos, {})
+    n0, n1, old = snap["nodes"]
+    assert (n0["compute"], n0["compute_fix"]) == ("float32 · openblas", None)
+    assert n1["compute"] == "native · reference BLAS"
+    assert n1["compute_fix"] == "apt-get install libopenblas0-pthread; --dtype native: the model's own precision"
+    assert (old["compute"], old["compute_fix"]) == (None, None)
+    text = format_status(snap)
+    assert "float32/openblas" in text and "native/reference-BLAS" in text
+    assert "slow path on 127.0.0.1:7101: apt-get install libopenblas0-pthread; --dtype native" in text
 
 
 def test_batch_column_dash_when_idle_or_unknown():

@@ -332,7 +332,8 @@ def compute_fields(info: dict) -> dict:
     dtype = info.get("dtype") if isinstance(info.get("dtype"), dict) else {}
     kind = as_str(blas.get("kind"))
     lib = as_str(blas.get("library"))
-    blas_name = {"optimized": (lib or "optimized").rsplit("/", 1)[-1].split(".so")[0].removeprefix("lib"),
+    stem = (lib or "optimized").rsplit("/", 1)[-1].split(".so")[0].removeprefix("lib")
+    blas_name = {"optimized": "openblas" if "openblas" in stem else stem,
                  "bundled": "reference BLAS", "platform": "platform BLAS"}.get(kind or "", None)
     parts = [p for p in (as_str(dtype.get("loaded")), blas_name) if p]
     fixes = []
