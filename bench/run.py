@@ -12,12 +12,16 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHES = ["bench_spine", "bench_cluster", "bench_planner", "bench_probes", "bench_shard", "bench_tp",
-           "bench_concurrency",
-           "bench_prefill", "bench_hybrid"]
+BENCHES = ["bench_spine", "bench_blas", "bench_cluster", "bench_planner", "bench_probes", "bench_shard", "bench_tp",
+           "bench_concurrency", "bench_prefill", "bench_prefix", "bench_hybrid"]
 
 
 def main(argv: list[str]) -> int:
+    # Benchmarks that run MLX in this process do so as ringlet's processes do: on the
+    # optimized BLAS, loaded before mlx.core (daemons they start load it themselves).
+    from ringlet.daemon.probes import blas
+
+    blas.load()
     sys.path.insert(0, str(Path(__file__).parent))
     wanted = argv or BENCHES
     summary, failed = {}, []

@@ -75,7 +75,7 @@ class GGUFModel:
         config: an mlx-lm ``config.json`` equivalent (``model_type``, sizes,
             ``quantization`` when tensors stay quantized).
         metadata: the GGUF key/value metadata (tokenizer arrays included).
-        tensors: GGUF tensor name -> ``gguf.ReaderTensor`` (memory-mapped).
+        tensors: GGUF tensor name -> :class:`TensorInfo`.
     """
 
     path: Path
@@ -87,6 +87,29 @@ class GGUFModel:
     @property
     def num_layers(self) -> int:
         return int(self.config["num_hidden_layers"])
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in a GGUF file and how to view its bytes.
+
+    Attributes:
+        name: the GGUF tensor name.
+        tensor_type: its ``gguf.GGMLQuantizationType``.
+        shape: its dimensions as GGUF lists them (fastest-varying first).
+        n_bytes: its size in the file, bytes.
+        data_offset: where it starts, bytes from the start of the file.
+        data_dtype, data_shape: the numpy dtype and shape ``gguf.GGUFReader`` views its
+            bytes with (``uint8`` rows of blocks for quantized types).
+    """
+
+    name: str
+    tensor_type: object
+    shape: tuple[int, ...]
+    n_bytes: int
+    data_offset: int
+    data_dtype: str
+    data_shape: tuple[int, ...]
 
 
 def _field_value(reader, key: str):
@@ -104,29 +127,26 @@ def open_gguf(path: Path) -> GGUFModel:
         ModelFormatError: not a GGUF file, truncated (a tensor extends past the end
             of the file), or an architecture other than those supported.
     """
-    import gguf
+    from ringlet.daemon.engine import gguf_index
 
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
-        raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
-    tensors = {}
-    for t in reader.tensors:
+    found = gguf_index.load(path)
+    if found is None:
+        found = _parse(path)
+        gguf_index.store(path, *found)
+    meta, tensors = found
+    for t in tensors.values():
         if t.data_offset + t.n_bytes > size:
             raise ModelFormatError(
                 f"{path}: truncated GGUF file: tensor {t.name} needs bytes up to "
                 f"{t.data_offset + t.n_bytes}, file has {size}"
             )
-        tensors[t.name] = t
-    arch = _field_value(reader, "general.architecture")
+    arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFormatError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}); an MLX/Hugging Face directory of it may work"
         )
-    meta = {key: _field_value(reader, key) for key in reader.fields}
-
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
         if value is None:
@@ -154,6 +174,25 @@ def open_gguf(path: Path) -> GGUFModel:
     }
     model = GGUFModel(path=path, config=config, metadata=meta, tensors=tensors)
     return model
+
+
+def _parse(path: Path) -> tuple[dict, dict[str, TensorInfo]]:
+    """Metadata and tensor index of a GGUF file, read with the ``gguf`` package's reader
+    (seconds for a large vocabulary: it decodes every tokenizer string).
+
+    Raises:
+        ModelFormatError: not a readable GGUF file.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+        raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    tensors = {t.name: TensorInfo(t.name, t.tensor_type, tuple(int(s) for s in t.shape.tolist()), int(t.n_bytes),
+                                  int(t.data_offset), t.data.dtype.str, tuple(int(s) for s in t.data.shape))
+               for t in reader.tensors}
+    return {key: _field_value(reader, key) for key in reader.fields}, tensors
 
 
 # --- quantized block repacking -------------------------------------------------------------
@@ -224,7 +263,7 @@ def _read(path: Path, tensor) -> np.ndarray:
         buf = fh.read(tensor.n_bytes)
     if len(buf) != tensor.n_bytes:
         raise ModelFormatError(f"{path}: truncated GGUF file: tensor {tensor.name} is cut short")
-    return np.frombuffer(buf, dtype=tensor.data.dtype).reshape(tensor.data.shape)
+    return np.frombuffer(buf, dtype=np.dtype(tensor.data_dtype)).reshape(tensor.data_shape)
 
 
 def _unpermute(a: mx.array, n_head: int) -> mx.array:
@@ -250,7 +289,7 @@ def load_tensor(model: GGUFModel, name: str, dtype: mx.Dtype | None) -> dict[str
 
     t = model.tensors[name]
     type_name = t.tensor_type.name
-    shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+    shape = tuple(reversed(t.shape))  # GGUF lists dims fastest-first
     raw = _read(model.path, t)
     if type_name in AFFINE_TYPES and len(shape) == 2:
         w, s, b, bits = repack(raw, type_name, shape[0], shape[1])
@@ -367,7 +406,53 @@ def load_tokenizer(model: GGUFModel):
     tok, tok_config = tokenizer_dict(model)
     if "tokens" not in tok:
         raise ModelFormatError(f"{model.path}: GGUF file carries no tokenizer")
-    backend, _ = convert_gguf_tokenizer(model.metadata.get("general.architecture"), tok)
+    backend = _cached_backend(model.path)
+    if backend is None:
+        backend, _ = convert_gguf_tokenizer(model.metadata.get("general.architecture"), tok)
+        _store_backend(model.path, backend)
     hf = PreTrainedTokenizerFast(tokenizer_object=backend, **tok_config)
     detok = BPEStreamingDetokenizer if tok.get("tokenizer_type") == "gpt2" else SPMStreamingDetokenizer
     return TokenizerWrapper(hf, detok)
+
+
+def _backend_cache_path(path: Path) -> Path:
+    """Where the converted tokenizer of the GGUF file at ``path`` is cached: the machine
+    cache, keyed by the file's absolute path, size and modification time."""
+    import hashlib
+
+    from ringlet.daemon.paths import machine_cache_dir
+
+    st = Path(path).stat()
+    key = hashlib.sha256(f"{Path(path).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return machine_cache_dir() / "tokenizers" / f"{key}.json"
+
+
+def _cached_backend(path: Path):
+    """The ``tokenizers.Tokenizer`` converted earlier from this file, or ``None``
+    (converting the GGUF vocabulary with transformers takes seconds; loading the saved
+    JSON a fraction of that). A cache that cannot be read is ignored."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(_backend_cache_path(path)))
+    except Exception:  # missing, corrupt or from another tokenizers version: convert again
+        return None
+
+
+def _store_backend(path: Path, backend) -> None:
+    """Save a converted tokenizer for :func:`_cached_backend` (atomically; failures ignored)."""
+    import contextlib
+    import os
+    import tempfile
+
+    with contextlib.suppress(OSError):
+        target = _backend_cache_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            backend.save(tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

@@ -1,0 +1,123 @@
+"""Prefix cache benchmark (issue "Conversations stay in the ring"), in one run:
+
+1. A 10-turn chat on 3 daemons: a ~1,000-token system prompt, ~50 new tokens a turn.
+   TTFT of every turn with the prefix cache and on a cluster without it
+   (``--prefix-cache-bytes 0``), and the TTFT of a prompt made of turn 10's new tokens
+   only (the floor a cached turn can reach). Goals: turn 10 >= 10x faster with the
+   cache; within 1.3x of the new-tokens-only prompt.
+2. 8 concurrent requests sharing a 4,000-token prefix with different suffixes, after
+   one request that put the prefix in the stores: the mean TTFT with the cache against
+   without.
+3. Memory per cached token per stage (``/v1/cluster`` prefix_cache bytes / tokens)
+   against the model's KV bytes per token for that stage's layers (2 x kv_heads x
+   head_dim x 4 bytes x layers, float32). Goal: within 10 %.
+
+Run: ``python bench/run.py bench_prefix`` or ``python bench/bench_prefix.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from ringlet.daemon.ops.demo import LocalCluster
+
+SYSTEM = " ".join(f"Rule {i}: when the user asks about subject {i}, answer in one short sentence." for i in range(62))
+TURN = ("Now tell me, in a few words, something true and interesting about the number {n}, about the "
+        "history of the city numbered {n} in my list, and whether {n} is a prime number or not, please.")
+TURNS = 10
+SHARED = " ".join(f"Section {i} of the shared document describes part {i} of the system in detail." for i in range(270))
+KV_BYTES_PER_TOKEN_PER_LAYER = 2 * 3 * 64 * 4  # SmolLM2-135M: 3 KV heads of 64, float32
+
+
+def ttft(url: str, messages: list[dict], max_tokens: int = 8) -> tuple[float, str, dict]:
+    """(TTFT s, answer, usage) of one streamed greedy chat turn."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0, first, text, usage = time.perf_counter(), None, [], {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if payload.get("usage"):
+                usage = payload["usage"]
+            for choice in payload.get("choices", []):
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    text.append(choice["delta"]["content"])
+    return (first or time.perf_counter()) - t0, "".join(text), usage
+
+
+def chat(url: str) -> list[tuple[float, int, int]]:
+    """(TTFT, prompt tokens, cached tokens) of each of the TURNS turns."""
+    messages, out = [{"role": "system", "content": SYSTEM}], []
+    for n in range(TURNS):
+        messages.append({"role": "user", "content": TURN.format(n=n + 1)})
+        t, answer, usage = ttft(url, messages)
+        out.append((t, usage.get("prompt_tokens", 0), usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)))
+        messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def concurrent_ttft(url: str) -> float:
+    """Mean TTFT of 8 concurrent requests sharing the SHARED prefix (primed once first)."""
+    ttft(url, [{"role": "user", "content": SHARED + " Question 0: summarise."}], max_tokens=1)
+    times: list[float] = []
+
+    def one(i: int) -> None:
+        times.append(ttft(url, [{"role": "user", "content": SHARED + f" Question {i + 1}: what is part {i}?"}],
+                          max_tokens=1)[0])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statistics.mean(times)
+
+
+def main() -> dict:
+    results: dict = {}
+    with LocalCluster(3) as warm, \
+            LocalCluster(3, extra_args=["--prefix-cache-bytes", "0"]) as cold:
+        with_cache, without = chat(warm.api_urls[0]), chat(cold.api_urls[0])
+        only_new, _, _ = ttft(cold.api_urls[0], [{"role": "user", "content": TURN.format(n=TURNS)}])
+        for n, (w, c) in enumerate(zip(with_cache, without, strict=True)):
+            print(f"  turn {n + 1:2d}: {w[1]:5d} prompt tokens, {w[2]:5d} cached: TTFT {w[0]:6.2f} s cached, "
+                  f"{c[0]:6.2f} s without (x{c[0] / w[0]:.1f})")
+        results["turns"] = [{"prompt_tokens": w[1], "cached_tokens": w[2], "ttft_cached_s": w[0],
+                             "ttft_uncached_s": c[0]} for w, c in zip(with_cache, without, strict=True)]
+        results["turn10_speedup"] = without[-1][0] / with_cache[-1][0]
+        results["turn10_vs_new_tokens_only"] = with_cache[-1][0] / only_new
+        print(f"  turn 10: x{results['turn10_speedup']:.1f} faster with the cache (goal >= 10); "
+              f"{results['turn10_vs_new_tokens_only']:.2f}x the TTFT of its new tokens alone "
+              f"({only_new:.2f} s; goal <= 1.3)")
+        per_stage = []
+        for i in range(3):
+            info = httpx.get(f"{warm.api_urls[i]}/v1/cluster", timeout=10).json()["prefix_cache"]
+            layers = info["layer_range"][1] - info["layer_range"][0]
+            if info["tokens"]:
+                measured = info["bytes"] / info["tokens"]
+                per_stage.append({"stage": i, "bytes_per_token": measured,
+                                  "model_kv_bytes_per_token": layers * KV_BYTES_PER_TOKEN_PER_LAYER})
+                print(f"  stage {i}: {measured:,.0f} bytes per cached token; the model's KV for its {layers} "
+                      f"layers: {layers * KV_BYTES_PER_TOKEN_PER_LAYER:,} (x{measured / (layers * 1536):.3f})")
+        results["memory"] = per_stage
+        a, b = concurrent_ttft(warm.api_urls[0]), concurrent_ttft(cold.api_urls[0])
+        results["concurrent_8_shared_4000"] = {"mean_ttft_cached_s": a, "mean_ttft_uncached_s": b, "speedup": b / a}
+        print(f"  8 concurrent on a shared ~4,000-token prefix: mean TTFT {a:.2f} s cached, {b:.2f} s without "
+              f"(x{b / a:.1f})")
+    Path(__file__).with_name("results_prefix.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()

@@ -1,0 +1,76 @@
+"""A machine-wide cache of GGUF files' metadata and tensor index.
+
+``gguf.GGUFReader`` decodes every metadata string to open a file: 3.4 s for the bundled
+model's 49k-token vocabulary on this machine, paid by every daemon at every start. The
+result (metadata values and each tensor's type, shape, offset and size) is saved as
+JSON in the machine cache, keyed by the file's absolute path, size and modification
+time, and read back in milliseconds. A missing, corrupt or other-format entry is
+ignored (the file is parsed again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+
+
+def _path(gguf_path: Path) -> Path:
+    from ringlet.daemon.paths import machine_cache_dir
+
+    st = Path(gguf_path).stat()
+    key = hashlib.sha256(f"{Path(gguf_path).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return machine_cache_dir() / "gguf" / f"{key}.json"
+
+
+def _plain(value: Any) -> Any:
+    """Metadata values as JSON values (numpy scalars and arrays as Python ones)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogateescape")
+    return value
+
+
+def load(gguf_path: Path) -> tuple[dict, dict] | None:
+    """``(metadata, tensors)`` saved for this file, or ``None``."""
+    import gguf
+
+    from ringlet.daemon.engine.gguf import TensorInfo
+
+    try:
+        data = json.loads(_path(gguf_path).read_text())
+        if data.get("format") != FORMAT:
+            return None
+        tensors = {name: TensorInfo(name, gguf.GGMLQuantizationType(kind), tuple(shape), n_bytes, offset, dtype,
+                                    tuple(data_shape))
+                   for name, kind, shape, n_bytes, offset, dtype, data_shape in data["tensors"]}
+        return data["metadata"], tensors
+    except Exception:  # missing, corrupt, or written by another version: parse the file again
+        return None
+
+
+def store(gguf_path: Path, metadata: dict, tensors: dict) -> None:
+    """Save ``(metadata, tensors)`` for :func:`load` (atomically; failures are ignored)."""
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        target = _path(gguf_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"format": FORMAT, "metadata": {k: _plain(v) for k, v in metadata.items()},
+                           "tensors": [[t.name, int(t.tensor_type), list(t.shape), t.n_bytes, t.data_offset,
+                                        t.data_dtype, list(t.data_shape)] for t in tensors.values()]})
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(body)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
