@@ -46,7 +46,7 @@ system-deps:
 	fi
 
 test: install system-deps lint
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup tests
 
 demo: install
 	$(VENV)/bin/ringlet demo --nodes 3

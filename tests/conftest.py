@@ -36,3 +36,19 @@ def default_location():
     from ringlet.daemon.engine.sources import resolve
 
     return resolve(None)
+
+
+#: Test files that must not share the machine with another test file's processes: the
+#: tensor tests count every rank process on the machine and measure idle CPU; the
+#: network-namespace tests time links they shape; the live dashboard runs in tmux.
+SERIAL = ("tensor/", "cluster/test_netns.py", "ops/test_dashboard_cluster.py", "probes/test_probe_speed_local.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each test file
+    runs whole on one worker (its module fixtures start once), and the files in
+    :data:`SERIAL` all on the same worker, one after the other."""
+    for item in items:
+        rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
+        group = "serial" if rel.startswith(SERIAL) else rel
+        item.add_marker(pytest.mark.xdist_group(group))

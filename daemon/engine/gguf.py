@@ -39,6 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ringlet.daemon.engine.gguf_index import TensorInfo
 from ringlet.daemon.errors import ModelFormatError
 
 log = logging.getLogger(__name__)
@@ -87,29 +88,6 @@ class GGUFModel:
     @property
     def num_layers(self) -> int:
         return int(self.config["num_hidden_layers"])
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lies in a GGUF file and how to view its bytes.
-
-    Attributes:
-        name: the GGUF tensor name.
-        tensor_type: its ``gguf.GGMLQuantizationType``.
-        shape: its dimensions as GGUF lists them (fastest-varying first).
-        n_bytes: its size in the file, bytes.
-        data_offset: where it starts, bytes from the start of the file.
-        data_dtype, data_shape: the numpy dtype and shape ``gguf.GGUFReader`` views its
-            bytes with (``uint8`` rows of blocks for quantized types).
-    """
-
-    name: str
-    tensor_type: object
-    shape: tuple[int, ...]
-    n_bytes: int
-    data_offset: int
-    data_dtype: str
-    data_shape: tuple[int, ...]
 
 
 def _field_value(reader, key: str):

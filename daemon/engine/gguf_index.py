@@ -15,10 +15,34 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in a GGUF file and how to view its bytes.
+
+    Attributes:
+        name: the GGUF tensor name.
+        tensor_type: its ``gguf.GGMLQuantizationType``.
+        shape: its dimensions as GGUF lists them (fastest-varying first).
+        n_bytes: its size in the file, bytes.
+        data_offset: where it starts, bytes from the start of the file.
+        data_dtype, data_shape: the numpy dtype and shape ``gguf.GGUFReader`` views its
+            bytes with (``uint8`` rows of blocks for quantized types).
+    """
+
+    name: str
+    tensor_type: object
+    shape: tuple[int, ...]
+    n_bytes: int
+    data_offset: int
+    data_dtype: str
+    data_shape: tuple[int, ...]
 
 
 def _path(gguf_path: Path) -> Path:
@@ -43,8 +67,6 @@ def _plain(value: Any) -> Any:
 def load(gguf_path: Path) -> tuple[dict, dict] | None:
     """``(metadata, tensors)`` saved for this file, or ``None``."""
     import gguf
-
-    from ringlet.daemon.engine.gguf import TensorInfo
 
     try:
         data = json.loads(_path(gguf_path).read_text())
