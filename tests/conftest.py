@@ -40,15 +40,18 @@ def default_location():
 
 #: Test files that must not share the machine with another test file's processes: the
 #: tensor tests count every rank process on the machine and measure idle CPU; the
-#: network-namespace tests time links they shape; the live dashboard runs in tmux.
+#: network-namespace tests time links they shape; the live dashboard runs in tmux; the
+#: speed probe times matmuls. They carry the ``serial`` mark.
 SERIAL = ("tensor/", "cluster/test_netns.py", "ops/test_dashboard_cluster.py", "probes/test_probe_speed_local.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each test file
-    runs whole on one worker (its module fixtures start once), and the files in
-    :data:`SERIAL` all on the same worker, one after the other."""
+    """Mark the files in :data:`SERIAL` ``serial``, and put every test file in an xdist
+    group of its own. ``make test`` runs the unmarked files on 2 pytest-xdist workers
+    (``-n 2 --dist loadgroup``: each file whole on one worker, so its module fixtures
+    start once), then the ``serial`` ones alone, one after the other."""
     for item in items:
         rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
-        group = "serial" if rel.startswith(SERIAL) else rel
-        item.add_marker(pytest.mark.xdist_group(group))
+        if rel.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group(rel))
