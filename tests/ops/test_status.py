@@ -227,10 +227,28 @@ def test_batch_figures_per_node_and_an_old_node_without_them():
     assert snap["cluster"]["tokens_per_s"] == 7.5 and snap["cluster"]["requests_in_flight"] == 3
     assert format_status(snap) == (
         "model smollm2-135m · layers 30 · epoch 1 · policy — · nodes 3/3 ready · in flight 3 · tokens/s 7.5\n"
-        "stage  node            state    layers   memory  tok/s  batch  compute  grpc            api\n"
-        "0      127.0.0.1:7100  serving  [0,10)   280MiB  7.5    2.4/8  —        127.0.0.1:7100  http://a0\n"
-        "1      127.0.0.1:7101  serving  [10,20)  281MiB  7.5    12/16  —        127.0.0.1:7101  http://a1\n"
-        "2      127.0.0.1:7102  serving  [20,30)  282MiB  7.5    —      —        127.0.0.1:7102  http://a2\n")
+        "stage  node            state    layers   memory  tok/s  batch  compute  prefix  grpc            api\n"
+        "0      127.0.0.1:7100  serving  [0,10)   280MiB  7.5    2.4/8  —        —       127.0.0.1:7100  http://a0\n"
+        "1      127.0.0.1:7101  serving  [10,20)  281MiB  7.5    12/16  —        —       127.0.0.1:7101  http://a1\n"
+        "2      127.0.0.1:7102  serving  [20,30)  282MiB  7.5    —      —        —       127.0.0.1:7102  http://a2\n")
+
+
+def test_prefix_store_figures_per_node_and_summed():
+    """/v1/cluster's prefix_cache per node in the snapshot, summed for the cluster, and in
+    status's prefix column (bytes held, hits/misses); a node without one shows a dash."""
+    infos = batched_infos()
+    urls = list(infos)
+    infos[urls[0]]["prefix_cache"] = {"bytes": 10_629_120, "budget_bytes": 6 * 2**30, "entries": 1, "hits": 2,
+                                      "misses": 1, "evictions": 0}
+    infos[urls[1]]["prefix_cache"] = {"bytes": 2**20, "budget_bytes": 2**30, "entries": 3, "hits": 5, "misses": 0,
+                                      "evictions": 4}
+    snap = build_snapshot("http://a0", infos, {})
+    n0, n1, old = snap["nodes"]
+    assert (n0["prefix_bytes"], n0["prefix_entries"], n0["prefix_hits"], n0["prefix_misses"]) == (10_629_120, 1, 2, 1)
+    assert (n1["prefix_evictions"], old["prefix_bytes"]) == (4, None)
+    assert (snap["cluster"]["prefix_bytes"], snap["cluster"]["prefix_hits"]) == (10_629_120 + 2**20, 7)
+    text = format_status(snap)
+    assert "10.1MiB:2h/1m" in text and "1.0MiB:5h/0m" in text  # 10,629,120 B = 10.14 MiB
 
 
 def test_compute_column_and_the_fix_for_a_slow_path():

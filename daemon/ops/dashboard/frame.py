@@ -278,6 +278,9 @@ class Dashboard:
             " · usable ", (fmt_bytes(c.get("memory_usable_bytes")), "bold"),
             " · used ", (fmt_bytes(c.get("memory_used_bytes")), "bold"),
         )
+        if c.get("prefix_bytes") is not None:
+            t.append_text(Text.assemble(" · prefix cache ", (fmt_bytes(c["prefix_bytes"]), "bold"),
+                                        f" {c.get('prefix_hits') or 0} hits/{c.get('prefix_misses') or 0} misses"))
         t.no_wrap = True
         t.overflow = "ellipsis"
         return t

@@ -57,14 +57,14 @@ def format_status(snap: dict) -> str:
         lines.append(" · ".join(mode))
         if c.get("mode_reason"):
             lines.append(f"why: {c['mode_reason']}")
-    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "compute", "grpc", "api")]
+    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "compute", "prefix", "grpc", "api")]
     for n in snap["nodes"]:
         mem = fmt_bytes(n["memory_used_bytes"]).replace(" ", "")
         if n["memory_total_bytes"]:
             mem += "/" + fmt_bytes(n["memory_total_bytes"]).replace(" ", "")
         rows.append((v(n["stage"]), n["name"], v(n["state"]), fmt_range(n["layer_range"]).replace(" ", ""), mem,
                      fmt_rate(n["tokens_per_s"]), fmt_batch(n.get("batch_mean"), n.get("max_batch")),
-                     (n.get("compute") or "—").replace(" · ", "/").replace(" ", "-"), n["address"],
+                     (n.get("compute") or "—").replace(" · ", "/").replace(" ", "-"), prefix_text(n), n["address"],
                      v(n["api_url"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -88,3 +88,13 @@ def run_status(args) -> int:
     else:
         sys.stdout.write(format_status(snap))
     return exit_status(snap)
+
+
+def prefix_text(node: dict) -> str:
+    """A node's prefix store in one cell: bytes held, then hits/misses (``12MiB:5h/1m``)."""
+    if node.get("prefix_bytes") is None:
+        return "—"
+    from ringlet.daemon.ops.format import fmt_bytes
+
+    return (f"{fmt_bytes(node['prefix_bytes']).replace(' ', '')}:{node.get('prefix_hits') or 0}h/"
+            f"{node.get('prefix_misses') or 0}m")

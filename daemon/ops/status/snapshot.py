@@ -165,6 +165,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "api_queued": as_int(admission.get("queued")),
             "head_tokens_per_s": as_num(batching.get("head_tokens_per_s")),
             **compute_fields(info),
+            **prefix_fields(info),
             "api_url": api_url,
             "reachable": reachable,
             "error": error,
@@ -263,6 +264,9 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "memory_total_bytes": sum_known([n["memory_total_bytes"] for n in in_plan]),
         "memory_usable_bytes": sum_known([n["memory_usable_bytes"] for n in in_plan]),
         "memory_used_bytes": sum_known([n["memory_used_bytes"] for n in in_plan]),
+        "prefix_bytes": sum_known([n["prefix_bytes"] for n in in_plan]),
+        "prefix_hits": sum_known([n["prefix_hits"] for n in in_plan]),
+        "prefix_misses": sum_known([n["prefix_misses"] for n in in_plan]),
     }
     if cluster["num_layers"] is None and plan:
         ends = [as_int(s.get("end")) for s in plan]
@@ -342,3 +346,12 @@ def compute_fields(info: dict) -> dict:
     if dtype.get("slow_path"):
         fixes.append(str(dtype.get("reason")))
     return {"compute": " · ".join(parts) or None, "compute_fix": "; ".join(fixes) or None}
+
+
+def prefix_fields(info: dict) -> dict:
+    """One node's prefix store figures (``/v1/cluster``'s ``prefix_cache``): bytes and
+    entries held, its budget, hits, misses and evictions; ``None`` for what it does not
+    report."""
+    pc = info.get("prefix_cache") if isinstance(info.get("prefix_cache"), dict) else {}
+    return {f"prefix_{k}": as_int(pc.get(k)) for k in ("bytes", "budget_bytes", "entries", "hits", "misses",
+                                                        "evictions")}
