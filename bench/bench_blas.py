@@ -7,7 +7,8 @@ in the same run under four settings, through the same HTTP API:
 * ``OpenBLAS, auto``: the default (``--dtype auto`` = float32 on this CPU).
 
 Measured: decode tokens/s (48 tokens after a short prompt) and the TTFT of a ~500-token
-prompt, the median of ``RUNS``; ratios against the first setting.
+prompt, the median of ``RUNS``; ratios against the first setting. The prefix cache is
+off (``--prefix-cache-bytes 0``): every prefill is a whole prefill.
 
 Run: ``python bench/run.py bench_blas`` or ``python bench/bench_blas.py``.
 """
@@ -30,14 +31,14 @@ SETTINGS = [
     ("OpenBLAS, Q4", {}, "native"),
     ("OpenBLAS, auto", {}, "auto"),
 ]
-RUNS = 3
+RUNS = 2
 DECODE_TOKENS = 48
 LONG_PROMPT = " ".join(f"Sentence {i} tells the reader about item {i} and its colour." for i in range(42))
 
 
 def measure(env: dict[str, str], dtype: str) -> dict:
     """Median decode tokens/s and 500-token TTFT of one daemon under ``env`` and ``dtype``."""
-    with LocalCluster(1, dtype=dtype, env=env) as c:
+    with LocalCluster(1, dtype=dtype, env=env, extra_args=["--prefix-cache-bytes", "0"]) as c:
         url = c.api_urls[0]
         stream_times(url, "Hello", 4)  # warm-up
         decode, ttft = [], []
@@ -46,7 +47,7 @@ def measure(env: dict[str, str], dtype: str) -> dict:
             times = stream_times(url, "Once upon a time", DECODE_TOKENS)
             decode.append((len(times) - 1) / (times[-1] - times[0]))
             t0 = time.perf_counter()
-            times = stream_times(url, LONG_PROMPT + f" Run {len(ttft)}.", 1)
+            times = stream_times(url, f"Run {len(ttft)}. " + LONG_PROMPT, 1)
             ttft.append(times[0] - t0)
         import httpx
 
