@@ -393,44 +393,22 @@ def load_tokenizer(model: GGUFModel):
     return TokenizerWrapper(hf, detok)
 
 
-def _backend_cache_path(path: Path) -> Path:
-    """Where the converted tokenizer of the GGUF file at ``path`` is cached: the machine
-    cache, keyed by the file's absolute path, size and modification time."""
-    import hashlib
-
-    from ringlet.daemon.paths import machine_cache_dir
-
-    st = Path(path).stat()
-    key = hashlib.sha256(f"{Path(path).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    return machine_cache_dir() / "tokenizers" / f"{key}.json"
-
-
 def _cached_backend(path: Path):
     """The ``tokenizers.Tokenizer`` converted earlier from this file, or ``None``
     (converting the GGUF vocabulary with transformers takes seconds; loading the saved
     JSON a fraction of that). A cache that cannot be read is ignored."""
     from tokenizers import Tokenizer
 
+    from ringlet.daemon.engine.gguf_index import cache_file
+
     try:
-        return Tokenizer.from_file(str(_backend_cache_path(path)))
+        return Tokenizer.from_file(str(cache_file(path, "tokenizers")))
     except Exception:  # missing, corrupt or from another tokenizers version: convert again
         return None
 
 
 def _store_backend(path: Path, backend) -> None:
     """Save a converted tokenizer for :func:`_cached_backend` (atomically; failures ignored)."""
-    import contextlib
-    import os
-    import tempfile
+    from ringlet.daemon.engine.gguf_index import cache_file, write_atomically
 
-    with contextlib.suppress(OSError):
-        target = _backend_cache_path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            backend.save(tmp)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    write_atomically(cache_file(path, "tokenizers"), backend.save)

@@ -45,12 +45,29 @@ class TensorInfo:
     data_shape: tuple[int, ...]
 
 
-def _path(gguf_path: Path) -> Path:
+def cache_file(gguf_path: Path, folder: str, suffix: str = ".json") -> Path:
+    """A machine-cache file for what is derived from the GGUF file at ``gguf_path``, keyed
+    by its absolute path, size and modification time (so an edited file misses)."""
     from ringlet.daemon.paths import machine_cache_dir
 
     st = Path(gguf_path).stat()
     key = hashlib.sha256(f"{Path(gguf_path).resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    return machine_cache_dir() / "gguf" / f"{key}.json"
+    return machine_cache_dir() / folder / f"{key}{suffix}"
+
+
+def write_atomically(target: Path, write) -> None:
+    """Call ``write(tmp_path)`` and move the result to ``target`` in one step, so readers
+    never see half a file; failures leave nothing behind and are ignored."""
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 def _plain(value: Any) -> Any:
@@ -69,7 +86,7 @@ def load(gguf_path: Path) -> tuple[dict, dict] | None:
     import gguf
 
     try:
-        data = json.loads(_path(gguf_path).read_text())
+        data = json.loads(cache_file(gguf_path, "gguf").read_text())
         if data.get("format") != FORMAT:
             return None
         tensors = {name: TensorInfo(name, gguf.GGMLQuantizationType(kind), tuple(shape), n_bytes, offset, dtype,
@@ -82,17 +99,7 @@ def load(gguf_path: Path) -> tuple[dict, dict] | None:
 
 def store(gguf_path: Path, metadata: dict, tensors: dict) -> None:
     """Save ``(metadata, tensors)`` for :func:`load` (atomically; failures are ignored)."""
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        target = _path(gguf_path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"format": FORMAT, "metadata": {k: _plain(v) for k, v in metadata.items()},
-                           "tensors": [[t.name, int(t.tensor_type), list(t.shape), t.n_bytes, t.data_offset,
-                                        t.data_dtype, list(t.data_shape)] for t in tensors.values()]})
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(body)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    body = json.dumps({"format": FORMAT, "metadata": {k: _plain(v) for k, v in metadata.items()},
+                       "tensors": [[t.name, int(t.tensor_type), list(t.shape), t.n_bytes, t.data_offset,
+                                    t.data_dtype, list(t.data_shape)] for t in tensors.values()]})
+    write_atomically(cache_file(gguf_path, "gguf"), lambda tmp: Path(tmp).write_text(body))
