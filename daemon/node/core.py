@@ -218,7 +218,7 @@ class Node(ResumingClient, Head, Relay):
         self.plan = plan
         self.index = plan.index_of(self.node_id, self.config.address)
         for gen in list(self._generations.values()):
-            self._finish(gen, PlanChanged(f"the plan changed to epoch {plan.epoch}"))
+            self._finish(gen, PlanChanged(f"the plan changed to epoch {plan.epoch}", plan.epoch))
         successor = None
         if self.index is not None and len(plan.stages) > 1:
             successor = plan.stages[(self.index + 1) % len(plan.stages)].address

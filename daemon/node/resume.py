@@ -62,6 +62,21 @@ class ResumingClient:
             except TimeoutError:
                 pass
 
+    async def _await_replan(self, plan: ServingPlan, exc: GenerationError, timeout_s: float | None) -> None:
+        """Wait for a plan newer than ``plan`` after ``exc`` ended a try on it.
+
+        Raises:
+            NoPlanError: the newer plan cannot serve the model.
+            GenerationError: ``exc`` itself, when no newer plan came in ``timeout_s``
+                seconds (``None``: the configured plan wait).
+        """
+        try:
+            await self._wait_plan(newer_than=plan.epoch, timeout_s=timeout_s)
+        except NoPlanError:
+            if self.plan is not None and self.plan.infeasible:
+                raise
+            raise exc from None
+
     async def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                        stop_ids: frozenset[int] | set[int], request_id: str | None = None,
                        cache_scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
@@ -84,10 +99,9 @@ class ResumingClient:
             raise GenerationError(why)
         produced: list[int] = []
         stop_ids = frozenset(stop_ids)
-        failed_epoch = 0
         attempts = skews = 0
         while len(produced) < max_tokens:
-            plan = await self._wait_plan(newer_than=failed_epoch if attempts else 0)
+            plan = await self._wait_plan()
             resumed = replace(sampling, steps_done=sampling.steps_done + len(produced))
             try:
                 async for token in self._attempt(plan, request_id, prompt + produced, max_tokens - len(produced),
@@ -111,18 +125,16 @@ class ResumingClient:
                     await asyncio.sleep(EPOCH_SKEW_RETRY_S)  # stage 0 commits the same plan momentarily
                 elif isinstance(exc, RetryOnPlan):
                     pass  # the plan stands and its stage recovered: prefill again on it
+                elif isinstance(exc, PlanChanged) and exc.epoch > self.epoch:
+                    # stage 0 committed a newer plan than this node has: its commit is on
+                    # the way (or a re-proposal heals a split commit), so wait the full
+                    # plan wait for it rather than take the error for a failed stage
+                    await self._await_replan(plan, exc, timeout_s=None)
                 elif self.plan is not None and self.plan.epoch == plan.epoch:
                     # A stage failure is followed by a re-plan within seconds (heartbeats,
                     # then negotiation). If none comes, the failure is not the cluster's
                     # shape but the request itself: report it instead of retrying it.
-                    try:
-                        await self._wait_plan(newer_than=plan.epoch,
-                                              timeout_s=min(self.config.step_timeout_s, RESUME_WAIT_S))
-                    except NoPlanError:
-                        if self.plan is not None and self.plan.infeasible:
-                            raise
-                        raise exc from None
-                failed_epoch = 0
+                    await self._await_replan(plan, exc, timeout_s=min(self.config.step_timeout_s, RESUME_WAIT_S))
                 request_id = f"{request_id.split('~')[0]}~{attempts + skews}"
 
     def prompt_error(self, prompt: list[int], max_tokens: int) -> str | None:
@@ -188,6 +200,8 @@ class ResumingClient:
         try:
             async for event in call:
                 if event.WhichOneof("event") == "error":
+                    if event.plan_epoch:
+                        raise PlanChanged(event.error, event.plan_epoch)
                     raise (RetryOnPlan if event.retry else GenerationError)(event.error)
                 if first and info is not None:
                     info.setdefault("cached_tokens", event.cached_tokens)

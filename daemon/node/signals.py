@@ -9,7 +9,15 @@ from ringlet.daemon.errors import GenerationError
 
 
 class PlanChanged(GenerationError):
-    """The committed plan changed under a request (it resumes on the new one)."""
+    """The committed plan changed under a request (it resumes on the new one).
+
+    ``epoch`` is the newly committed epoch where known (0 = unknown): stage 0 sends it
+    with the error (``GenerateEvent.plan_epoch``) so an API node that has not committed
+    that epoch yet waits for it instead of taking the error for a failed stage."""
+
+    def __init__(self, message: str, epoch: int = 0):
+        super().__init__(message)
+        self.epoch = epoch
 
 
 class EpochSkew(GenerationError):

@@ -259,8 +259,20 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self._log_dir is not None:
+            self.print_log_tails()
         self.stop()
+
+    def print_log_tails(self, lines: int = 40) -> None:
+        """Print the last ``lines`` lines of every node's log to stdout (the cluster is
+        leaving on an error: the logs say what the nodes saw; pytest shows them with
+        the failure)."""
+        for i in range(len(self.procs)):
+            path = self.log_path(i)
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                print(f"--- node {i} ({path.name}), last {len(tail)} lines ---", *tail, sep="\n")
 
 
 def run_demo(nodes: int, question: str, model: str | None, dtype: str | None) -> int:
