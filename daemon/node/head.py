@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry, sampling_to_pb
-from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
@@ -141,7 +141,7 @@ class Head:
                 if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
                     log.exception("stage 0 failed request %s", gen.request_id)
                 kind = RetryOnPlan if isinstance(exc, RequestRetry) else GenerationError
-                self._finish(gen, kind(f"stage 0: {exc}"))
+                self._finish(gen, kind(f"stage 0: {one_line(exc)}"))
                 return
             if gen.finished:
                 return
@@ -160,7 +160,7 @@ class Head:
             try:
                 await self._next.send(message)
             except (ConnectionError, AttributeError) as exc:
-                self._finish(gen, GenerationError(f"next stage unreachable: {exc}"))
+                self._finish(gen, GenerationError(f"next stage unreachable: {one_line(exc)}"))
                 return
 
     def _on_token(self, gen: Generation, token: int) -> None:

@@ -11,7 +11,7 @@ import logging
 import time
 
 from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry, sampling_from_pb
-from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -92,7 +92,7 @@ class Relay:
                 log.error("stage %s failed request %s: %s", self.index, rid, exc)
             miss = isinstance(exc, PrefixMiss)
             await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
-                                              error=f"stage {self.index} ({self.config.address}): {exc}",
+                                              error=f"stage {self.index} ({self.config.address}): {one_line(exc)}",
                                               retry=isinstance(exc, RequestRetry), prefix_miss=miss,
                                               prefix_holds=exc.holds if miss else 0))
             return

@@ -21,7 +21,7 @@ import grpc
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.scheduler import sampling_to_pb
 from ringlet.daemon.engine.stage import token_id_error
-from ringlet.daemon.errors import GenerationError, NoPlanError
+from ringlet.daemon.errors import GenerationError, NoPlanError, one_line
 from ringlet.daemon.node.config import EPOCH_SKEW_RETRY_S, RESUME_WAIT_S
 from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -209,7 +209,7 @@ class ResumingClient:
                 yield event.token
         except grpc.aio.AioRpcError as exc:
             error = EpochSkew if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else GenerationError
-            raise error(f"stage 0 ({address}): {exc.code().name}: {exc.details()}") from None
+            raise error(f"stage 0 ({address}): {one_line(exc)}") from None
         finally:
             call.cancel()
 

@@ -13,6 +13,7 @@ import logging
 
 import grpc
 
+from ringlet.daemon.errors import one_line
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_channel
@@ -55,7 +56,7 @@ class HopLink:
                     log.debug("hop to %s broke (%s); reopening", self.address, exc)
                     self._call = None
                     if attempt == 1:
-                        raise ConnectionError(f"next stage {self.address} is unreachable: {exc}") from None
+                        raise ConnectionError(f"next stage {self.address} is unreachable: {one_line(exc)}") from None
 
     async def close(self) -> None:
         """Half-close the stream and close the channel."""
