@@ -36,6 +36,15 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 
 
+def whole_characters(text: str) -> str:
+    """``text`` without the replacement characters at its end: mlx-lm's detokenizer holds
+    back bytes until they complete a UTF-8 character and, on ``finalize``, decodes an
+    incomplete rest as U+FFFD. A reply cut there (by ``max_tokens``, or an end token
+    after part of a character) ends with whole characters only, as OpenAI's API does;
+    ``usage.completion_tokens`` still counts every token."""
+    return text.rstrip("\ufffd")
+
+
 class ApiError(Exception):
     """An error returned to the HTTP client with a status code."""
 
@@ -254,7 +263,8 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
                 if delta:
                     yield delta, None, count
         detok.finalize()
-        tail = matcher.feed(detok.text[len(matcher.text):]) if len(detok.text) > len(matcher.text) else ""
+        final = whole_characters(detok.text)
+        tail = matcher.feed(final[len(matcher.text):]) if len(final) > len(matcher.text) else ""
         if matcher.stopped:
             yield tail, "stop", count
             return
