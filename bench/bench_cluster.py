@@ -58,7 +58,7 @@ def main() -> dict:
             infos = [c.cluster_info(j) for j in c.alive()]
             read = sum(_read_last(info) for info in infos)
             moved.append(read)
-            full.append(sum(info["memory"]["stage_bytes"] for info in infos))
+            full.append(sum(info["memory"]["weights_bytes"] for info in infos))
             victim = c.alive()[-1]
             t1 = time.monotonic()
             c.kill(victim)

@@ -179,6 +179,12 @@ class StageEngine:
         """Ids of the requests holding a KV cache on this stage."""
         return list(self._requests)
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV caches of the requests in flight on this stage (not the
+        prefix store's entries)."""
+        return sum(c.nbytes for state in list(self._requests.values()) for c in state.cache
+                   if getattr(c, "keys", None) is not None)
+
     @property
     def queued(self) -> int:
         """Steps waiting for the worker."""

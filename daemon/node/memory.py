@@ -27,3 +27,12 @@ def mlx_active_bytes() -> int:
     return int(mx.get_active_memory())
 
 
+
+
+def mlx_memory_bytes() -> tuple[int, int]:
+    """MLX's active and peak memory now, bytes (``mx.get_active_memory``,
+    ``mx.get_peak_memory``); unlike :func:`mlx_active_bytes` it frees no cache, so it
+    may run on any thread."""
+    import mlx.core as mx
+
+    return int(mx.get_active_memory()), int(mx.get_peak_memory())

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import REFERENCE, ringlet
+from smollm2 import EMBED_BYTES, FULL_BYTES, HIDDEN, LAYER_BYTES, VOCAB
 
 from ringlet.daemon.ops.demo import LocalCluster
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -24,12 +25,6 @@ from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 CHAT = next(c for c in REFERENCE if "messages" in c)
 RAW = next(c for c in REFERENCE if "raw" in c)
 
-# SmolLM2-135M (GGUF metadata, read by hand): hidden 576, 9 query / 3 kv heads of 64,
-# MLP 1536, vocab 49152, tied embeddings. float32 bytes:
-HIDDEN, KV_DIM, MLP, VOCAB = 576, 3 * 64, 1536, 49152
-LAYER_BYTES = 4 * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * KV_DIM + 3 * HIDDEN * MLP + 2 * HIDDEN)
-EMBED_BYTES = 4 * VOCAB * HIDDEN
-FULL_BYTES = 30 * LAYER_BYTES + EMBED_BYTES + 4 * HIDDEN
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +221,10 @@ def test_each_stage_holds_only_its_shard(cluster):
     expected = [10 * LAYER_BYTES + EMBED_BYTES, 10 * LAYER_BYTES, 10 * LAYER_BYTES + 4 * HIDDEN + EMBED_BYTES]
     for url, want in zip(cluster.api_urls, expected, strict=True):
         mem = httpx.get(f"{url}/v1/cluster").json()["memory"]
-        assert mem["stage_param_bytes"] == want
-        assert abs(mem["mlx_active_after_load_bytes"] - want) <= 0.10 * want, mem
-        assert mem["peak_rss_after_load_bytes"] - mem["rss_before_load_bytes"] < FULL_BYTES / 2, mem
+        first = mem["first_load"]
+        assert mem["weights_bytes"] == first["weights_bytes"] == want
+        assert abs(first["mlx_active_after_bytes"] - want) <= 0.10 * want, mem
+        assert first["peak_rss_after_bytes"] - first["rss_before_bytes"] < FULL_BYTES / 2, mem
 
 
 def test_release_frees_every_stage_cache(cluster):
@@ -239,3 +235,29 @@ def test_release_frees_every_stage_cache(cluster):
             return
         time.sleep(0.1)
     pytest.fail("a stage kept a finished request's KV cache")
+
+
+def test_a_reply_cut_mid_character_ends_with_whole_characters(cluster):
+    """Greedy SmolLM2 continues this prompt with emojis, each a 4-byte UTF-8 character
+    written as 3 byte-level tokens. ``max_tokens`` 2 or 4 cuts one in the middle: the
+    text, streamed and not, holds those bytes back (no U+FFFD; OpenAI never returns a
+    partial character) while ``completion_tokens`` counts every token."""
+    client = openai.OpenAI(base_url=f"{cluster.api_urls[0]}/v1", api_key="unused")
+    prompt = "Here are some happy emojis: 😀 😃"
+
+    def texts(max_tokens: int) -> tuple[str, str, int]:
+        whole = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        chunks = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert whole.choices[0].finish_reason == "length"
+        return whole.choices[0].text, streamed, whole.usage.completion_tokens
+
+    first, first_streamed, n3 = texts(3)
+    assert n3 == 3
+    assert first == first_streamed and len(first) == 1 and len(first.encode("utf-8")) == 4, first  # one whole emoji
+    for max_tokens, expected in ((2, ""), (4, first)):
+        text, streamed, count = texts(max_tokens)
+        assert count == max_tokens
+        assert text == streamed == expected, (max_tokens, text, streamed)
+        assert "\ufffd" not in text

@@ -86,7 +86,7 @@ def today_info(i: int, n: int = 3, layers: int = 30, epoch: int = 1, state: str 
         "model": "smollm2-135m", "num_layers": layers, "stage": i,
         "layer_range": [plan[i]["start"], plan[i]["end"]], "plan": plan,
         "requests_in_flight": 0, "kv_caches": [], "hop_latency_median_s": 0.0004 + i * 1e-5,
-        "memory": {"rss_bytes": (280 + i) << 20, "stage_param_bytes": 54 << 20},
+        "memory": {"rss_bytes": (280 + i) << 20, "weights_bytes": 54 << 20},
         "recent_requests": [],
     }
     info.update(extra)

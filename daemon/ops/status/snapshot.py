@@ -153,7 +153,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "memory_usable_bytes": first(as_int(m.get("memory_usable_bytes")), as_int(mem.get("usable_bytes"))),
             "memory_used_bytes": first(as_int(m.get("memory_used_bytes")), as_int(mem.get("used_bytes")),
                                        as_int(mem.get("rss_bytes"))),
-            "weights_bytes": as_int(mem.get("stage_param_bytes")),
+            "weights_bytes": as_int(mem.get("weights_bytes")),
             "tokens_per_s": tps,
             "tokens_generated_total": as_int(info.get("tokens_generated_total")),
             "requests_in_flight": as_int(info.get("requests_in_flight")),
