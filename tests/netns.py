@@ -242,11 +242,21 @@ class NetnsLab:
 
     NODE_VETH = "veth0"  # name of the node-side end, inside each node's namespace
 
-    def add_node(self, args: list[str] | None = None) -> Daemon:
-        """Create node ``i``'s namespace and link (not started yet: :meth:`start`)."""
+    def add_node(self, args: list[str] | None = None, share_namespace_with: Daemon | None = None) -> Daemon:
+        """Create node ``i``'s namespace and link (not started yet: :meth:`start`). With
+        ``share_namespace_with``, node ``i`` is a second daemon on that node's machine
+        instead: its address is added to the same veth (cutting or shaping it acts on both)."""
         self._ensure_hub()
         i = len(self.daemons)
-        ns, ip = self.node_ns(i), f"{SUBNET}.{i + 1}"
+        ip = f"{SUBNET}.{i + 1}"
+        if share_namespace_with is not None:
+            ns = share_namespace_with.ns
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", self.NODE_VETH)
+            d = Daemon(index=i, ns=ns, ip=ip, data_dir=self.dir / f"data{i}", log_path=self.dir / f"node{i}.log",
+                       args=list(args or []))
+            self.daemons.append(d)
+            return d
+        ns = self.node_ns(i)
         self._add_namespace(ns)
         # both ends are created directly in their namespaces: nothing appears in the root one
         sh("ip", "-n", self.hub, "link", "add", self.hub_veth(i), "type", "veth", "peer", "name", self.NODE_VETH,

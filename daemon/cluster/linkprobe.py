@@ -30,7 +30,7 @@ class LinkMeasurement:
     Attributes:
         rtt_s: median round trip of a small call, seconds.
         bandwidth_bytes_per_s: one-way bulk throughput, bytes/s.
-        kind: ``loopback``, ``thunderbolt`` or ``ethernet``.
+        kind: ``loopback``, ``thunderbolt``, ``wifi`` or ``ethernet`` (:func:`link_kind`).
         measured_at: unix time.
     """
 
@@ -44,11 +44,24 @@ class LinkMeasurement:
                 "measured_at": self.measured_at}
 
 
-def link_kind(peer_host: str, thunderbolt_interfaces: set[str], interface_for_peer=None) -> str:
-    """Classify the link to ``peer_host``: loopback, thunderbolt (the local interface
-    that reaches it is a Thunderbolt port or bridge), or ethernet (anything else)."""
+#: Link kinds from the slowest class to the fastest. A link whose two ends classify it
+#: differently gets the slower kind (:func:`combine_kinds`), on every member alike.
+KINDS = ("wifi", "ethernet", "thunderbolt", "loopback")
+
+
+def link_kind(peer_host: str, thunderbolt_interfaces: set[str] | frozenset[str], interface_for_peer=None,
+              local_addresses: frozenset[str] = frozenset(), wifi_interfaces: frozenset[str] = frozenset()) -> str:
+    """Classify the link to ``peer_host`` by one rule, the same on both ends:
+
+    1. ``loopback``: the peer's address is a loopback address or one of this
+       machine's own (``local_addresses``): the traffic never leaves the machine;
+    2. ``thunderbolt``: the local interface that reaches it (``interface_for_peer``)
+       is a Thunderbolt port or bridge;
+    3. ``wifi``: that interface is a Wi-Fi interface;
+    4. ``ethernet``: anything else (a wired or virtual network).
+    """
     try:
-        if ipaddress.ip_address(peer_host).is_loopback:
+        if ipaddress.ip_address(peer_host).is_loopback or peer_host in local_addresses:
             return "loopback"
     except ValueError:
         pass
@@ -56,7 +69,16 @@ def link_kind(peer_host: str, thunderbolt_interfaces: set[str], interface_for_pe
         iface = interface_for_peer(peer_host)
         if iface and iface in thunderbolt_interfaces:
             return "thunderbolt"
+        if iface and iface in wifi_interfaces:
+            return "wifi"
     return "ethernet"
+
+
+def combine_kinds(a: str, b: str) -> str:
+    """The kind of a link whose ends measured ``a`` and ``b``: the slower class of the
+    two (:data:`KINDS`; an unknown kind counts as ``ethernet``)."""
+    rank = {k: i for i, k in enumerate(KINDS)}
+    return min((a, b), key=lambda k: rank.get(k, rank["ethernet"]))
 
 
 async def measure(stub: pb_grpc.RingStub, kind: str, *, pings: int = 7, bulk_bytes: int = 2 * 1024 * 1024,

@@ -3,8 +3,8 @@
 Nodes are members (with their capabilities from their records); edges are links
 with their kind, measured bandwidth and RTT. Each node measures its own outgoing
 links and publishes them in its record, so every member holding the same records
-builds the same graph. A link measured from both ends takes the slower bandwidth
-and the larger RTT. The graph is also what the planner is fed
+builds the same graph. A link measured from both ends takes the slower bandwidth,
+the larger RTT and the slower kind. The graph is also what the planner is fed
 (:func:`planner_inputs`).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from ringlet.daemon.cluster.linkprobe import combine_kinds
 from ringlet.partitioning import LinkSpec, NodeSpec
 
 # Fallbacks when a record lacks a measured figure (a node that just joined):
@@ -45,6 +46,7 @@ def build_graph(records: dict[str, dict]) -> nx.Graph:
                 e = g.edges[a, b]
                 e["bandwidth_bytes_per_s"] = min(e["bandwidth_bytes_per_s"], bw) if bw else e["bandwidth_bytes_per_s"]
                 e["rtt_s"] = max(e["rtt_s"], rtt)
+                e["kind"] = combine_kinds(e["kind"], link.get("kind", "ethernet"))
             else:
                 g.add_edge(a, b, kind=link.get("kind", "ethernet"), bandwidth_bytes_per_s=bw, rtt_s=rtt)
     bws = sorted(d["bandwidth_bytes_per_s"] for _, _, d in g.edges(data=True) if d["bandwidth_bytes_per_s"] > 0)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -145,3 +147,30 @@ def interface_for_peer(peer_ip: str, interfaces: Sequence[NetInterface] | None =
     """
     names = candidate_interfaces_for_peer(peer_ip, interfaces)
     return names[0] if names else None
+
+
+def wireless_interfaces(sys_class_net: Path = Path("/sys/class/net"), hardware_ports=None) -> frozenset[str]:
+    """Names of this machine's Wi-Fi interfaces: on Linux those with a ``wireless`` (or
+    ``phy80211``) entry under ``sys_class_net``; on macOS the devices of the Wi-Fi
+    hardware ports (``hardware_ports``: a parsed ``networksetup -listallhardwareports``,
+    run here when not given). Never raises (``frozenset()`` when unknown)."""
+    if sys.platform == "darwin" or hardware_ports is not None:
+        if hardware_ports is None:
+            from .common import run_probe
+            from .macos_networksetup import parse_hardware_ports
+
+            hardware_ports = run_probe(["networksetup", "-listallhardwareports"], parse_hardware_ports, timeout=5.0)
+        return frozenset(hardware_ports.wifi_devices()) if hardware_ports is not None else frozenset()
+    try:
+        return frozenset(d.name for d in sys_class_net.iterdir()
+                         if (d / "wireless").exists() or (d / "phy80211").exists())
+    except OSError:
+        return frozenset()
+
+
+def local_addresses(interfaces: Sequence[NetInterface] | None = None) -> frozenset[str]:
+    """Every address of this machine (of its network namespace), any interface: a peer
+    at one of them is on this machine, and its traffic goes over loopback."""
+    if interfaces is None:
+        interfaces = list_interfaces()
+    return frozenset(a.address for iface in interfaces for a in iface.addresses)

@@ -55,6 +55,10 @@ class HardwarePorts:
                 out.setdefault(str(int(m.group(1))), p.device)
         return out
 
+    def wifi_devices(self) -> tuple[str, ...]:
+        """Devices of the Wi-Fi hardware ports ("Wi-Fi"; "AirPort" on older macOS)."""
+        return tuple(p.device for p in self.ports if p.device and p.name in ("Wi-Fi", "AirPort"))
+
     def device_of(self, name: str) -> str | None:
         """Device of the hardware port called ``name`` ("Thunderbolt Bridge" -> "bridge0")."""
         return next((p.device for p in self.ports if p.name == name), None)

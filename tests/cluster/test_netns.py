@@ -133,6 +133,45 @@ def test_shaped_node_links_are_measured_slow(lab: NetnsLab):
         raise
 
 
+def test_two_daemons_on_one_machine_see_a_loopback_link_from_both_ends(lab: NetnsLab):
+    """Nodes 0 and 1 share a network namespace (one machine, two addresses on one veth),
+    node 2 has its own: on both ends and in every member's graph the 0-1 link is
+    ``loopback`` (its traffic never leaves the machine) and the links to node 2 are
+    ``ethernet``."""
+    a = lab.add_node(["--dtype", "native"])
+    b = lab.add_node(["--dtype", "native"], share_namespace_with=a)
+    c = lab.add_node(["--dtype", "native"])
+    nodes = [a, b, c]
+    t0 = time.monotonic()
+    try:
+        for d in nodes:
+            lab.start(d)
+        for d in nodes:
+            lab.wait_healthy(d, t0 + 120)
+        deadline = time.monotonic() + 90
+        while True:
+            records, views = lab.node_records(nodes), lab.views(nodes)
+            if (all(len(r["record"].get("links", {})) == 2 for r in records.values())
+                    and all(isinstance(v, dict) and len(v["links"]) == 3 for v in views.values())):
+                break
+            assert time.monotonic() < deadline, (records, summarise(views))
+            time.sleep(0.5)
+        ids = {i: r["node_id"] for i, r in records.items()}
+        same_machine = frozenset((ids[a.index], ids[b.index]))
+        # each end's own classification
+        for i, r in records.items():
+            for peer, link in r["record"]["links"].items():
+                want = "loopback" if frozenset((ids[i], peer)) == same_machine else "ethernet"
+                assert link["kind"] == want, (i, peer, link)
+        # every member's graph
+        for i, v in views.items():
+            kinds = {frozenset((link["a"], link["b"])): link["kind"] for link in v["links"]}
+            assert kinds == {k: "loopback" if k == same_machine else "ethernet" for k in kinds}, (i, kinds)
+    except BaseException:
+        print(lab.dump_logs(40))
+        raise
+
+
 # --------------------------------------------------------------------------- issue 5 item 7
 
 
