@@ -118,6 +118,8 @@ class Membership:
         self.on_member_added: Callable[[Member], Awaitable[None] | None] | None = None
         #: called with a member whose record changed (a newer version was fetched)
         self.on_record_changed: Callable[[Member], None] | None = None
+        #: set by :meth:`announce_leave`: this node is draining and admits no one
+        self.leaving = False
 
     # --- own record --------------------------------------------------------------------
 
@@ -194,7 +196,7 @@ class Membership:
     def consider(self, address: str, node_id: str | None = None) -> None:
         """A node may be reachable at ``address`` (advert, --peers, gossip): handshake
         with it in the background unless it is already a member."""
-        if node_id == self.node_id or address == self.address:
+        if self.leaving or node_id == self.node_id or address == self.address:
             return
         if node_id is not None and node_id in self.members and self.members[node_id].address == address:
             return
@@ -222,7 +224,10 @@ class Membership:
         if info.cluster_id != self.cluster_id:
             self._refuse(address, "another cluster")
             return
-        if info.node_id == self.node_id:
+        if info.node_id == self.node_id or self.leaving:
+            return
+        if info.leaving:
+            self._refuse(address, f"{info.node_id} is stopping")
             return
         self._admit(info, address)
 
@@ -299,8 +304,14 @@ class Membership:
             committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address)
 
     def on_beat(self, beat: pb.Heartbeat) -> pb.Heartbeat:
-        """Handle a peer's heartbeat; returns ours."""
+        """Handle a peer's heartbeat; returns ours. A beat marked ``leaving`` removes
+        its sender at once, as ``stopped`` (see :meth:`announce_leave`)."""
         member = self.members.get(beat.sender_id)
+        if beat.leaving:
+            if member is not None:
+                self.remove(member.node_id, "stopped")
+            self.lost.pop(beat.sender_id, None)  # it left on purpose: do not re-dial it
+            return self.make_beat()
         if member is None:
             if beat.grpc_address:
                 self.consider(beat.grpc_address, beat.sender_id)
@@ -328,6 +339,34 @@ class Membership:
         if member.address not in self._pending:
             self._pending.add(member.address)
             self._spawn(self._handshake(member.address))
+
+    async def announce_leave(self, timeout_s: float) -> list[str]:
+        """Tell every member that this node is stopping, and stop beating and admitting.
+
+        Each member removes this node at once (``left: stopped``) and re-plans without
+        it, instead of waiting for missed heartbeats. Returns the addresses of the
+        members that acknowledged within ``timeout_s`` seconds (the others learn it
+        from silence)."""
+        self.leaving = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        beat = self.make_beat()
+        beat.leaving = True
+        members = list(self.members.values())
+
+        async def tell(member: Member) -> str | None:
+            try:
+                await self.stub(member.address).Beat(beat, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                log.info("leave not acknowledged by %s: %s", member.node_id, exc.code().name)
+                return None
+            return member.address
+
+        acked = await asyncio.gather(*(tell(m) for m in members))
+        return [a for a in acked if a is not None]
 
     async def _beat_one(self, member: Member) -> None:
         try:

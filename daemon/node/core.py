@@ -33,16 +33,17 @@ import logging
 import statistics
 import time
 from collections import deque
+from typing import Any
 
 import grpc
 import psutil
 
 from ringlet.daemon.engine.scheduler import StageEngine
 from ringlet.daemon.engine.stage import Stage, load_stage
-from ringlet.daemon.errors import GenerationError
+from ringlet.daemon.errors import GenerationError, first_line
 from ringlet.daemon.node.config import PREFIX_CACHE_FRACTION, NodeConfig
 from ringlet.daemon.node.head import Generation, Head
-from ringlet.daemon.node.memory import mlx_active_bytes, peak_rss_bytes, warm_up_mlx
+from ringlet.daemon.node.memory import mlx_active_bytes, mlx_memory_bytes, peak_rss_bytes, warm_up_mlx
 from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.node.servicer import RingServicer
@@ -82,7 +83,7 @@ class Node(ResumingClient, Head, Relay):
         self._prepared: dict[tuple[int, str], Stage | None] = {}
         self._plan_changed = asyncio.Event()
         self.hop_latency_s: deque[float] = deque(maxlen=512)
-        self.memory: dict[str, int] = {}
+        self.memory: dict[str, Any] = {}
         self.recent: deque[dict] = deque(maxlen=32)
         self.tokens_generated_total = 0
         self.requests_served = 0
@@ -110,8 +111,13 @@ class Node(ResumingClient, Head, Relay):
         return self.plan is not None and self.index == len(self.plan.stages) - 1
 
     def event(self, kind: str, message: str) -> None:
-        """Append to the event log shown by ``/v1/cluster`` and the dashboard."""
-        self.events.append({"ts": time.time(), "kind": kind, "message": message})
+        """Append to the event log shown by ``/v1/cluster`` and the dashboard: one line of
+        plain words (a message of several lines keeps its first; the whole goes to the
+        debug log)."""
+        line = first_line(message)
+        if line != message.strip():
+            log.debug("event %s in full: %s", kind, message)
+        self.events.append({"ts": time.time(), "kind": kind, "message": line})
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -195,10 +201,11 @@ class Node(ResumingClient, Head, Relay):
         self._prepared[key] = stage
         log.info("prepared epoch %d: layers [%d, %d), read %.1f MB of %.1f MB in %.2f s", plan.epoch,
                  spec.start, spec.end, loaded / 1e6, stage.nbytes() / 1e6, time.perf_counter() - t0)
-        if "stage_param_bytes" not in self.memory:
-            self.memory["stage_param_bytes"] = stage.nbytes()
-            self.memory["mlx_active_after_load_bytes"] = await self.engine.run(mlx_active_bytes)
-            self.memory["peak_rss_after_load_bytes"] = peak_rss_bytes()
+        if "first_load" not in self.memory:
+            self.memory["first_load"] = {
+                "weights_bytes": stage.nbytes(), "rss_before_bytes": self.memory.pop("rss_before_load_bytes", 0),
+                "mlx_active_after_bytes": await self.engine.run(mlx_active_bytes),
+                "peak_rss_after_bytes": peak_rss_bytes()}
         return loaded
 
     async def commit(self, plan: ServingPlan) -> None:
@@ -257,6 +264,23 @@ class Node(ResumingClient, Head, Relay):
             usable = psutil.virtual_memory().total // colocated.count(machine_cache_dir() / colocated.DIR_NAME)
         return int(PREFIX_CACHE_FRACTION * max(0, usable - stage.nbytes()))
 
+    def memory_info(self, stage) -> dict:
+        """What this node holds now, bytes (``/v1/cluster``'s ``memory``): the weights of
+        its current layer range (``weights_bytes``), the KV caches of the requests in
+        flight and the prefix store, MLX's active and peak memory, the process's RSS and
+        peak RSS; ``first_load`` keeps the figures of the first stage load (the RSS of
+        the empty daemon before it, MLX's active memory and the peak RSS right after)."""
+        engine = self.engine
+        active, peak = mlx_memory_bytes()
+        return {
+            "weights_bytes": stage.nbytes() if stage else 0,
+            "kv_cache_bytes": engine.kv_cache_bytes() if engine else 0,
+            "prefix_cache_bytes": engine.prefix.nbytes if engine else 0,
+            "mlx_active_bytes": active, "mlx_peak_bytes": peak,
+            "rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak_rss_bytes(),
+            "first_load": self.memory.get("first_load"),
+        }
+
     def plan_json(self) -> str:
         """The committed plan as JSON (for peers' handshakes)."""
         if self.plan is None:
@@ -299,9 +323,7 @@ class Node(ResumingClient, Head, Relay):
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,
             "requests_served": self.requests_served,
-            "memory": {**self.memory, "rss_bytes": psutil.Process().memory_info().rss,
-                       "peak_rss_bytes": peak_rss_bytes(),
-                       "stage_bytes": stage.nbytes() if stage else 0},
+            "memory": self.memory_info(stage),
             "recent_requests": list(self.recent),
             "events": list(self.events),
             "blas": {**blas.report().to_dict(), "mapped": blas.mapped_blas_libraries()},

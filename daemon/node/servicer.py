@@ -78,6 +78,7 @@ class RingServicer(pb_grpc.RingServicer):
             record_json=json.dumps(cluster.membership.own_record) if cluster else "",
             record_version=cluster.membership.record_version if cluster else 0,
             plan_json=node.plan_json(),
+            leaving=bool(cluster is not None and cluster.membership.leaving),
         )
 
     async def Echo(self, request, context):  # noqa: N802

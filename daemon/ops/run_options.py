@@ -16,6 +16,10 @@ from ringlet.daemon.ops.secret import add_run_arguments, positive_int
 
 DEFAULT_GRPC_PORT = 7100
 DEFAULT_API_PORT = 8000
+#: ``--drain-timeout-s``: long enough for a short reply to finish and a re-plan to be
+#: committed (a second or two here); below systemd's TimeoutStopSec and launchd's
+#: ExitTimeOut in the service units, so the drain ends before they kill the daemon.
+DRAIN_TIMEOUT_S = 20.0
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +74,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--heartbeat-s", type=float, default=0.5, help="seconds between heartbeats")
     run.add_argument("--remove-after-s", type=float, default=2.0,
                      help="a member silent this long is removed and the cluster re-plans")
+    run.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
+                     help="on SIGTERM, seconds at most to finish this node's API requests, tell the peers and "
+                          "wait for their plan without this node, before exiting")
     run.add_argument("--settle-s", type=float, default=0.3, help="membership quiet time before re-planning")
     run.add_argument("--initial-settle-s", type=float, default=1.0, help="quiet time before the first plan")
     run.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,

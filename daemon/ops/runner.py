@@ -28,6 +28,8 @@ from ringlet.daemon.engine.model_info import load_tokenizer, model_info
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
+from ringlet.daemon.ops.draining import DrainingServer
+from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S
 from ringlet.daemon.ops.secret import api_limits, transport_config
 from ringlet.daemon.paths import machine_cache_dir
 from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
@@ -136,10 +138,9 @@ async def _measure_links(node: Node, membership, probe) -> None:
     from ringlet.daemon.cluster.linkprobe import link_kind, measure
 
     tb_ifaces = {p.interface for p in getattr(probe, "thunderbolt", ()) if getattr(p, "interface", None)}
-    try:
-        from ringlet.daemon.probes.interfaces import interface_for_peer
-    except ImportError:  # pragma: no cover
-        interface_for_peer = None
+    from ringlet.daemon.probes.interfaces import interface_for_peer, local_addresses, wireless_interfaces
+
+    wifi = await asyncio.get_running_loop().run_in_executor(None, wireless_interfaces)
     links: dict[str, dict] = {}
     while True:
         # members re-measure after the same membership change: spread the bulk probes so
@@ -148,7 +149,8 @@ async def _measure_links(node: Node, membership, probe) -> None:
         for member in list(membership.members.values()):
             host = member.address.rsplit(":", 1)[0]
             try:
-                m = await measure(membership.stub(member.address), link_kind(host, tb_ifaces, interface_for_peer))
+                kind = link_kind(host, tb_ifaces, interface_for_peer, local_addresses(), wifi)
+                m = await measure(membership.stub(member.address), kind)
                 links[member.node_id] = m.to_dict()
             except Exception as exc:  # noqa: BLE001 - a failed measurement keeps the old figure
                 log.debug("link to %s not measured: %s", member.node_id, exc)
@@ -312,9 +314,17 @@ async def _start_cluster(args, node: Node, context_tokens: int):
 
     tasks.append(asyncio.create_task(redial(), name="redial"))
 
-    async def stop() -> None:
+    async def stop(leave_by: float | None = None) -> None:
+        """Stop the cluster side; with ``leave_by`` (a ``time.monotonic()`` deadline),
+        first leave gracefully (:func:`ringlet.daemon.cluster.leave.leave_cluster`)."""
         for t in tasks:
             t.cancel()
+        if leave_by is not None:
+            from ringlet.daemon.cluster.leave import leave_cluster
+
+            await negotiator.stop()  # no proposals of its own while it leaves
+            node.event("leave", "stopping: telling the peers")
+            log.info("leaving: %s", await leave_cluster(membership, node.epoch, leave_by))
         await tp.close()
         await negotiator.stop()
         if discovery is not None:
@@ -431,7 +441,7 @@ async def serve(args) -> int:
     import mlx_lm.tokenizer_utils  # noqa: F401
     if config.plan is not None:
         # The tokenizer first, so the memory figure taken before the stage loads
-        # (node.memory["rss_before_load_bytes"]) is that of a daemon holding no weights.
+        # (node.memory["first_load"]["rss_before_bytes"]) is that of a daemon holding no weights.
         tokenizer = await loop.run_in_executor(None, load_tokenizer, config.model)
         await node.start()
     else:
@@ -442,8 +452,9 @@ async def serve(args) -> int:
         stop_cluster = await _start_cluster(args, node, context)
         tokenizer = await tokenizing
     app = create_app(node, tokenizer, config.model.name, context, limits=api_limits(args))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
-                                           lifespan="off", access_log=False))
+    drain_s = float(getattr(args, "drain_timeout_s", DRAIN_TIMEOUT_S))
+    server = DrainingServer(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
+                                           lifespan="off", access_log=False, timeout_graceful_shutdown=drain_s))
     log.info("node %s: gRPC %s, API http://%s:%d, %s", node.node_id, config.address, args.api_host, args.api_port,
              "static plan" if config.plan is not None else f"cluster {args.cluster!r}")
     started = time.monotonic()
@@ -467,7 +478,10 @@ async def serve(args) -> int:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(dashboard, timeout=2)
         if stop_cluster is not None:
-            await stop_cluster()
+            # the API requests this node served have had their part of the drain (uvicorn
+            # waits for them up to drain_s); the leave gets the rest, and 2 s at least
+            stopping = server.stopping_at or time.monotonic()
+            await stop_cluster(leave_by=max(stopping + drain_s, time.monotonic() + 2.0))
         await node.stop()
         threads.stop()
     log.info("stopped after %.0f s", time.monotonic() - started)

@@ -7,6 +7,7 @@ same prompt, whose float32 path is checked against transformers in test_referenc
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -14,6 +15,7 @@ import grpc
 import httpx
 import pytest
 from conftest import ringlet
+from smollm2 import stage_bytes
 from streaming import Stream
 
 from ringlet.daemon.ops.demo import LocalCluster
@@ -45,7 +47,7 @@ def index_of(cluster: LocalCluster, node_id: str) -> int:
 
 def test_join_mid_stream_keeps_the_stream(undisturbed):
     expected = undisturbed
-    with LocalCluster(2, dynamic=True) as c:
+    with LocalCluster(2, dynamic=True, dtype="float32") as c:
         before = c.wait_plan(stages=2)
         stream = Stream(c.api_urls[0], PROMPT, LONG)
         stream.wait_tokens(20, timeout_s=120)
@@ -63,6 +65,14 @@ def test_join_mid_stream_keeps_the_stream(undisturbed):
         assert stream.times[-1] > joined_at
         resumed = [e for e in c.cluster_info(0)["events"] if e["kind"] == "resume"]
         assert resumed, "the request was not resumed on the new plan"
+        # every node's memory figures describe its new range, not its first load
+        for i in range(3):
+            info = c.cluster_info(i)
+            start, end = info["layer_range"]
+            mem = info["memory"]
+            assert abs(mem["weights_bytes"] - stage_bytes(start, end)) <= 0.01 * stage_bytes(start, end), (i, mem)
+            assert mem["kv_cache_bytes"] == 0, mem  # the stream has finished and released its caches
+            assert mem["mlx_active_bytes"] >= mem["weights_bytes"], mem
 
 
 def test_kill_mid_stream_completes_with_short_gap(undisturbed):
@@ -84,6 +94,38 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed):
         survivors = [i for i in range(3) if i != middle]
         after = c.wait_plan(stages=2, nodes=survivors)
         assert after["epoch"] > plan["epoch"]
+
+
+def test_sigterm_mid_stream_is_a_graceful_leave(undisturbed):
+    """SIGTERM the middle stage of 3 mid-stream: it tells its peers, they commit a plan
+    without it while it still runs (so not from missed heartbeats), record it as
+    ``stopped``, and the stream completes equal to an undisturbed run."""
+    expected = undisturbed[:100]
+    with LocalCluster(3, dynamic=True) as c:
+        plan = c.wait_plan(stages=3)
+        leaver_id = plan["plan"][1]["node_id"]
+        leaver = index_of(c, leaver_id)
+        api = next(i for i in range(3) if i != leaver)
+        survivors = [i for i in range(3) if i != leaver]
+        stream = Stream(c.api_urls[api], PROMPT, 100)
+        stream.wait_tokens(15, timeout_s=120)
+        signalled = time.time()
+        c.kill(leaver, signal.SIGTERM)
+        exited = time.time()
+        assert c.procs[leaver].returncode == 0, c.tail(leaver)
+        stream.join(300)
+        assert stream.error is None, stream.error
+        assert stream.ids == expected
+        after = c.wait_plan(stages=2, nodes=survivors)
+        assert after["epoch"] > plan["epoch"]
+        for i in survivors:
+            events = [e for e in c.cluster_info(i)["events"] if e["ts"] >= signalled and leaver_id in e["message"]]
+            assert [e["message"] for e in events if e["kind"] == "leave"] == [f"{leaver_id} left: stopped"], events
+            assert not [e for e in events if e["kind"] == "suspect"], events
+            replans = [e["ts"] for e in c.cluster_info(i)["events"]
+                       if e["kind"] == "replan" and f"epoch {after['epoch']}" in e["message"]]
+            assert replans and replans[0] < exited, (replans, exited)
+        assert "committed without this node" in c.tail(leaver, 40), c.tail(leaver, 40)
 
 
 def test_repeated_kills_lose_no_request(undisturbed):

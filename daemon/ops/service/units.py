@@ -22,6 +22,10 @@ def make_plist(program: list[str], config_file: Path | None = None) -> bytes:
         "KeepAlive": True,
         # an inference server is latency-critical: no background resource limits
         "ProcessType": "Interactive",
+        # seconds between SIGTERM and SIGKILL on a stop (launchd's default is 20): the
+        # daemon drains for at most --drain-timeout-s (20) first, as under systemd's
+        # TimeoutStopSec=30
+        "ExitTimeOut": 30,
         "WorkingDirectory": str(home()),
         "EnvironmentVariables": {"PATH": LAUNCHD_PATH, "PYTHONUNBUFFERED": "1"},
         "StandardOutPath": str(logs / "ringlet.out.log"),

@@ -135,7 +135,7 @@ class NodeInfoRequest(_message.Message):
     def __init__(self, caller_id: _Optional[str] = ..., caller_address: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "protocol_version", "cluster_id", "grpc_port", "api_port", "model", "num_layers", "plan", "epoch", "state", "probe_json", "record_version", "record_json", "incarnation", "plan_json")
+    __slots__ = ("node_id", "protocol_version", "cluster_id", "grpc_port", "api_port", "model", "num_layers", "plan", "epoch", "state", "probe_json", "record_version", "record_json", "incarnation", "plan_json", "leaving")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class NodeInfo(_message.Message):
     RECORD_JSON_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     protocol_version: int
     cluster_id: str
@@ -166,7 +167,8 @@ class NodeInfo(_message.Message):
     record_json: str
     incarnation: str
     plan_json: str
-    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., grpc_port: _Optional[int] = ..., api_port: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., state: _Optional[str] = ..., probe_json: _Optional[str] = ..., record_version: _Optional[int] = ..., record_json: _Optional[str] = ..., incarnation: _Optional[str] = ..., plan_json: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, node_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., grpc_port: _Optional[int] = ..., api_port: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., epoch: _Optional[int] = ..., state: _Optional[str] = ..., probe_json: _Optional[str] = ..., record_version: _Optional[int] = ..., record_json: _Optional[str] = ..., incarnation: _Optional[str] = ..., plan_json: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class MemberDigest(_message.Message):
     __slots__ = ("node_id", "grpc_address", "record_version")
@@ -179,7 +181,7 @@ class MemberDigest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., record_version: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address")
+    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving")
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class Heartbeat(_message.Message):
     COMMITTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     sender_id: str
     incarnation: str
     record_version: int
@@ -194,7 +197,8 @@ class Heartbeat(_message.Message):
     committed_epoch: int
     plan_id: str
     grpc_address: str
-    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json")

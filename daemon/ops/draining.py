@@ -1,0 +1,24 @@
+"""The API server of a stopping node: uvicorn's, noting when the stop signal came."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import uvicorn
+
+log = logging.getLogger("ringlet.daemon.ops.runner")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, noting when a stop signal came: on SIGTERM or SIGINT it stops
+    accepting connections and waits up to ``timeout_graceful_shutdown`` seconds for the
+    requests in flight (streams included) before :func:`serve` leaves the cluster."""
+
+    stopping_at: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.stopping_at is None:
+            self.stopping_at = time.monotonic()
+            log.info("stopping (signal %d): draining the API requests in flight", sig)
+        super().handle_exit(sig, frame)
