@@ -22,3 +22,6 @@ class DrainingServer(uvicorn.Server):
             self.stopping_at = time.monotonic()
             log.info("stopping (signal %d): draining the API requests in flight", sig)
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it caught once it has shut down, which would kill
+        # the process before it leaves the cluster; the daemon exits by itself instead
+        self._captured_signals.clear()
