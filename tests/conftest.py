@@ -39,26 +39,19 @@ def default_location():
 
 
 #: Test files that must not share the machine with another test file's processes: the
-#: tensor group tests time hangs, stalled collectives and idle ranks' CPU; the
+#: tensor tests count every rank process on the machine and measure idle CPU; the
 #: network-namespace tests time links they shape; the live dashboard runs in tmux; the
 #: speed probe times matmuls. They carry the ``serial`` mark.
-SERIAL = ("tensor/test_tp_group.py", "cluster/test_netns.py", "ops/test_dashboard_cluster.py",
-          "probes/test_probe_speed_local.py")
-#: Test files that run one after another on one xdist worker (one group): the other
-#: tensor-parallel files, whose ranks busy-wait in MLX's ring collectives, so two of
-#: them at once would starve each other's groups on two cores.
-GROUPED = {"tensor/": "tensor"}
+SERIAL = ("tensor/", "cluster/test_netns.py", "ops/test_dashboard_cluster.py", "probes/test_probe_speed_local.py")
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark the files in :data:`SERIAL` ``serial``, and put every test file in an xdist
-    group of its own (those under a :data:`GROUPED` prefix share that group). ``make
-    test`` runs the unmarked files on 2 pytest-xdist workers (``-n 2 --dist loadgroup``:
-    each group whole on one worker, so its module fixtures start once), then the
-    ``serial`` ones alone, one after the other."""
+    group of its own. ``make test`` runs the unmarked files on 2 pytest-xdist workers
+    (``-n 2 --dist loadgroup``: each file whole on one worker, so its module fixtures
+    start once), then the ``serial`` ones alone, one after the other."""
     for item in items:
         rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if rel.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
-        group = next((g for prefix, g in GROUPED.items() if rel.startswith(prefix)), rel)
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(rel))
