@@ -46,7 +46,7 @@ system-deps:
 	fi
 
 test: install system-deps lint
-	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup -m "not serial" tests
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q --durations=20 -m serial tests
 
 demo: install

@@ -46,12 +46,11 @@ SERIAL = ("tensor/", "cluster/test_netns.py", "ops/test_dashboard_cluster.py", "
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the files in :data:`SERIAL` ``serial``, and put every test file in an xdist
-    group of its own. ``make test`` runs the unmarked files on 2 pytest-xdist workers
-    (``-n 2 --dist loadgroup``: each file whole on one worker, so its module fixtures
-    start once), then the ``serial`` ones alone, one after the other."""
+    """Mark the files in :data:`SERIAL` ``serial``. ``make test`` runs the unmarked files
+    on 2 pytest-xdist workers (``-n 2 --dist loadfile``: each file whole on one worker,
+    so its module fixtures start once and its tests run in order), then the ``serial``
+    ones alone, one after the other."""
     for item in items:
         rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if rel.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
-        item.add_marker(pytest.mark.xdist_group(rel))
