@@ -12,7 +12,7 @@ import time
 
 from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry, sampling_from_pb
 from ringlet.daemon.errors import GenerationError, one_line
-from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
+from ringlet.daemon.node.signals import EpochSkew, PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
@@ -46,6 +46,8 @@ class Relay:
                 return  # a late token or error for a finished request or an old plan
             if message.error and message.prefix_miss:
                 self._finish(gen, PrefixMissed(message.error, message.prefix_holds))
+            elif message.error and message.behind:
+                self._finish(gen, EpochSkew(message.error))  # that stage commits this epoch momentarily
             elif message.error:
                 self._finish(gen, (RetryOnPlan if message.retry else GenerationError)(message.error))
             elif message.WhichOneof("payload") == "token":
@@ -55,7 +57,8 @@ class Relay:
             if message.WhichOneof("payload") == "hidden" and not message.release:
                 await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
                                                   error=f"stage at {self.config.address} serves epoch "
-                                                        f"{self.epoch}, not {message.epoch}"))
+                                                        f"{self.epoch}, not {message.epoch}",
+                                                  behind=message.epoch > self.epoch))
             return
         if message.release:
             self._spawn(self._release_and_forward(message))

@@ -202,6 +202,8 @@ class ResumingClient:
                 if event.WhichOneof("event") == "error":
                     if event.plan_epoch:
                         raise PlanChanged(event.error, event.plan_epoch)
+                    if event.skew:
+                        raise EpochSkew(event.error)
                     raise (RetryOnPlan if event.retry else GenerationError)(event.error)
                 if first and info is not None:
                     info.setdefault("cached_tokens", event.cached_tokens)

@@ -16,7 +16,7 @@ import grpc
 from ringlet.daemon.engine.scheduler import sampling_from_pb
 from ringlet.daemon.errors import GenerationError
 from ringlet.daemon.node.config import PROTOCOL_VERSION
-from ringlet.daemon.node.signals import PlanChanged, RetryOnPlan
+from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
@@ -59,7 +59,7 @@ class RingServicer(pb_grpc.RingServicer):
                 yield pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0)
                 first = False
         except GenerationError as exc:
-            yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan),
+            yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan), skew=isinstance(exc, EpochSkew),
                                    plan_epoch=exc.epoch if isinstance(exc, PlanChanged) else 0)
 
     async def GetNodeInfo(self, request, context):  # noqa: N802

@@ -21,7 +21,7 @@ class PlanChanged(GenerationError):
 
 
 class EpochSkew(GenerationError):
-    """Stage 0 has not committed the caller's epoch yet (or has a newer one): members
+    """Stage 0, or a later stage, has not committed the caller's epoch yet (or has a newer one): members
     commit a plan within moments of each other, so the request is simply retried."""
 
 

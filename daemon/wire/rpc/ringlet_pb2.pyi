@@ -33,7 +33,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds")
+    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Activation(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_MISS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     step: int
@@ -70,7 +71,8 @@ class Activation(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_miss: bool
     prefix_holds: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ...) -> None: ...
+    behind: bool
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ...) -> None: ...
 
 class HopAck(_message.Message):
     __slots__ = ("received",)
@@ -99,20 +101,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch")
+    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SKEW_FIELD_NUMBER: _ClassVar[int]
     token: int
     error: str
     ttft_s: float
     retry: bool
     cached_tokens: int
     plan_epoch: int
-    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
+    skew: bool
+    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("node_id", "start", "end", "grpc_address")
