@@ -38,3 +38,12 @@ def machine_cache_dir() -> Path:
     path = base / "ringlet"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def prefix_cache_dir(data_dir: str | Path | None, address: str, static: bool) -> Path:
+    """Where the prefix cache's disk tier keeps its files: ``prefix-cache`` in the data
+    dir (``data_dir``, else :func:`default_data_dir`). A negotiated node owns its data
+    dir (its identity is locked there); static-plan stages may share one, so each gets a
+    subdirectory named after its gRPC ``address`` (``host:port``)."""
+    base = (Path(data_dir).expanduser() if data_dir else default_data_dir()) / "prefix-cache"
+    return base / f"stage-{address.replace(':', '-')}" if static else base

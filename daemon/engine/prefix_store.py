@@ -46,6 +46,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, PromptTrie
 
+from ringlet.daemon.engine.prefix_disk import PrefixDisk
+
 
 @dataclass
 class Entry:
@@ -86,10 +88,13 @@ class PrefixStore:
     Args:
         budget_bytes: the most bytes of KV it holds (0: it holds nothing).
         start, end: the stage's layer range.
+        disk: the disk tier (:class:`~ringlet.daemon.engine.prefix_disk.PrefixDisk`), if any.
     """
 
-    def __init__(self, budget_bytes: int, start: int = 0, end: int = 0):
+    def __init__(self, budget_bytes: int, start: int = 0, end: int = 0, disk: PrefixDisk | None = None):
         self.budget_bytes = max(0, int(budget_bytes))
+        #: the disk tier: entries evicted for room go there, and come back on a hit
+        self.disk = disk
         self.start, self.end = start, end
         self._trie = PromptTrie()
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
@@ -117,32 +122,39 @@ class PrefixStore:
         return best
 
     def longest(self, scope: str, tokens: list[int], limit: int | None = None) -> int:
-        """How many leading tokens of ``tokens`` (at most ``limit``) this stage can serve."""
-        if not self._entries:
-            return 0
+        """How many leading tokens of ``tokens`` (at most ``limit``) this stage can serve,
+        from memory or from the disk tier."""
         limit = len(tokens) if limit is None else min(limit, len(tokens))
-        entry, n = self._search(scope, tokens[:limit])
-        return n if entry is not None and self._covers(entry) else 0
+        n = 0
+        if self._entries:
+            entry, found = self._search(scope, tokens[:limit])
+            n = found if entry is not None and self._covers(entry) else 0
+        if self.disk is not None and len(self.disk) and n < limit:
+            n = max(n, self.disk.longest(scope, tokens[:limit], self.start, self.end))
+        return n
 
     def take(self, scope: str, tokens: list[int]) -> list[KVCache] | None:
         """Fresh caches holding exactly ``tokens`` (all of them) for this stage's layers,
-        or ``None`` when the store cannot serve that many (counted as a miss). The entry
-        is moved to the most recently used end; its arrays are never handed out."""
+        or ``None`` when neither memory nor the disk tier can serve that many (counted as
+        a miss). The entry is moved to the most recently used end (an entry on disk is
+        loaded back into memory first); its arrays are never handed out."""
         entry, n = self._search(scope, tokens) if self._entries else (None, 0)
+        if (entry is None or n < len(tokens) or not self._covers(entry)) and self.disk is not None:
+            loaded = self.disk.take(scope, tokens, self.start, self.end)
+            if loaded is not None:
+                if not self.import_entry(*loaded):  # larger than the memory budget: serve it once
+                    self.stats.hits += 1
+                    self.stats.hit_tokens += len(tokens)
+                    return _caches(_layers_of(*loaded, self.start, self.end), len(tokens))
+                entry, n = self._search(scope, tokens)
         if entry is None or n < len(tokens) or not self._covers(entry):
             self.stats.misses += 1
             return None
         self._entries.move_to_end(entry.id)
         offset = self.start - entry.start
-        caches = []
-        for keys, values in entry.layers[offset:offset + (self.end - self.start)]:
-            c = KVCache()
-            # new array objects (slices): the request's updates never reach the entry
-            c.keys, c.values, c.offset = keys[..., : len(tokens), :], values[..., : len(tokens), :], len(tokens)
-            caches.append(c)
         self.stats.hits += 1
         self.stats.hit_tokens += len(tokens)
-        return caches
+        return _caches(entry.layers[offset:offset + (self.end - self.start)], len(tokens))
 
     def miss(self) -> None:
         """Count a lookup that found nothing to reuse."""
@@ -199,10 +211,21 @@ class PrefixStore:
         self.nbytes -= entry.nbytes
 
     def _evict_to(self, budget: int) -> None:
+        """Evict least recently used entries until ``budget`` holds, spilling each to the
+        disk tier when there is one."""
         while self.nbytes > budget and self._entries:
             _, oldest = next(iter(self._entries.items()))
+            if self.disk is not None:
+                self.disk.put(*self.export_entry(oldest))
             self._forget(oldest)
             self.stats.evictions += 1
+
+    def save_to_disk(self) -> int:
+        """Write every entry to the disk tier, most recently used last (so it is the last
+        the tier evicts), e.g. before the process exits. Returns how many it kept."""
+        if self.disk is None:
+            return 0
+        return sum(self.disk.put(*self.export_entry(entry)) for entry in self.entries())
 
     def set_budget(self, budget_bytes: int) -> None:
         """A new budget (bytes); entries beyond it are evicted now."""
@@ -253,17 +276,10 @@ class PrefixStore:
         """
         start, end = int(meta["start"]), int(meta["end"])
         tokens = [int(t) for t in arrays["tokens"].tolist()]
-        layers = []
-        for i in range(start, end):
-            k, v = arrays.get(f"layer.{i}.keys"), arrays.get(f"layer.{i}.values")
-            if (k is None or v is None or k.ndim != 4 or v.ndim != 4 or k.shape[2] != len(tokens)
-                    or v.shape[2] != len(tokens)):
-                raise ValueError(f"prefix entry: layer {i} is missing or does not hold {len(tokens)} tokens")
-            layers.append((k, v))
+        _layers_of(arrays, meta, start, end)  # checks every layer
         if not (start <= self.start and end >= self.end) or self.budget_bytes <= 0:
             return False
-        lo = self.start - start
-        layers = layers[lo:lo + (self.end - self.start)]
+        layers = _layers_of(arrays, meta, self.start, self.end)
         entry = Entry(meta.get("scope", ""), tokens, self.start, self.end, layers,
                       sum(k.nbytes + v.nbytes for k, v in layers), next(self._ids))
         if entry.nbytes > self.budget_bytes:
@@ -274,9 +290,38 @@ class PrefixStore:
         return True
 
     def info(self) -> dict:
-        """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache``."""
+        """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache`` (``disk``: the disk
+        tier's, or ``None``)."""
         s = self.stats
-        return {"budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
+        return {"disk": self.disk.info() if self.disk is not None else None,
+                "budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
                 "tokens": sum(len(e.tokens) for e in self._entries.values()), "hits": s.hits, "misses": s.misses,
                 "hit_tokens": s.hit_tokens, "evictions": s.evictions, "inserted": s.inserted,
                 "dropped_on_replan": s.dropped_on_replan, "layer_range": [self.start, self.end]}
+
+
+def _layers_of(arrays: dict[str, Any], meta: dict[str, str], start: int, end: int) -> list[tuple[mx.array, mx.array]]:
+    """Layers ``[start, end)`` of an exported entry, each ``(keys, values)``.
+
+    Raises:
+        ValueError: a layer is missing or does not hold the entry's token count.
+    """
+    n = len(arrays["tokens"].tolist()) if "tokens" in arrays else -1
+    layers = []
+    for i in range(start, end):
+        k, v = arrays.get(f"layer.{i}.keys"), arrays.get(f"layer.{i}.values")
+        if k is None or v is None or k.ndim != 4 or v.ndim != 4 or k.shape[2] != n or v.shape[2] != n:
+            raise ValueError(f"prefix entry: layer {i} is missing or does not hold {n} tokens")
+        layers.append((k, v))
+    return layers
+
+
+def _caches(layers: list[tuple[mx.array, mx.array]], n: int) -> list[KVCache]:
+    """Fresh mlx-lm caches holding the first ``n`` tokens of ``layers``: new array
+    objects (slices), so a request's updates never reach the stored arrays."""
+    caches = []
+    for keys, values in layers:
+        c = KVCache()
+        c.keys, c.values, c.offset = keys[..., :n, :], values[..., :n, :], n
+        caches.append(c)
+    return caches

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.sources import ModelLocation
@@ -57,6 +58,9 @@ class NodeConfig:
         usable_memory_bytes: memory this node offers, bytes (``None``: the machine's total).
         prefix_cache_scope: ``key`` (entries per API key, when keys are configured) or
             ``cluster`` (one scope for every caller).
+        prefix_cache_disk_bytes: the prefix store's disk tier budget, bytes (0: off).
+        prefix_cache_dir: where the disk tier keeps its files (the data dir's
+            ``prefix-cache``).
     """
 
     host: str
@@ -78,6 +82,8 @@ class NodeConfig:
     prefix_cache_bytes: int | None = None
     usable_memory_bytes: int | None = None
     prefix_cache_scope: str = "key"
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_dir: Path | None = None
 
     @property
     def address(self) -> str:

@@ -38,6 +38,8 @@ from typing import Any
 import grpc
 import psutil
 
+from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
+from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
 from ringlet.daemon.engine.stage import Stage, load_stage
 from ringlet.daemon.errors import GenerationError, first_line
@@ -133,8 +135,9 @@ class Node(ResumingClient, Head, Relay):
         # baseline the memory figures in info() are read against.
         await asyncio.get_running_loop().run_in_executor(executor, warm_up_mlx)
         self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
+        disk = await asyncio.get_running_loop().run_in_executor(executor, self._prefix_disk)
         self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
-                                  max_batch=self.config.max_batch)
+                                  max_batch=self.config.max_batch, prefix=PrefixStore(0, disk=disk))
         if self.config.plan is not None:
             stages = tuple(self.config.plan)
             digest = ",".join(f"{s.address}={s.start}:{s.end}" for s in stages)
@@ -144,8 +147,28 @@ class Node(ResumingClient, Head, Relay):
         else:
             self.state = "discovering"
 
+    def _prefix_disk(self) -> PrefixDisk | None:
+        """The prefix store's disk tier (``--prefix-cache-disk-bytes``), its index rebuilt
+        from the files an earlier run left; ``None`` when off or its directory cannot be
+        made (said once in the log)."""
+        cfg = self.config
+        if cfg.prefix_cache_disk_bytes <= 0 or cfg.prefix_cache_dir is None:
+            return None
+        path = cfg.model.path
+        files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+        try:
+            key = model_key(files, cfg.dtype or "native")
+            disk = PrefixDisk(cfg.prefix_cache_dir, cfg.prefix_cache_disk_bytes, key)
+        except OSError as exc:
+            log.warning("prefix cache: no disk tier (%s)", exc)
+            return None
+        log.info("prefix cache disk tier: %d entries, %.1f MB of %.1f MB in %s", len(disk), disk.nbytes / 1e6,
+                 disk.budget_bytes / 1e6, disk.dir)
+        return disk
+
     async def stop(self) -> None:
-        """Stop serving: fail open generations, close streams and the server."""
+        """Stop serving: fail open generations, close streams and the server, and write the
+        prefix store's entries to its disk tier (when it has one)."""
         for gen in list(self._generations.values()):
             self._finish(gen, GenerationError("the node is shutting down"))
         if self._next is not None:
@@ -155,6 +178,9 @@ class Node(ResumingClient, Head, Relay):
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self.engine is not None:
+            if self.engine.prefix.disk is not None:  # a restart finds them there
+                saved = await self.engine.run(self.engine.prefix.save_to_disk)
+                log.info("prefix cache: saved %d entries to the disk tier", saved)
             self.engine.close()
         self.state = "stopped"
 

@@ -94,7 +94,7 @@ class LocalCluster:
         if self.dynamic:
             cmd += ["--interface", "127.0.0.1", "--cluster", self.cluster_name, "--data-dir", str(self.data_dir(i))]
         else:
-            cmd += ["--plan", self.plan_text]
+            cmd += ["--plan", self.plan_text, "--data-dir", str(self.data_dir(i))]
         if self.model:
             cmd += ["--model", self.model]
         if self.dtype:

@@ -86,6 +86,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--prefix-cache-bytes", default=None, metavar="SIZE",
                      help="KV of finished requests each stage keeps for later turns, e.g. 2GB (default: a quarter "
                           "of the memory the stage's weights leave free; 0: off)")
+    run.add_argument("--prefix-cache-disk-bytes", default="0", metavar="SIZE",
+                     help="spill prefix cache entries evicted from memory to the data dir, up to this many bytes, "
+                          "e.g. 20GB; they are reloaded on a hit and survive a restart (default 0: off)")
     run.add_argument("--prefix-cache-scope", choices=["key", "cluster"], default="key",
                      help="with --api-key-file, keep cached prefixes per API key (key, default) or shared by "
                           "every caller (cluster)")

@@ -31,7 +31,7 @@ from ringlet.daemon.node import Node, NodeConfig
 from ringlet.daemon.ops.draining import DrainingServer
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S
 from ringlet.daemon.ops.secret import api_limits, transport_config
-from ringlet.daemon.paths import machine_cache_dir
+from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
 from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
 from ringlet.daemon.probes.colocated import ThreadSizer
 
@@ -105,6 +105,9 @@ def build_config(args) -> tuple[NodeConfig, int]:
                       prefix_cache_bytes=parse_size(getattr(args, "prefix_cache_bytes", None), "--prefix-cache-bytes",
                                                     allow_zero=True),
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "key"),
+                      prefix_cache_disk_bytes=parse_size(getattr(args, "prefix_cache_disk_bytes", "0"),
+                                                         "--prefix-cache-disk-bytes", allow_zero=True) or 0,
+                      prefix_cache_dir=prefix_cache_dir(getattr(args, "data_dir", None), address, plan is not None),
                       usable_memory_bytes=parse_size(getattr(args, "memory_limit", None)),
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),

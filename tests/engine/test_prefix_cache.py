@@ -209,3 +209,40 @@ def test_concurrent_requests_extending_one_prefix_equal_their_solo_answers(tmp_p
             assert warm == ask(b, branches[i], max_tokens=12)[0]
         time.sleep(0.2)
         assert ask(a, branches[0], max_tokens=12)[2] >= prompt_tokens - 1
+
+
+def test_an_entry_spilled_to_disk_serves_hits_also_after_every_daemon_restarts(tmp_path):
+    """2 stages whose memory holds one conversation's entry, with a disk tier. B's first
+    turn evicts A's entry to disk; A's next turn is a hit served from the files (equal to
+    the cold answer); both daemons stop (SIGTERM: the entries in memory are written out
+    too) and start again, empty in memory: A's third turn is a hit again, from disk."""
+    keys = _keys_file(tmp_path)
+    per_token = 15 * KV_BYTES_PER_TOKEN_PER_LAYER  # one stage's 15 layers
+    args = ["--api-key-file", str(keys), "--prefix-cache-bytes", str(700 * per_token),  # one ~450-token entry
+            "--prefix-cache-disk-bytes", "200MB"]
+    with LocalCluster(2, dtype="float32", extra_args=args) as c:
+        a, b = _client(c, KEYS[0]), _client(c, KEYS[1])
+        conv_a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+        conv_b = [{"role": "system", "content": SYSTEM + " Be terse."}, {"role": "user", "content": QUESTIONS[3]}]
+        answer, first_a, _ = ask(a, conv_a)
+        ask(b, conv_b)  # A's entry is evicted from memory for B's: it goes to disk
+        for i in range(2):
+            info = prefix_info(c, i, KEYS[0])
+            assert info["entries"] == 1 and info["disk"]["entries"] >= 1, info
+        conv_a += [{"role": "assistant", "content": answer}, {"role": "user", "content": QUESTIONS[1]}]
+        warm, second_a, cached = ask(a, conv_a)
+        assert cached >= first_a - 1
+        assert all(prefix_info(c, i, KEYS[0])["disk"]["hits"] >= 1 for i in range(2))
+        assert warm == ask(_client(c, KEYS[2]), conv_a)[0]
+
+        for i in range(2):
+            c.kill(i, signal.SIGTERM)
+        for i in range(2):
+            c.restart(i)
+        for i in range(2):
+            info = prefix_info(c, i, KEYS[0])
+            assert info["entries"] == 0 and info["disk"]["entries"] >= 2, info
+        conv_a += [{"role": "assistant", "content": warm}, {"role": "user", "content": QUESTIONS[2]}]
+        warm, _, cached = ask(a, conv_a)
+        assert cached >= second_a - 1
+        assert warm == ask(_client(c, KEYS[3]), conv_a)[0]

@@ -480,7 +480,8 @@ def test_a_malformed_export_raises_value_error_naming_the_layer(change, layer):
 
 def test_info_figures():
     store = PrefixStore(20 * TOKEN_LAYER_BYTES * 2, 0, 2)
-    assert store.info() == {"budget_bytes": 5120, "bytes": 0, "entries": 0, "tokens": 0, "hits": 0, "misses": 0,
+    assert store.info() == {"disk": None,
+                            "budget_bytes": 5120, "bytes": 0, "entries": 0, "tokens": 0, "hits": 0, "misses": 0,
                             "hit_tokens": 0, "evictions": 0, "inserted": 0, "dropped_on_replan": 0,
                             "layer_range": [0, 2]}
     store.insert("a", T, filled(10))  # 2560 bytes
@@ -489,11 +490,13 @@ def test_info_figures():
     store.take("b", A)
     store.take("a", [*T, 1])  # miss
     store.insert("c", [300] * 8, filled(8))  # 2048: over 5120, "a" (least recently used) goes
-    assert store.info() == {"budget_bytes": 5120, "bytes": 1024 + 2048, "entries": 2, "tokens": 12, "hits": 2,
+    assert store.info() == {"disk": None,
+                            "budget_bytes": 5120, "bytes": 1024 + 2048, "entries": 2, "tokens": 12, "hits": 2,
                             "misses": 1, "hit_tokens": 11, "evictions": 1, "inserted": 3, "dropped_on_replan": 0,
                             "layer_range": [0, 2]}
     store.retain(1, 2)
-    assert store.info() == {"budget_bytes": 5120, "bytes": 512 + 1024, "entries": 2, "tokens": 12, "hits": 2,
+    assert store.info() == {"disk": None,
+                            "budget_bytes": 5120, "bytes": 512 + 1024, "entries": 2, "tokens": 12, "hits": 2,
                             "misses": 1, "hit_tokens": 11, "evictions": 1, "inserted": 3, "dropped_on_replan": 0,
                             "layer_range": [1, 2]}
 

@@ -241,14 +241,16 @@ def test_prefix_store_figures_per_node_and_summed():
     infos[urls[0]]["prefix_cache"] = {"bytes": 10_629_120, "budget_bytes": 6 * 2**30, "entries": 1, "hits": 2,
                                       "misses": 1, "evictions": 0}
     infos[urls[1]]["prefix_cache"] = {"bytes": 2**20, "budget_bytes": 2**30, "entries": 3, "hits": 5, "misses": 0,
-                                      "evictions": 4}
+                                      "evictions": 4, "disk": {"bytes": 3 * 2**30, "entries": 7}}
     snap = build_snapshot("http://a0", infos, {})
     n0, n1, old = snap["nodes"]
     assert (n0["prefix_bytes"], n0["prefix_entries"], n0["prefix_hits"], n0["prefix_misses"]) == (10_629_120, 1, 2, 1)
     assert (n1["prefix_evictions"], old["prefix_bytes"]) == (4, None)
     assert (snap["cluster"]["prefix_bytes"], snap["cluster"]["prefix_hits"]) == (10_629_120 + 2**20, 7)
+    assert (n1["prefix_disk_bytes"], n1["prefix_disk_entries"], n0["prefix_disk_bytes"]) == (3 * 2**30, 7, None)
+    assert snap["cluster"]["prefix_disk_bytes"] == 3 * 2**30
     text = format_status(snap)
-    assert "10.1MiB:2h/1m" in text and "1.0MiB:5h/0m" in text  # 10,629,120 B = 10.14 MiB
+    assert "10.1MiB:2h/1m" in text and "1.0MiB+3.0GiBdisk:5h/0m" in text  # 10,629,120 B = 10.14 MiB
 
 
 def test_compute_column_and_the_fix_for_a_slow_path():

@@ -279,7 +279,8 @@ class Dashboard:
             " · used ", (fmt_bytes(c.get("memory_used_bytes")), "bold"),
         )
         if c.get("prefix_bytes") is not None:
-            t.append_text(Text.assemble(" · prefix cache ", (fmt_bytes(c["prefix_bytes"]), "bold"),
+            disk = f" + {fmt_bytes(c['prefix_disk_bytes'])} on disk" if c.get("prefix_disk_bytes") else ""
+            t.append_text(Text.assemble(" · prefix cache ", (fmt_bytes(c["prefix_bytes"]), "bold"), disk,
                                         f" {c.get('prefix_hits') or 0} hits/{c.get('prefix_misses') or 0} misses"))
         t.no_wrap = True
         t.overflow = "ellipsis"

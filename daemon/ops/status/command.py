@@ -91,10 +91,12 @@ def run_status(args) -> int:
 
 
 def prefix_text(node: dict) -> str:
-    """A node's prefix store in one cell: bytes held, then hits/misses (``12MiB:5h/1m``)."""
+    """A node's prefix store in one cell: bytes held (and on disk), then hits/misses
+    (``12MiB:5h/1m``, ``12MiB+1.2GiBdisk:5h/1m``)."""
     if node.get("prefix_bytes") is None:
         return "—"
     from ringlet.daemon.ops.format import fmt_bytes
 
-    return (f"{fmt_bytes(node['prefix_bytes']).replace(' ', '')}:{node.get('prefix_hits') or 0}h/"
+    disk = f"+{fmt_bytes(node['prefix_disk_bytes']).replace(' ', '')}disk" if node.get("prefix_disk_bytes") else ""
+    return (f"{fmt_bytes(node['prefix_bytes']).replace(' ', '')}{disk}:{node.get('prefix_hits') or 0}h/"
             f"{node.get('prefix_misses') or 0}m")

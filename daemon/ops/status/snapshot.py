@@ -267,6 +267,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "prefix_bytes": sum_known([n["prefix_bytes"] for n in in_plan]),
         "prefix_hits": sum_known([n["prefix_hits"] for n in in_plan]),
         "prefix_misses": sum_known([n["prefix_misses"] for n in in_plan]),
+        "prefix_disk_bytes": sum_known([n["prefix_disk_bytes"] for n in in_plan]),
     }
     if cluster["num_layers"] is None and plan:
         ends = [as_int(s.get("end")) for s in plan]
@@ -350,8 +351,10 @@ def compute_fields(info: dict) -> dict:
 
 def prefix_fields(info: dict) -> dict:
     """One node's prefix store figures (``/v1/cluster``'s ``prefix_cache``): bytes and
-    entries held, its budget, hits, misses and evictions; ``None`` for what it does not
-    report."""
+    entries held, its budget, hits, misses and evictions, and the disk tier's bytes and
+    entries; ``None`` for what it does not report."""
     pc = info.get("prefix_cache") if isinstance(info.get("prefix_cache"), dict) else {}
-    return {f"prefix_{k}": as_int(pc.get(k)) for k in ("bytes", "budget_bytes", "entries", "hits", "misses",
-                                                        "evictions")}
+    disk = pc.get("disk") if isinstance(pc.get("disk"), dict) else {}
+    return {**{f"prefix_{k}": as_int(pc.get(k)) for k in ("bytes", "budget_bytes", "entries", "hits", "misses",
+                                                           "evictions")},
+            "prefix_disk_bytes": as_int(disk.get("bytes")), "prefix_disk_entries": as_int(disk.get("entries"))}
