@@ -94,6 +94,11 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed):
         survivors = [i for i in range(3) if i != middle]
         after = c.wait_plan(stages=2, nodes=survivors)
         assert after["epoch"] > plan["epoch"]
+        # the events of the kill and the resume are one line of plain words each
+        events = [e for i in survivors for e in c.cluster_info(i)["events"]]
+        assert any(e["kind"] == "resume" for e in events), events
+        for e in events:
+            assert "\n" not in e["message"] and "AioRpcError" not in e["message"], e
 
 
 def test_sigterm_mid_stream_is_a_graceful_leave(undisturbed):
