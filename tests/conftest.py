@@ -39,10 +39,14 @@ def default_location():
 
 
 #: Test files that must not share the machine with another test file's processes: the
-#: tensor tests count every rank process on the machine and measure idle CPU; the
+#: tensor-parallel tests start rank processes that busy-wait in MLX's ring collectives
+#: and time hangs, stalled collectives and idle ranks' CPU (the planning-only tensor
+#: tests, test_tp_config and test_tp_serving, run in the parallel phase); the
 #: network-namespace tests time links they shape; the live dashboard runs in tmux; the
 #: speed probe times matmuls. They carry the ``serial`` mark.
-SERIAL = ("tensor/", "cluster/test_netns.py", "ops/test_dashboard_cluster.py", "probes/test_probe_speed_local.py")
+SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_tp_hybrid.py",
+          "tensor/test_tp_hybrid_cluster.py", "cluster/test_netns.py", "ops/test_dashboard_cluster.py",
+          "probes/test_probe_speed_local.py")
 
 
 def pytest_collection_modifyitems(config, items):
