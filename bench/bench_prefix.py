@@ -12,12 +12,16 @@
    against the model's KV bytes per token for that stage's layers (2 x kv_heads x
    head_dim x 4 bytes x layers, float32). Goal: within 10 %.
 
+4. The disk tier: TTFT of a turn served from disk, from memory and uncached, and after
+   restarting every daemon.
+
 Run: ``python bench/run.py bench_prefix`` or ``python bench/bench_prefix.py``.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import threading
@@ -83,6 +87,37 @@ def concurrent_ttft(url: str) -> float:
     return statistics.mean(times)
 
 
+def disk_tier(cold_url: str) -> dict:
+    """TTFT of a turn whose prefix the disk tier serves, against the same turn served from
+    memory and on a cluster without the cache; and after restarting both daemons. 2
+    daemons whose memory store holds one ~1,100-token conversation, with a 1 GB disk tier."""
+    per_token = 15 * KV_BYTES_PER_TOKEN_PER_LAYER  # a stage of 15 layers
+    args = ["--prefix-cache-bytes", str(1600 * per_token), "--prefix-cache-disk-bytes", "1GB"]
+    with LocalCluster(2, extra_args=args) as c:
+        url = c.api_urls[0]
+        conv_a = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TURN.format(n=1)}]
+        conv_b = [{"role": "system", "content": "Be brief. " + SYSTEM}, {"role": "user", "content": TURN.format(n=2)}]
+        _, answer, _ = ttft(url, conv_a)
+        ttft(url, conv_b)  # A's entry is evicted from memory to disk for B's
+        conv_a += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURN.format(n=3)}]
+        from_disk, answer, usage = ttft(url, conv_a)
+        in_memory, _, _ = ttft(url, conv_a[:-1] + [{"role": "user", "content": TURN.format(n=4)}])
+        uncached, _, _ = ttft(cold_url, conv_a)
+        for i in range(2):
+            c.kill(i, signal.SIGTERM)  #: the entries in memory are written to the tier too
+        for i in range(2):
+            c.restart(i)
+        conv_a += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURN.format(n=5)}]
+        after_restart, _, restart_usage = ttft(url, conv_a)
+    out = {"prompt_tokens": usage.get("prompt_tokens"), "ttft_disk_hit_s": from_disk, "ttft_memory_hit_s": in_memory,
+           "ttft_uncached_s": uncached, "ttft_disk_hit_after_restart_s": after_restart,
+           "cached_after_restart": restart_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+    print(f"  disk tier, {out['prompt_tokens']}-token turn: TTFT {from_disk:.2f} s from disk, {in_memory:.2f} s "
+          f"from memory, {uncached:.2f} s uncached (x{uncached / from_disk:.1f}); after restarting both daemons "
+          f"{after_restart:.2f} s with {out['cached_after_restart']} tokens cached")
+    return out
+
+
 def main() -> dict:
     results: dict = {}
     with LocalCluster(3) as warm, \
@@ -114,6 +149,7 @@ def main() -> dict:
         results["concurrent_8_shared_4000"] = {"mean_ttft_cached_s": a, "mean_ttft_uncached_s": b, "speedup": b / a}
         print(f"  8 concurrent on a shared ~4,000-token prefix: mean TTFT {a:.2f} s cached, {b:.2f} s without "
               f"(x{b / a:.1f})")
+        results["disk_tier"] = disk_tier(cold.api_urls[0])
     Path(__file__).with_name("results_prefix.json").write_text(json.dumps(results, indent=1))
     return results
 
