@@ -104,7 +104,7 @@ def disk_tier(cold_url: str) -> dict:
         in_memory, _, _ = ttft(url, conv_a[:-1] + [{"role": "user", "content": TURN.format(n=4)}])
         uncached, _, _ = ttft(cold_url, conv_a)
         for i in range(2):
-            c.kill(i, signal.SIGTERM)  #: the entries in memory are written to the tier too
+            c.kill(i, signal.SIGTERM)  # the entries in memory are written to the tier too
         for i in range(2):
             c.restart(i)
         conv_a += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURN.format(n=5)}]
