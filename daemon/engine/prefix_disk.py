@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import PromptTrie
 from safetensors import safe_open
+
+from ringlet.daemon.engine.token_index import TokenIndex
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class DiskEntry:
     nbytes: int
 
 
-class PrefixDisk:
+class PrefixDisk(TokenIndex):
     """The disk tier under ``directory / key``, holding at most ``budget_bytes``.
 
     Args:
@@ -86,10 +85,7 @@ class PrefixDisk:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = max(0, int(budget_bytes))
         self.key = key
-        self._trie = PromptTrie()
-        self._entries: OrderedDict[int, DiskEntry] = OrderedDict()  # least recently used first
-        self._ids = itertools.count(1)
-        self.nbytes = 0
+        super().__init__()
         self.hits = self.writes = self.evictions = self.ignored = 0
         self._scan()
 
@@ -113,45 +109,19 @@ class PrefixDisk:
             self._add(entry)
         self._evict_to(self.budget_bytes)
 
-    def _add(self, entry: DiskEntry) -> None:
-        prev = self._trie.add(entry.scope, entry.tokens, entry.id)
-        if prev is not None:
-            self._forget(self._entries[prev], in_trie=False)
-        self._entries[entry.id] = entry
-        self.nbytes += entry.nbytes
-
-    def _forget(self, entry: DiskEntry, in_trie: bool = True) -> None:
-        if in_trie:
-            self._trie.pop(entry.scope, entry.tokens)
-        self._entries.pop(entry.id, None)
-        self.nbytes -= entry.nbytes
+    def _discard(self, entry: DiskEntry) -> None:
         entry.path.unlink(missing_ok=True)
 
-    def _evict_to(self, budget: int) -> None:
-        while self.nbytes > budget and self._entries:
-            _, oldest = next(iter(self._entries.items()))
-            self._forget(oldest)
-            self.evictions += 1
-
-    def __len__(self) -> int:
-        return len(self._entries)
+    def _evict(self, entry: DiskEntry) -> None:
+        self._forget(entry)
+        self.evictions += 1
 
     # --- lookup ----------------------------------------------------------------------------
 
     def _search(self, scope: str, tokens: list[int], start: int, end: int) -> tuple[DiskEntry | None, int]:
         """The file sharing the longest prefix with ``tokens`` among those covering
         ``[start, end)``, and that prefix's length."""
-        if not tokens or not self._entries:
-            return None, 0
-        found = self._trie.search(scope, tokens)
-        candidates: list[tuple[DiskEntry, int]] = []
-        if found.exact is not None:
-            candidates.append((self._entries[self._trie.get(scope, found.exact)], len(tokens)))
-        if found.shorter is not None:
-            candidates.append((self._entries[self._trie.get(scope, found.shorter)], len(found.shorter)))
-        if found.longer is not None:
-            candidates.append((self._entries[self._trie.get(scope, found.longer)], found.common_prefix))
-        covering = [(e, n) for e, n in candidates if e.start <= start and e.end >= end]
+        covering = [(e, n) for e, n in self._candidates(scope, tokens) if e.start <= start and e.end >= end]
         return max(covering, key=lambda c: c[1], default=(None, 0))
 
     def longest(self, scope: str, tokens: list[int], start: int, end: int) -> int:

@@ -38,15 +38,14 @@ All methods run on the engine's MLX worker thread.
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, PromptTrie
+from mlx_lm.models.cache import KVCache
 
 from ringlet.daemon.engine.prefix_disk import PrefixDisk
+from ringlet.daemon.engine.token_index import TokenIndex
 
 
 @dataclass
@@ -82,7 +81,7 @@ def storable(cache: list) -> bool:
     return bool(cache) and all(type(c) is KVCache for c in cache)
 
 
-class PrefixStore:
+class PrefixStore(TokenIndex):
     """The prefix store of one stage holding layers ``[start, end)``.
 
     Args:
@@ -96,30 +95,14 @@ class PrefixStore:
         #: the disk tier: entries evicted for room go there, and come back on a hit
         self.disk = disk
         self.start, self.end = start, end
-        self._trie = PromptTrie()
-        self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
-        self._ids = itertools.count(1)
-        self.nbytes = 0
+        super().__init__()
         self.stats = StoreStats()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     # --- lookup -------------------------------------------------------------------------
 
     def _search(self, scope: str, tokens: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``tokens`` and that prefix's length."""
-        if not tokens:
-            return None, 0
-        found = self._trie.search(scope, tokens)
-        if found.exact is not None:
-            return self._entries[self._trie.get(scope, found.exact)], len(tokens)
-        best: tuple[Entry | None, int] = (None, 0)
-        if found.shorter is not None:
-            best = (self._entries[self._trie.get(scope, found.shorter)], len(found.shorter))
-        if found.longer is not None and found.common_prefix > best[1]:
-            best = (self._entries[self._trie.get(scope, found.longer)], found.common_prefix)
-        return best
+        return max(self._candidates(scope, tokens), key=lambda c: c[1], default=(None, 0))
 
     def longest(self, scope: str, tokens: list[int], limit: int | None = None) -> int:
         """How many leading tokens of ``tokens`` (at most ``limit``) this stage can serve,
@@ -186,13 +169,6 @@ class PrefixStore:
         self._evict_to(self.budget_bytes)
         return True
 
-    def _add(self, entry: Entry) -> None:
-        prev = self._trie.add(entry.scope, entry.tokens, entry.id)
-        if prev is not None:
-            self._forget(self._entries[prev], in_trie=False)
-        self._entries[entry.id] = entry
-        self.nbytes += entry.nbytes
-
     def _drop_covered(self, scope: str, tokens: list[int]) -> None:
         """Drop entries whose tokens are ``tokens`` or a prefix of them (the new entry serves them)."""
         while True:
@@ -204,21 +180,12 @@ class PrefixStore:
                 return
             self._forget(self._entries[self._trie.get(scope, prefix)])
 
-    def _forget(self, entry: Entry, in_trie: bool = True) -> None:
-        if in_trie:
-            self._trie.pop(entry.scope, entry.tokens)
-        self._entries.pop(entry.id, None)
-        self.nbytes -= entry.nbytes
-
-    def _evict_to(self, budget: int) -> None:
-        """Evict least recently used entries until ``budget`` holds, spilling each to the
-        disk tier when there is one."""
-        while self.nbytes > budget and self._entries:
-            _, oldest = next(iter(self._entries.items()))
-            if self.disk is not None:
-                self.disk.put(*self.export_entry(oldest))
-            self._forget(oldest)
-            self.stats.evictions += 1
+    def _evict(self, entry: Entry) -> None:
+        """Evict one entry for room, spilling it to the disk tier when there is one."""
+        if self.disk is not None:
+            self.disk.put(*self.export_entry(entry))
+        self._forget(entry)
+        self.stats.evictions += 1
 
     def save_to_disk(self) -> int:
         """Write every entry to the disk tier, most recently used last (so it is the last

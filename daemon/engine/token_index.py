@@ -1,0 +1,74 @@
+"""The index both prefix cache tiers keep: entries keyed by (scope, token ids) in
+mlx-lm's token trie (:class:`mlx_lm.models.cache.PromptTrie`), least recently used
+first, with their total bytes.
+
+:class:`~ringlet.daemon.engine.prefix_store.PrefixStore` (memory) and
+:class:`~ringlet.daemon.engine.prefix_disk.PrefixDisk` (files) differ only in what an
+entry holds, what forgetting one frees (:meth:`TokenIndex._discard`) and what evicting
+one does first (:meth:`TokenIndex._evict`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Any
+
+from mlx_lm.models.cache import PromptTrie
+
+
+class TokenIndex:
+    """Entries with ``id``, ``scope``, ``tokens`` (list of token ids) and ``nbytes``."""
+
+    def __init__(self) -> None:
+        self._trie = PromptTrie()
+        self._entries: OrderedDict[int, Any] = OrderedDict()  # least recently used first
+        self._ids = itertools.count(1)
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _add(self, entry: Any) -> None:
+        """Index ``entry`` as the most recently used; an entry with the same tokens goes."""
+        prev = self._trie.add(entry.scope, entry.tokens, entry.id)
+        if prev is not None:
+            self._forget(self._entries[prev], in_trie=False)
+        self._entries[entry.id] = entry
+        self.nbytes += entry.nbytes
+
+    def _forget(self, entry: Any, in_trie: bool = True) -> None:
+        if in_trie:
+            self._trie.pop(entry.scope, entry.tokens)
+        self._entries.pop(entry.id, None)
+        self.nbytes -= entry.nbytes
+        self._discard(entry)
+
+    def _discard(self, entry: Any) -> None:
+        """Free what ``entry`` holds outside the index (nothing, by default)."""
+
+    def _evict(self, entry: Any) -> None:
+        """Evict one entry for room (by default, just forget it)."""
+        self._forget(entry)
+
+    def _evict_to(self, budget: int) -> None:
+        """Evict least recently used entries until at most ``budget`` bytes are held."""
+        while self.nbytes > budget and self._entries:
+            _, oldest = next(iter(self._entries.items()))
+            self._evict(oldest)
+
+    def _candidates(self, scope: str, tokens: list[int]) -> list[tuple[Any, int]]:
+        """The entries that share a prefix with ``tokens``, each with that prefix's
+        length (> 0): the one holding exactly ``tokens``, then the longest holding a
+        prefix of them, then one holding a longer sequence."""
+        if not tokens or not self._entries:
+            return []
+        found = self._trie.search(scope, tokens)
+        out = []
+        if found.exact is not None:
+            out.append((self._entries[self._trie.get(scope, found.exact)], len(tokens)))
+        if found.shorter is not None:
+            out.append((self._entries[self._trie.get(scope, found.shorter)], len(found.shorter)))
+        if found.longer is not None and found.common_prefix > 0:
+            out.append((self._entries[self._trie.get(scope, found.longer)], found.common_prefix))
+        return out
