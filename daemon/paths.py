@@ -7,8 +7,11 @@ ask for the data dir without reaching into another's module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -47,3 +50,23 @@ def prefix_cache_dir(data_dir: str | Path | None, address: str, static: bool) ->
     subdirectory named after its gRPC ``address`` (``host:port``)."""
     base = (Path(data_dir).expanduser() if data_dir else default_data_dir()) / "prefix-cache"
     return base / f"stage-{address.replace(':', '-')}" if static else base
+
+
+def write_atomically(target: Path, write: Callable[[str], object]) -> Exception | None:
+    """Call ``write(tmp_path)`` on a temporary file beside ``target`` and move the result
+    to ``target`` in one step, so readers never see half a file. Returns ``None`` once
+    written, or the ``OSError``, ``TypeError`` or ``ValueError`` that stopped it (nothing
+    is left behind); other errors propagate, after the temporary file is removed."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+        os.close(fd)
+        try:
+            write(tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    except (OSError, TypeError, ValueError) as exc:
+        return exc
+    return None

@@ -409,6 +409,7 @@ def _cached_backend(path: Path):
 
 def _store_backend(path: Path, backend) -> None:
     """Save a converted tokenizer for :func:`_cached_backend` (atomically; failures ignored)."""
-    from ringlet.daemon.engine.gguf_index import cache_file, write_atomically
+    from ringlet.daemon.engine.gguf_index import cache_file
+    from ringlet.daemon.paths import write_atomically
 
     write_atomically(cache_file(path, "tokenizers"), backend.save)

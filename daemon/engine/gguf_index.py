@@ -10,11 +10,8 @@ ignored (the file is parsed again).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,21 +52,6 @@ def cache_file(gguf_path: Path, folder: str, suffix: str = ".json") -> Path:
     return machine_cache_dir() / folder / f"{key}{suffix}"
 
 
-def write_atomically(target: Path, write) -> None:
-    """Call ``write(tmp_path)`` and move the result to ``target`` in one step, so readers
-    never see half a file; failures leave nothing behind and are ignored."""
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-
-
 def _plain(value: Any) -> Any:
     """Metadata values as JSON values (numpy scalars and arrays as Python ones)."""
     if hasattr(value, "tolist"):
@@ -102,4 +84,6 @@ def store(gguf_path: Path, metadata: dict, tensors: dict) -> None:
     body = json.dumps({"format": FORMAT, "metadata": {k: _plain(v) for k, v in metadata.items()},
                        "tensors": [[t.name, int(t.tensor_type), list(t.shape), t.n_bytes, t.data_offset,
                                     t.data_dtype, list(t.data_shape)] for t in tensors.values()]})
+    from ringlet.daemon.paths import write_atomically
+
     write_atomically(cache_file(gguf_path, "gguf"), lambda tmp: Path(tmp).write_text(body))

@@ -34,6 +34,7 @@ import mlx.core as mx
 from safetensors import safe_open
 
 from ringlet.daemon.engine.token_index import TokenIndex
+from ringlet.daemon.paths import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -163,17 +164,20 @@ class PrefixDisk(TokenIndex):
         self._evict_to(self.budget_bytes - nbytes)
         ident = next(self._ids)
         path = self.dir / f"{os.getpid()}-{ident}{SUFFIX}"
-        tmp = path.with_suffix(".tmp")
         header = {**meta, "format": FORMAT, "model_key": self.key, "tokens": json.dumps(tokens)}
-        try:
-            # mx.save_safetensors appends ".safetensors" to a name without it: write to an
-            # explicit temporary name through a file object, then rename into place
+
+        def save(tmp: str) -> None:
+            # mx.save_safetensors appends ".safetensors" to a name without it: write
+            # through a file object to the temporary name
             with open(tmp, "wb") as f:
                 mx.save_safetensors(f, arrays, metadata=header)
-            os.replace(tmp, path)
-        except Exception as exc:  # a full or read-only disk: the entry is simply not kept
-            log.warning("prefix cache: cannot write %s (%s)", path.name, exc)
-            tmp.unlink(missing_ok=True)
+
+        try:
+            error = write_atomically(path, save)
+        except Exception as exc:  # MLX's own errors: the entry is simply not kept
+            error = exc
+        if error is not None:  # a full or read-only disk, too
+            log.warning("prefix cache: cannot write %s (%s)", path.name, error)
             return False
         self._add(DiskEntry(ident, path, scope, tokens, int(meta["start"]), int(meta["end"]), path.stat().st_size))
         self.writes += 1
