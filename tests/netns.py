@@ -325,7 +325,10 @@ class NetnsLab:
 
     def start_all(self, n: int, args: list[str] | None = None, timeout_s: float = 120.0) -> list[Daemon]:
         """Create ``n`` nodes, start them all, and wait until each answers ``/healthz``."""
-        nodes = [self.add_node(args) for _ in range(n)]
+        return self.start_nodes([self.add_node(args) for _ in range(n)], timeout_s)
+
+    def start_nodes(self, nodes: list[Daemon], timeout_s: float = 120.0) -> list[Daemon]:
+        """Start ``nodes`` (made by :meth:`add_node`) and wait until each answers ``/healthz``."""
         for d in nodes:
             self.start(d)
         deadline = time.monotonic() + timeout_s

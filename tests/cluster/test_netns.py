@@ -64,10 +64,7 @@ def test_shaped_node_links_are_measured_slow(lab: NetnsLab):
     lab.shape(shaped.index, rate=SHAPED_RATE)
     t0 = time.monotonic()
     try:
-        for d in nodes:
-            lab.start(d)
-        for d in nodes:
-            lab.wait_healthy(d, t0 + 120)
+        lab.start_nodes(nodes)
         healthy = time.monotonic() - t0
 
         views = lab.wait_converged(stages=None, timeout_s=90)
@@ -142,12 +139,8 @@ def test_two_daemons_on_one_machine_see_a_loopback_link_from_both_ends(lab: Netn
     b = lab.add_node(["--dtype", "native"], share_namespace_with=a)
     c = lab.add_node(["--dtype", "native"])
     nodes = [a, b, c]
-    t0 = time.monotonic()
     try:
-        for d in nodes:
-            lab.start(d)
-        for d in nodes:
-            lab.wait_healthy(d, t0 + 120)
+        lab.start_nodes(nodes)
         deadline = time.monotonic() + 90
         while True:
             records, views = lab.node_records(nodes), lab.views(nodes)
