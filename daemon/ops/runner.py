@@ -149,10 +149,11 @@ async def _measure_links(node: Node, membership, probe) -> None:
         # members re-measure after the same membership change: spread the bulk probes so
         # they do not share (and under-read) one node's link
         await asyncio.sleep(random.uniform(0.0, 1.0))  # noqa: S311 - jitter, not crypto
+        own = local_addresses()  # this machine's addresses, once a round
         for member in list(membership.members.values()):
             host = member.address.rsplit(":", 1)[0]
             try:
-                kind = link_kind(host, tb_ifaces, interface_for_peer, local_addresses(), wifi)
+                kind = link_kind(host, tb_ifaces, interface_for_peer, own, wifi)
                 m = await measure(membership.stub(member.address), kind)
                 links[member.node_id] = m.to_dict()
             except Exception as exc:  # noqa: BLE001 - a failed measurement keeps the old figure
