@@ -494,6 +494,8 @@ def summarise(views: dict) -> list:
         if not isinstance(v, dict):
             out.append((i, v))
             continue
+        negotiation = v.get("negotiation") or {}
         out.append((i, v.get("node_id"), f"epoch {v.get('epoch')}", f"{len(v.get('plan') or [])} stages",
-                    sorted((m["node_id"][:8], m["state"]) for m in v.get("members", []))))
+                    sorted((m["node_id"][:8], m["state"]) for m in v.get("members", [])),
+                    f"negotiation {negotiation.get('state')!r}, last {negotiation.get('last_result')!r}"))
     return out

@@ -21,7 +21,10 @@ Protocol (all over ringlet's gRPC)::
   stale view is refused ("membership differs") and re-proposed once views agree.
 * Competing proposals are ordered by ``(epoch, proposer id)``; a member never
   prepares a proposal older than one it has prepared, and never commits one it did
-  not prepare.
+  not prepare. A refusal carries the newest epoch the refusing member has prepared
+  or committed (``Vote.newest_epoch``), and the proposer's next round proposes above
+  it: a proposal that was prepared but never committed (its proposer lost the role
+  when two partitions merged) would otherwise refuse every later one at its epoch.
 * Churn is debounced: the proposer waits until the membership has been stable for
   ``settle_s`` and proposes only when the plan would differ from the committed one
   or the membership changed.
@@ -118,6 +121,7 @@ class Negotiator:
         self.committed_digest = ""
         self.committed_reason: str | None = None
         self._prepared_key: tuple[int, str] | None = None
+        self._epoch_floor = 0  # newest epoch a refusing member reported (Vote.newest_epoch)
         self._prepared: dict[tuple[int, str], tuple[ServingPlan, Plan | None, str]] = {}
         self._changed = asyncio.Event()
         self._last_change = time.monotonic()
@@ -197,7 +201,8 @@ class Negotiator:
             committed_mode = (self.node.plan.tp or {}).get("mode", "pipeline")
             if same and committed_mode == (mode or {}).get("mode", "pipeline"):
                 return False
-        epoch = max([self.node.epoch, *(m.committed_epoch for m in self.membership.members.values())]) + 1
+        epoch = max([self.node.epoch, self._epoch_floor,
+                     *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
@@ -227,6 +232,8 @@ class Negotiator:
         refused = [v for v in votes if not v.ok]
         if refused:
             self.state = "idle"
+            self._epoch_floor = max([self._epoch_floor, *(v.newest_epoch for v in refused)])
+            self._abandon((epoch, self.node.node_id))
             self.last_result = "; ".join(f"{v.node_id}: {v.reason}" for v in refused)
             log.info("epoch %d not accepted: %s", epoch, self.last_result)
             return True
@@ -253,7 +260,17 @@ class Negotiator:
 
     def _refuse(self, why: str) -> pb.Vote:
         log.info("refusing a proposal: %s", why)
-        return pb.Vote(ok=False, reason=why, node_id=self.node.node_id)
+        newest = max(self.node.epoch, self._prepared_key[0] if self._prepared_key is not None else 0)
+        return pb.Vote(ok=False, reason=why, node_id=self.node.node_id, newest_epoch=newest)
+
+    def _abandon(self, key: tuple[int, str]) -> None:
+        """Forget this node's own proposal ``key`` after a member refused it.
+
+        It will never be committed, so it must not refuse the proposals that follow.
+        """
+        self._prepared.pop(key, None)
+        if self._prepared_key == key:
+            self._prepared_key = max(self._prepared, default=None)
 
     async def on_propose(self, p: pb.Proposal) -> pb.Vote:
         """Check and prepare a proposal (see the module docstring for the rules)."""

@@ -1,0 +1,145 @@
+"""Negotiation between three members over real gRPC: competing proposals.
+
+A proposal that was prepared but never committed (its proposer lost the role when
+two partitions merged: CI saw it in the netns cut-link test) must not refuse every
+later proposal at its epoch. Each member here is a real :class:`Membership` and
+:class:`Negotiator` behind a real gRPC server on loopback; only the node they
+plan for is the small :class:`PlanHost` below (negotiation's own interface to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+from ringlet.daemon.cluster.membership import Member, Membership
+from ringlet.daemon.cluster.negotiation import Negotiator
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.serving_plan import ServingPlan
+from ringlet.daemon.wire.transport import TransportConfig, make_server
+from ringlet.partitioning import ModelSpec, NodeSpec, make_plan
+
+LAYERS = 6
+SPEC = ModelSpec(layer_bytes=(10,) * LAYERS, embedding_bytes=3, head_bytes=2, kv_bytes_per_token_per_layer=1,
+                 context_tokens=4, flops_per_token_per_layer=10.0, name="tiny")
+RECORD = {"usable_memory_bytes": 1000}
+
+
+class Host:
+    """The node a negotiation plans for: holds the committed plan, records what happened."""
+
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+        self.plan: ServingPlan | None = None
+        self.prepared: list[int] = []
+
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch if self.plan is not None else 0
+
+    async def prepare(self, plan: ServingPlan) -> int:
+        self.prepared.append(plan.epoch)
+        return 0
+
+    async def commit(self, plan: ServingPlan) -> None:
+        self.plan = plan
+
+    def event(self, kind: str, message: str) -> None:
+        pass
+
+
+class Ring(pb_grpc.RingServicer):
+    def __init__(self, negotiation: Negotiator):
+        self.negotiation = negotiation
+
+    async def Propose(self, request, context):  # noqa: N802 - gRPC method name
+        return await self.negotiation.on_propose(request)
+
+    async def Commit(self, request, context):  # noqa: N802
+        return await self.negotiation.on_commit(request)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def trio():
+    """Three members ``a`` < ``b`` < ``c`` that all see each other: ``{id: (host, membership, negotiator)}``."""
+    ids = ["a" * 16, "b" * 16, "c" * 16]
+    addresses = {i: f"127.0.0.1:{free_port()}" for i in ids}
+    parts, servers = {}, []
+    try:
+        for i in ids:
+            membership = Membership(i, addresses[i], "cluster", "inc", TransportConfig(node_id=i))
+            membership.set_record(RECORD)
+            for j in ids:
+                if j != i:
+                    membership.members[j] = Member(node_id=j, address=addresses[j], record=RECORD)
+            host = Host(i)
+            negotiator = Negotiator(host, membership, SPEC, "tiny-model", LAYERS, settle_s=0.05)
+            server = make_server(TransportConfig(node_id=i), addresses[i])
+            pb_grpc.add_RingServicer_to_server(Ring(negotiator), server)
+            await server.start()
+            servers.append(server)
+            parts[i] = (host, membership, negotiator)
+        yield parts
+    finally:
+        for server in servers:
+            await server.stop(None)
+        for _, membership, _ in parts.values():
+            for channel in membership._channels.values():
+                await channel.close()
+
+
+def test_a_prepared_proposal_that_never_commits_does_not_block_the_proposer():
+    async def scenario():
+        async with trio() as parts:
+            a, b, c = sorted(parts)
+            # c (not the proposer once it sees a) had proposed epoch 3; b and c prepared
+            # it, and c never committed it (it lost the proposer's role when a came back)
+            plan = make_plan([NodeSpec(b, 1000, 100e9, 1e12), NodeSpec(c, 1000, 100e9, 1e12)], [], SPEC)
+            stale = pb.Proposal(epoch=3, proposer_id=c, membership_digest=parts[c][1].digest(),
+                                plan_json=plan.to_json(), model="tiny-model",
+                                addresses=[pb.LayerRange(node_id=i, grpc_address=parts[i][1].address)
+                                           for i in (b, c)])
+            for i in (b, c):
+                assert (await parts[i][2].on_propose(stale)).ok
+            neg_a = parts[a][2]
+            assert neg_a.is_proposer()
+            # a's first round (epoch 1: nothing is committed yet) loses to (3, c); the
+            # refusals tell a about epoch 3
+            assert await neg_a._propose_round() is True
+            assert "superseded" in neg_a.last_result
+            # its next round proposes above it, and every member commits it
+            assert await neg_a._propose_round() is False, neg_a.last_result
+            epochs = {i: parts[i][0].epoch for i in parts}
+            assert set(epochs.values()) == {4}, epochs
+            assert len({parts[i][0].plan.plan_id for i in parts}) == 1
+            assert sorted(s.node_id for s in parts[a][0].plan.stages) == [a, b, c]
+
+    asyncio.run(scenario())
+
+
+def test_a_proposer_forgets_its_own_refused_proposal():
+    async def scenario():
+        async with trio() as parts:
+            a, b, c = sorted(parts)
+            # b proposes from a view that lacks a: its own member side prepares (1, b),
+            # c refuses it (membership differs), and b must not keep (1, b) prepared
+            del parts[b][1].members[a]
+            neg_b = parts[b][2]
+            assert neg_b.is_proposer()
+            assert await neg_b._propose_round() is True
+            assert "membership differs" in neg_b.last_result
+            parts[b][1].members[a] = Member(node_id=a, address=parts[a][1].address, record=RECORD)
+            # a's proposal at epoch 1 is then accepted by b at once
+            neg_a = parts[a][2]
+            assert await neg_a._propose_round() is False, neg_a.last_result
+            assert {parts[i][0].epoch for i in parts} == {1}
+
+    asyncio.run(scenario())
