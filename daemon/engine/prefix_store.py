@@ -128,7 +128,7 @@ class PrefixStore(TokenIndex):
                 if not self.import_entry(*loaded):  # larger than the memory budget: serve it once
                     self.stats.hits += 1
                     self.stats.hit_tokens += len(tokens)
-                    return _caches(_layers_of(*loaded, self.start, self.end), len(tokens))
+                    return caches_from(_layers_of(*loaded, self.start, self.end), len(tokens))
                 entry, n = self._search(scope, tokens)
         if entry is None or n < len(tokens) or not self._covers(entry):
             self.stats.misses += 1
@@ -137,7 +137,7 @@ class PrefixStore(TokenIndex):
         offset = self.start - entry.start
         self.stats.hits += 1
         self.stats.hit_tokens += len(tokens)
-        return _caches(entry.layers[offset:offset + (self.end - self.start)], len(tokens))
+        return caches_from(entry.layers[offset:offset + (self.end - self.start)], len(tokens))
 
     def miss(self) -> None:
         """Count a lookup that found nothing to reuse."""
@@ -157,8 +157,7 @@ class PrefixStore(TokenIndex):
         n = len(tokens)
         if self.budget_bytes <= 0 or n == 0 or not storable(cache) or any(c.offset != n for c in cache):
             return False
-        layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])) for c in cache]
-        mx.eval(layers)
+        layers = snapshot(cache, n)
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget_bytes:
             return False
@@ -283,7 +282,16 @@ def _layers_of(arrays: dict[str, Any], meta: dict[str, str], start: int, end: in
     return layers
 
 
-def _caches(layers: list[tuple[mx.array, mx.array]], n: int) -> list[KVCache]:
+def snapshot(cache: list, n: int) -> list[tuple[mx.array, mx.array]]:
+    """Compact copies of the first ``n`` tokens of a request's ``KVCache`` layers: per
+    layer ``(keys, values)``, each ``(1, kv_heads, n, head_dim)`` in the cache dtype,
+    evaluated (the request may go on updating its cache)."""
+    layers = [(mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :])) for c in cache]
+    mx.eval(layers)
+    return layers
+
+
+def caches_from(layers: list[tuple[mx.array, mx.array]], n: int) -> list[KVCache]:
     """Fresh mlx-lm caches holding the first ``n`` tokens of ``layers``: new array
     objects (slices), so a request's updates never reach the stored arrays."""
     caches = []

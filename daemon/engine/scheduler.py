@@ -149,8 +149,8 @@ class StageEngine:
         self.executor = executor
         self.max_tensor_bytes = max_tensor_bytes
         self.max_batch = max_batch
-        #: the prefix store of this stage (finished requests' KV, by token ids)
-        self.prefix = prefix if prefix is not None else PrefixStore(0)
+        # the prefix store of a layer stage (finished requests' KV, by token ids)
+        self._prefix = prefix if prefix is not None else PrefixStore(0)
         self._requests: dict[str, _RequestState] = {}
         self._queue: deque[_Work] = deque()
         self._wakeup: asyncio.Event | None = None
@@ -309,6 +309,14 @@ class StageEngine:
                 for work, result in zip(batch, results, strict=True):
                     _resolve(work.future, result)
 
+    @property
+    def prefix(self) -> PrefixStore:
+        """The prefix store of the stage served now: the stage's own when it has one (a
+        tensor group's, :class:`ringlet.daemon.tensor.group_prefix.GroupPrefixStore`, whose
+        ranks hold the KV), else this engine's (finished requests' KV, by token ids)."""
+        own = getattr(self.stage, "prefix_store", None)
+        return own if own is not None else self._prefix
+
     # --- worker-thread functions ---------------------------------------------------------
 
     def swap(self, stage: Stage | None) -> None:
@@ -317,9 +325,9 @@ class StageEngine:
         self.stage = stage
         self._requests.clear()
         if isinstance(stage, Stage):
-            self.prefix.retain(stage.start, stage.end)
+            self._prefix.retain(stage.start, stage.end)
         else:
-            self.prefix.clear()  # no layers here (a tensor plan), or a tensor group's stage
+            self._prefix.clear()  # no layers here (a tensor plan), or a tensor group's stage (its own store)
         mx.clear_cache()
 
     def _state(self, work: _Work) -> _RequestState:

@@ -281,14 +281,23 @@ class Node(ResumingClient, Head, Relay):
         else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION` of the usable memory
         (``--memory-limit``, else this machine's share per ringlet process) the stage's weights
         leave free (0 for a stage of another kind, e.g. a tensor group's)."""
+        own = getattr(stage, "prefix_store", None)  # a tensor group's stage: its budget is set
+        if own is not None:
+            return own.budget_bytes
         if not isinstance(stage, Stage):
             return 0
+        return self.prefix_budget_for(stage.nbytes())
+
+    def prefix_budget_for(self, weights_bytes: int) -> int:
+        """Bytes of prefix cache this node may hold next to ``weights_bytes`` of weights:
+        ``--prefix-cache-bytes``, else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION`
+        of the usable memory they leave free."""
         if self.config.prefix_cache_bytes is not None:
             return max(0, self.config.prefix_cache_bytes)
         usable = self.config.usable_memory_bytes
         if usable is None:  # the machine's memory, shared with the other ringlet processes on it
             usable = psutil.virtual_memory().total // colocated.count(machine_cache_dir() / colocated.DIR_NAME)
-        return int(PREFIX_CACHE_FRACTION * max(0, usable - stage.nbytes()))
+        return int(PREFIX_CACHE_FRACTION * max(0, usable - weights_bytes))
 
     def memory_info(self, stage) -> dict:
         """What this node holds now, bytes (``/v1/cluster``'s ``memory``): the weights of
@@ -342,7 +351,9 @@ class Node(ResumingClient, Head, Relay):
             "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),
             "kv_caches": self.engine.active_requests if self.engine else [],
-            "prefix_cache": self.engine.prefix.info() if self.engine else None,
+            "prefix_cache": ((self.tp.prefix_info() if self.tp is not None and self.plan is not None
+                              and self.plan.is_tensor else None)
+                             or (self.engine.prefix.info() if self.engine else None)),
             "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "hop_latency_median_s": statistics.median(lat) if lat else None,

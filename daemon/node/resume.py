@@ -225,8 +225,8 @@ class ResumingClient:
     def head_source(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                     stop_ids: frozenset[int], scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
         """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group
-        (which has no prefix store: its ranks hold the KV)."""
+        (whose prefix cache lives in its ranks: :mod:`ringlet.daemon.tensor.rank_prefix`)."""
         if self.plan is not None and self.plan.is_tensor and self.tp is not None:
-            return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids)
+            return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
         return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
 

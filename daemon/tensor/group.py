@@ -190,6 +190,8 @@ class TPGroup(GroupRequests, GroupEpochs):
         self._closing = False
         self._fatal: BaseException | None = None
         self._last_why = ""
+        #: rank 0's prefix cache figures after the last request (``None`` before one)
+        self.prefix_info: dict | None = None
 
     @classmethod
     def local(cls, model: str | None, ranks: int, *, memory: int = 64 << 30, **kw: Any) -> TPGroup:

@@ -48,6 +48,8 @@ class Req:
     sent_epoch: int = -1
     done: bool = False
     resumes: int = 0
+    prefix: dict | None = None  # gen: {"scope", "budget"} for rank 0's prefix cache
+    info: dict | None = None  # gen: the caller's dict, given "cached_tokens"
 
 
 class GroupRequests:
@@ -63,9 +65,15 @@ class GroupRequests:
         max_tokens: int,
         sampling: SamplingParams | None = None,
         stop_ids: Sequence[int] = (),
+        prefix: dict | None = None,
+        info: dict | None = None,
     ) -> AsyncIterator[int]:
         """Token ids as rank 0 produces them; survives group failures (re-prefill).
         Stops after ``max_tokens`` or a token in ``stop_ids`` (which is yielded).
+
+        ``prefix`` (``{"scope": str, "budget": bytes per rank}``) turns rank 0's prefix
+        cache on for this request (:mod:`ringlet.daemon.tensor.rank_prefix`); ``info``
+        then gets ``cached_tokens``, the prompt tokens taken from it.
 
         Raises:
             TPGroupError: the group failed for good.
@@ -85,6 +93,8 @@ class GroupRequests:
             },
             stop=[int(t) for t in stop_ids],
             extra={"steps_done": int(sampling.steps_done)},
+            prefix=dict(prefix) if prefix else None,
+            info=info,
         )
         async for item in self._run(req):
             yield item
@@ -150,11 +160,35 @@ class GroupRequests:
         else:
             extra["tokens"] = [int(t) for t in tokens]
         req = Req(id=f"s{next(self._ids)}", kind="stage", prompt=[], extra=extra, data=data)
-        shape, out, out_dtype = await self._one(req)
+        shape, out, out_dtype, _ = await self._one(req)
         ran = req.sent_epoch
         if shape is None:
             return ran, None, out_dtype
         return ran, np.frombuffer(out, dtype=np.float32).reshape(shape), out_dtype
+
+    async def stage_prefix(self, op: str, slot: int, epoch: int, entry: int, n: int) -> int:
+        """Stage mode, prefix cache (:mod:`ringlet.daemon.tensor.rank_prefix`): every rank keeps
+        the first ``n`` tokens of ``slot``'s cache as ``entry`` (``op="save"``; returns rank
+        0's bytes, 0 when nothing was kept), or starts ``slot``'s cache from ``n`` tokens of
+        ``entry`` (``op="load"``; returns 1 when loaded, 0 when the ranks lack it). ``epoch``
+        is the group epoch that holds the slot (save) or the entry (load).
+
+        Raises:
+            TPStageLost: the group restarted since ``epoch``.
+            TPGroupError: the group failed or closed.
+        """
+        if op not in ("save", "load"):
+            raise ValueError(f"unknown prefix op {op!r}")
+        extra = {"op": op, "slot": int(slot), "entry": int(entry), "n": int(n), "epoch": epoch}
+        req = Req(id=f"p{next(self._ids)}", kind="stage", prompt=[], extra=extra)
+        _, _, _, value = await self._one(req)
+        return int(value or 0)
+
+    def drop_prefix(self, entry: int, epoch: int) -> None:
+        """Stage mode: every rank forgets prefix entry ``entry`` (nothing when ``epoch`` is gone)."""
+        ep = self._epoch
+        if ep is not None and ep.number == epoch and self.state == "ready" and not ep.failed.is_set():
+            self._write(ep.ranks[0], {"t": "pdrop", "entry": int(entry)})
 
     def free_slot(self, slot: int, epoch: int) -> None:
         """Stage mode: drop a slot's KV cache on every rank (nothing when ``epoch`` is gone)."""
@@ -223,6 +257,8 @@ class GroupRequests:
                 stop=req.stop,
                 skip=len(req.generated) + int(req.extra.get("steps_done", 0)),
             )
+            if req.prefix:
+                msg["prefix"] = req.prefix
         elif req.kind == "logits":
             msg.update(prompt=req.prompt)
         else:
@@ -262,10 +298,14 @@ class GroupRequests:
 
     def _on_answer(self, t: str, msg: dict) -> None:
         """Rank 0 answered a request (``tok``, ``done``, ``logits``, ``bench``, ``error``, ``out``)."""
+        if t == "done" and isinstance(msg.get("prefix"), dict):
+            self.prefix_info = msg["prefix"]  # also when the caller stopped reading first
         req = self._reqs.get(msg.get("id", ""))
         if req is None or req.done:
             return
         if t == "tok":
+            if "cached" in msg and req.info is not None:
+                req.info.setdefault("cached_tokens", int(msg["cached"]))
             for tok in msg["ids"]:
                 req.generated.append(int(tok))
                 req.queue.put_nowait(int(tok))
@@ -282,7 +322,7 @@ class GroupRequests:
             req.done = True
             shape = msg.get("shape")
             req.queue.put_nowait((tuple(shape) if shape is not None else None, msg.get("_data"),
-                                  str(msg.get("dtype") or "float32")))
+                                  str(msg.get("dtype") or "float32"), msg.get("value")))
         else:
             req.done = True
             req.queue.put_nowait(("error", msg.get("msg", "error")))

@@ -39,6 +39,7 @@ from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.engine.stage import StageRange
 from ringlet.daemon.tensor.group import TPGroup
 from ringlet.daemon.tensor.group_errors import TPGroupError, TPStageLost
+from ringlet.daemon.tensor.group_prefix import GroupPrefixStore
 
 #: Seconds a step waits for its group to be attached (it starts at commit, ranks load first).
 ATTACH_WAIT_S = 120.0
@@ -63,10 +64,12 @@ class GroupStage(StageRange):
         loop: the event loop the group lives on (steps come from the engine's thread).
         step_timeout_s: seconds one forward may take once the group runs (a prefill
             chunk of many tokens included); beyond it the step fails.
+        prefix_budget_bytes: the budget of its prefix store (:attr:`prefix_store`), bytes
+            of KV per rank.
     """
 
     def __init__(self, start: int, end: int, num_layers: int, config: dict, loop: asyncio.AbstractEventLoop,
-                 step_timeout_s: float = 60.0):
+                 step_timeout_s: float = 60.0, prefix_budget_bytes: int = 0):
         self.start = start
         self.end = end
         self.num_layers = num_layers
@@ -79,6 +82,8 @@ class GroupStage(StageRange):
         self._numbers = itertools.count(1)
         self._epochs: dict[int, int] = {}  # slot -> the group epoch holding its cache
         self._lock = threading.Lock()
+        #: the engine's prefix store while this stage serves (the index; the ranks hold the KV)
+        self.prefix_store = GroupPrefixStore(self, prefix_budget_bytes)
 
     def attach(self, group: TPGroup | None) -> None:
         """Run on ``group`` from now on (``None``: the group is gone; steps fail)."""
@@ -189,6 +194,66 @@ class GroupStage(StageRange):
             raise RequestRetry(str(exc)) from None
         except TPGroupError as exc:
             raise RequestError(f"tensor group of layers [{self.start}, {self.end}): {exc}") from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise RequestError(f"tensor group of layers [{self.start}, {self.end}) did not answer") from None
+
+    # --- the prefix store's calls (engine worker thread) ------------------------------------
+
+    def group_epoch(self) -> int | None:
+        """The epoch of the attached group (``None``: none attached)."""
+        group = self.group
+        return group.info()["epoch"] if group is not None else None
+
+    def group_size(self) -> int:
+        group = self.group
+        return group.info()["size"] if group is not None else 0
+
+    def load_prefix(self, entry: int, epoch: int, n: int) -> list | None:
+        """A fresh slot whose caches every rank starts from ``n`` tokens of prefix entry
+        ``entry`` (made in group epoch ``epoch``), or ``None`` when the ranks cannot."""
+        if self.group is None:
+            return None
+        cache = self.make_cache()
+        try:
+            loaded = self._prefix_call("load", cache[0].number, epoch, entry, n)
+        except RequestError:
+            return None
+        if not loaded:
+            return None
+        with self._lock:
+            self._epochs[cache[0].number] = epoch
+        return cache
+
+    def save_prefix(self, cache: list, entry: int, n: int) -> tuple[int, int] | None:
+        """Have every rank keep ``n`` tokens of this request's slot as prefix entry
+        ``entry``: ``(group epoch, rank 0's bytes)``, or ``None`` when it cannot."""
+        if self.group is None or not cache or not isinstance(cache[0], _Slot):
+            return None
+        with self._lock:
+            epoch = self._epochs.get(cache[0].number)
+        if epoch is None:
+            return None
+        try:
+            return epoch, self._prefix_call("save", cache[0].number, epoch, entry, n)
+        except RequestError:
+            return None
+
+    def drop_prefix(self, entry: int, epoch: int) -> None:
+        """Have every rank forget prefix entry ``entry`` (no wait)."""
+        group = self.group
+        if group is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(group.drop_prefix, entry, epoch)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: the ranks are gone too
+
+    def _prefix_call(self, op: str, slot: int, epoch: int, entry: int, n: int) -> int:
+        future = asyncio.run_coroutine_threadsafe(self.group.stage_prefix(op, slot, epoch, entry, n), self.loop)
+        try:
+            return future.result(self.step_timeout_s)
+        except (TPStageLost, TPGroupError) as exc:
+            raise RequestError(str(exc)) from None
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise RequestError(f"tensor group of layers [{self.start}, {self.end}) did not answer") from None

@@ -7,7 +7,8 @@ END)``; at ``init`` it joins the MLX group (``mx.distributed.init(backend, stric
 a pipeline) and one all_sum checks the group. Then it runs whatever a side-channel header
 says (:mod:`ringlet.daemon.tensor.side_channel`): one step of a request's KV cache, a
 batched decode step of several slots (their caches merged into mlx-lm's ``BatchKVCache``),
-a free, an all-reduce bench. Ranks other than 0 :meth:`Rank.follow` rank 0's headers;
+a free, an all-reduce bench, or keeping, loading and dropping its shard of a prefix cache
+entry (:mod:`ringlet.daemon.tensor.rank_prefix`). Ranks other than 0 :meth:`Rank.follow` rank 0's headers;
 rank 0 drives them (:mod:`ringlet.daemon.tensor.rank_lead`).
 """
 
@@ -17,6 +18,7 @@ import argparse
 import time
 
 from ringlet.daemon.tensor.control import Control, Health
+from ringlet.daemon.tensor.rank_prefix import ShardEntries
 from ringlet.daemon.tensor.side_channel import (
     DTYPE_CODES,
     F_HEAD,
@@ -31,7 +33,10 @@ from ringlet.daemon.tensor.side_channel import (
     H_TOK,
     OP_BENCH,
     OP_BSTEP,
+    OP_DROP,
     OP_FREE,
+    OP_LOAD,
+    OP_SAVE,
     OP_STEP,
     OP_STOP,
     SideChannel,
@@ -73,6 +78,8 @@ class Rank:
         self.inner = None
         self.side: SideChannel | None = None
         self.caches: dict[int, list] = {}
+        #: this rank's shards of the group's prefix cache entries
+        self.kept = ShardEntries()
         self.stage_mode = False
         self.first = self.last = True
         self.hidden_size = 0
@@ -201,7 +208,16 @@ class Rank:
             return self.step(header, tokens, hidden)
         if op == OP_BSTEP:
             return self.step_batch(header, tokens, hidden)
-        if op == OP_FREE:
+        if op == OP_SAVE:
+            return self.kept.save(int(header[H_ARG]), self.caches.get(int(header[H_SLOT])), int(header[H_N]))
+        if op == OP_LOAD:
+            cache = self.kept.load(int(header[H_ARG]), int(header[H_N]))
+            if cache is not None:
+                self.caches[int(header[H_SLOT])] = cache
+            return cache is not None
+        if op == OP_DROP:
+            self.kept.drop(int(header[H_ARG]))
+        elif op == OP_FREE:
             self.caches.pop(int(header[H_SLOT]), None)
         elif op == OP_BENCH:
             return self.bench(int(header[H_ARG]), int(header[H_TOK]))

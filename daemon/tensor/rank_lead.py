@@ -5,7 +5,9 @@ before each model step, tells every other rank over the side channel what to run
 (:mod:`ringlet.daemon.tensor.side_channel`). Rank 0 samples
 (:class:`ringlet.daemon.engine.sampling.RequestSampler`) and sends each token to the
 supervisor as soon as it exists. Requests interleave one step at a time; long prompts are
-prefilled in chunks.
+prefilled in chunks. A ``gen`` request that names a prefix cache scope (``prefix``) starts
+from the longest cached prefix of its prompt and is kept as an entry when it ends
+(:mod:`ringlet.daemon.tensor.rank_prefix`: rank 0 keeps the index, every rank its shards).
 
 Stage mode (``--layers START:END``, hybrid plans): rank 0 serves ``stage`` requests one at
 a time, in order: the input of one forward (token ids on the first stage, hidden states on
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringlet.daemon.tensor.rank import Rank
+from ringlet.daemon.tensor.rank_prefix import ShardIndex
 from ringlet.daemon.tensor.side_channel import (
     DTYPE_CODES,
     F_HEAD,
@@ -30,7 +33,10 @@ from ringlet.daemon.tensor.side_channel import (
     F_NEW_CACHE,
     OP_BENCH,
     OP_BSTEP,
+    OP_DROP,
     OP_FREE,
+    OP_LOAD,
+    OP_SAVE,
     OP_STEP,
     OP_STOP,
 )
@@ -54,6 +60,9 @@ class Request:
     bench_left: int = 0
     bench_width: int = 1
     bench_rounds: list = field(default_factory=list)  # (all-reduces, seconds each)
+    scope: str | None = None  # its prefix cache scope (None: the cache is off for it)
+    fed: list[int] = field(default_factory=list)  # the token ids its KV cache holds
+    cached: int = 0  # prompt tokens taken from the prefix cache
 
 
 class LeadRank(Rank):
@@ -61,7 +70,9 @@ class LeadRank(Rank):
 
     def lead_stage(self) -> None:
         """Stage mode: run each ``stage`` request as it comes (the daemon's engine orders and
-        times them) and answer with the stage's output; ``free`` drops a slot's cache."""
+        times them) and answer with the stage's output; ``free`` drops a slot's cache; a ``stage``
+        request with an ``op`` keeps a slot's cache as a prefix entry (``save``, answered
+        with rank 0's bytes) or starts a slot from one (``load``), and ``pdrop`` forgets one."""
         import mlx.core as mx
         import numpy as np
 
@@ -78,7 +89,18 @@ class LeadRank(Rank):
                     self.side.send([OP_FREE, slot, 0, 0, 0, 0, -1])
                     self.caches.pop(slot, None)
                 continue
+            if t == "pdrop":  # forget a prefix cache entry (every rank its shard)
+                self.side.send([OP_DROP, 0, 0, 0, 0, int(msg["entry"]), -1])
+                self.kept.drop(int(msg["entry"]))
+                continue
             if t != "stage":
+                continue
+            if "op" in msg:  # keep a slot's cache as a prefix entry, or start a slot from one
+                op = OP_SAVE if msg["op"] == "save" else OP_LOAD
+                header = [op, int(msg["slot"]), 0, int(msg["n"]), 0, int(msg["entry"]), -1]
+                self.side.send(header)
+                value = self.apply_header(header)
+                self.ctrl.send({"t": "out", "id": msg["id"], "shape": None, "value": int(value)})
                 continue
             head = bool(msg.get("head"))
             slots = [int(x) for x in msg["slots"]] if "slots" in msg else [int(msg["slot"])]
@@ -171,6 +193,9 @@ class LeadRank(Rank):
                 frozenset(int(x) for x in msg.get("stop", ())),
                 kind=t,
             )
+            if t == "gen" and isinstance(msg.get("prefix"), dict):
+                index.set_budget(int(msg["prefix"].get("budget", 0)))
+                req.scope = str(msg["prefix"].get("scope", "")) if index.budget_bytes > 0 else None
             if t == "gen":
                 s = msg.get("sampling") or {}
                 req.sampler = RequestSampler(
@@ -195,10 +220,13 @@ class LeadRank(Rank):
         def finish(slot: int, reason: str) -> None:
             r = reqs.pop(slot)
             order.remove(slot)
+            if r.started and r.scope is not None and r.fed:  # keep its KV (every rank its shard)
+                entry_id = index.next_id()
+                index.add(entry_id, r.scope, r.fed, run([OP_SAVE, slot, 0, len(r.fed), 0, entry_id, -1]))
             if r.started:
                 to_free.append(slot)
             if r.kind == "gen" and reason:
-                self.ctrl.send({"t": "done", "id": r.id, "reason": reason})
+                self.ctrl.send({"t": "done", "id": r.id, "reason": reason, "prefix": index.info(self.size)})
 
         def run(header: list[int], tokens: list[int] | None = None):
             self.health.begin()
@@ -207,6 +235,7 @@ class LeadRank(Rank):
             self.health.end()
             return out
 
+        index = ShardIndex(0, lambda entry_id: run([OP_DROP, 0, 0, 0, 0, entry_id, -1]))
         rr = 0
         while True:
             # take new work; block only when there is nothing to do
@@ -242,8 +271,16 @@ class LeadRank(Rank):
                     reqs.pop(slot)
                     order.remove(slot)
                 continue
+            if not r.started and r.scope is not None:  # reuse the longest cached prefix, one token left
+                entry_id, n = index.longest(r.scope, r.pending[:-1])
+                loaded = n > 0 and bool(run([OP_LOAD, slot, 0, n, 0, entry_id, free]))
+                index.count(n if loaded else 0)
+                if loaded:
+                    free = -1  # the load's header carried it
+                    r.fed, r.pending, r.started, r.cached = r.pending[:n], r.pending[n:], True, n
             n = len(r.pending) if r.kind == "logits" else min(chunk, len(r.pending))
             feed, r.pending = r.pending[:n], r.pending[n:]
+            r.fed += feed
             last = not r.pending
             flags = (0 if r.started else F_NEW_CACHE) | (F_HEAD if last else 0)
             logits = run([OP_STEP, slot, flags, n, feed[0] if n == 1 else 0, 0, free], feed)
@@ -268,7 +305,8 @@ class LeadRank(Rank):
             tok = r.sampler(logits[0, -1])
             r.produced += 1
             r.pending = [tok]
-            self.ctrl.send({"t": "tok", "id": r.id, "ids": [tok], "k": r.produced})
+            self.ctrl.send({"t": "tok", "id": r.id, "ids": [tok], "k": r.produced,
+                            **({"cached": r.cached} if r.produced == 1 else {})})
             if tok in r.stop:
                 finish(slot, "stop")
             elif r.produced >= r.max_tokens:

@@ -13,7 +13,7 @@ blocking ``recv`` on the side channel instead, which costs no CPU. When rank 0 g
 away the side channel closes and the other ranks leave.
 
 Wire format: ``HEADER`` little-endian int32 (op, slot, flags, n, token, arg, free), then
-``n`` int32 token ids when ``n > 1``, or, with ``F_HIDDEN``, ``arg`` bytes of float32
+``n`` int32 token ids when ``n > 1`` (steps only), or, with ``F_HIDDEN``, ``arg`` bytes of float32
 hidden states ``(1, n, hidden_size)`` whose activation dtype is ``DTYPE_CODES[token]``. A
 batched decode step (``OP_BSTEP``, stage mode) carries ``n`` slots: ``n`` int32 slot ids,
 then ``n`` int32 token ids or, with ``F_HIDDEN``, hidden states ``(n, 1, hidden_size)``;
@@ -32,6 +32,10 @@ from ringlet.daemon.tensor.control import recv_exact
 H_OP, H_SLOT, H_FLAGS, H_N, H_TOK, H_ARG, H_FREE = range(7)
 HEADER = 7
 OP_STEP, OP_FREE, OP_STOP, OP_BENCH, OP_BSTEP = 1, 2, 4, 5, 6
+#: prefix cache (:mod:`ringlet.daemon.tensor.rank_prefix`): keep the first ``n`` tokens of
+#: ``slot``'s cache as entry ``arg``; start ``slot``'s cache from ``n`` tokens of entry
+#: ``arg``; forget entry ``arg``
+OP_SAVE, OP_LOAD, OP_DROP = 7, 8, 9
 F_NEW_CACHE, F_HEAD, F_HIDDEN = 1, 2, 4
 #: Activation dtypes of hidden states on the wire (they travel as float32, which holds each exactly).
 DTYPE_CODES = ("float32", "float16", "bfloat16")
@@ -83,6 +87,8 @@ class SideChannel:
     def _ints(header: list[int]) -> int:
         """How many int32 follow a header (slot ids and/or token ids)."""
         n, hidden = header[H_N], bool(header[H_FLAGS] & F_HIDDEN)
+        if header[H_OP] not in (OP_STEP, OP_BSTEP):
+            return 0
         if header[H_OP] == OP_BSTEP:
             return n if hidden else 2 * n
         return 0 if hidden or n <= 1 else n

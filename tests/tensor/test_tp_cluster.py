@@ -158,6 +158,16 @@ def test_three_daemons_serve_tensor_parallel_through_any_node(trio):
     ids_raw, finish, error = stream_ids(c.api_urls[ids[ranks[2]]], FIRST)
     assert error is None and finish == "length"
     assert ids_raw == RAW["completion_ids"][:FIRST]
+    # the same chat again: the group's prefix cache serves all of its prompt but the last token
+    r = httpx.post(f"{c.api_urls[api]}/v1/chat/completions", timeout=300, json={
+        "messages": CHAT["messages"], "max_tokens": FIRST, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == CHAT["completion_ids"][:FIRST]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(CHAT["prompt_ids"]) - 1
+    deadline = time.monotonic() + 10  # rank 0 reports its figures with the request's end, just after its last token
+    while (store := c.cluster_info(leader)["prefix_cache"])["hits"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (store["ranks"], store["hits"], store["hit_tokens"]) == (3, 1, len(CHAT["prompt_ids"]) - 1), store
 
 
 def test_a_rank_is_started_only_for_the_leader_of_the_committed_plan(trio):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from smollm2 import KV_DIM, LAYERS
 from tp_support import alive, make_model, mlx_greedy, rank_env, wait_dead, worker_pids
 
 from ringlet.daemon.tensor.group import TPGroup
@@ -119,6 +120,34 @@ def test_default_model_on_three_ranks_matches_the_reference(smol3, loop, referen
         want = case["completion_ids"][:FIRST]
         got = run(loop, collect(smol3.generate(case["prompt_ids"], FIRST, stop_ids=eos_ids)))
         assert got == want, case["name"]
+
+
+def test_three_ranks_keep_their_shards_of_a_turn_and_the_next_turn_prefills_only_its_new_tokens(
+        smol3, loop, reference, eos_ids):
+    """The group's prefix cache (rank 0 keeps the index, every rank its KV shards): a turn
+    that extends the previous one reuses the KV of all but its last token and still equals
+    the reference, which continues the same greedy sequence; another scope reuses nothing."""
+    case = reference[0]  # raw_once: 4 prompt tokens, 40 reference completion tokens
+    prompt, want = case["prompt_ids"], case["completion_ids"]
+    mine = {"scope": "alice", "budget": 1 << 30}
+    first: dict = {}
+    assert run(loop, collect(smol3.generate(prompt, 10, stop_ids=eos_ids, prefix=mine, info=first))) == want[:10]
+    assert first.get("cached_tokens") == 0
+    # the first turn's cache holds its prompt and 9 generated tokens (the 10th was never fed)
+    second: dict = {}
+    got = run(loop, collect(smol3.generate(prompt + want[:10], 10, stop_ids=eos_ids, prefix=mine, info=second)))
+    assert got == want[10:20]
+    assert second.get("cached_tokens") == len(prompt) + 9
+    other: dict = {}
+    got = run(loop, collect(smol3.generate(prompt + want[:10], 10, stop_ids=eos_ids,
+                                           prefix={"scope": "bob", "budget": 1 << 30}, info=other)))
+    assert got == want[10:20] and other.get("cached_tokens") == 0
+    stats = smol3.prefix_info
+    assert (stats["hits"], stats["misses"], stats["ranks"]) == (1, 2, 3)
+    # the second turn's entry replaced the first's (it extends it); bob's is its own
+    assert stats["entries"] == 2 and stats["tokens"] == (len(prompt) + 19) * 2, stats
+    # each rank keeps 1 of the 3 kv heads: keys and values, 30 layers, float32
+    assert stats["bytes"] == stats["tokens"] * 2 * LAYERS * (KV_DIM // 3) * 4
 
 
 def test_kill_a_rank_mid_stream_falls_back_to_one_process(smol3, loop, reference, eos_ids):

@@ -112,6 +112,38 @@ def test_four_daemons_serve_two_tensor_groups_as_pipeline_stages(quad):
     assert (got.ids, got.finish, got.error) == (want, "length", None)
 
 
+def test_a_later_prompt_reuses_the_kv_the_groups_ranks_kept(quad):
+    """The prefix cache of a hybrid plan: each group's leader keeps the index and its ranks
+    their shards of the KV. A second prompt that starts with the first reuses the first
+    request's cached tokens on both groups (trimmed from its longer entry) and still
+    equals mlx-lm's single-process greedy ids for its own tokens."""
+    c, path = quad
+    groups = c.cluster_info(0)["tp"]["groups"]
+    ids = {c.cluster_info(i)["node_id"]: i for i in range(4)}
+    leaders = [ids[g[0]] for g in groups]
+    wait_groups_ready(c, leaders)
+    api = c.api_urls[ids[groups[1][1]]]
+    first = httpx.post(f"{api}/v1/completions", timeout=300, json={
+        "prompt": "A prompt of its own:", "max_tokens": 8, "temperature": 0, "return_token_ids": True}).json()
+    # what the stages kept: the prompt and 7 of the 8 answer tokens (the last was never fed)
+    kept = first["choices"][0]["prompt_token_ids"] + first["choices"][0]["token_ids"][:7]
+    r = httpx.post(f"{api}/v1/completions", timeout=300, json={
+        "prompt": "A prompt of its own: and more", "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt = body["choices"][0]["prompt_token_ids"]
+    want, margin = mlx_greedy(path, prompt, 8)
+    assert margin > 1e-3
+    assert body["choices"][0]["token_ids"] == want
+    shared = next((k for k, (a, b) in enumerate(zip(kept, prompt, strict=False)) if a != b), min(len(kept),
+                                                                                                len(prompt)))
+    assert shared >= len(first["choices"][0]["prompt_token_ids"])
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == min(shared, len(prompt) - 1)
+    for i in leaders:
+        store = c.cluster_info(i)["prefix_cache"]
+        assert store["ranks"] == 2 and store["hits"] >= 1 and store["entries"] >= 1, store
+
+
 def test_concurrent_requests_are_batched_in_the_groups_and_each_equals_its_reference(quad):
     """4 requests at once through a node that leads nothing: the groups' leaders batch their
     decode steps (one batched step per group, the ranks merging the KV caches), and every

@@ -150,8 +150,11 @@ class TPServing:
             raise TPGroupError(f"epoch {plan.epoch}: this node does not lead the group of layers "
                                f"[{spec.start}, {spec.end})")
         config = {"hidden_size": self.spec.hidden_size, "vocab_size": self.spec.vocab_size}
+        m = self.spec  # the weights each rank holds: its share of the range's layers, the replicated part
+        layers = (m.total_bytes - m.replicated_bytes) * (spec.end - spec.start) // max(1, m.num_layers)
+        weights = m.replicated_bytes + layers // max(1, len(found[1]))
         stage = GroupStage(spec.start, spec.end, self.spec.num_layers, config, asyncio.get_running_loop(),
-                           step_timeout_s=self.step_timeout)
+                           step_timeout_s=self.step_timeout, prefix_budget_bytes=self.node.prefix_budget_for(weights))
         self._stages[plan.epoch] = stage
         return stage
 
@@ -270,8 +273,10 @@ class TPServing:
     # --- generation on rank 0 ----------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                       stop_ids: frozenset[int]) -> AsyncIterator[int]:
-        """Tokens of one request driven by this node's group (this node is rank 0).
+                       stop_ids: frozenset[int], scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
+        """Tokens of one request driven by this node's group (this node is rank 0). The
+        group's prefix cache serves it under ``scope`` (``info`` gets ``cached_tokens``),
+        within :meth:`prefix_budget` per rank.
 
         Raises:
             GenerationError: no group here for the committed plan, or the group failed.
@@ -290,7 +295,8 @@ class TPServing:
         count = 0
         self.node.state = "serving"
         try:
-            async for token in group.generate(prompt, max_tokens, sampling, sorted(stop_ids)):
+            prefix = {"scope": scope, "budget": self.prefix_budget(group)}
+            async for token in group.generate(prompt, max_tokens, sampling, sorted(stop_ids), prefix, info):
                 if ttft is None:
                     ttft = time.perf_counter() - started
                 count += 1
@@ -313,6 +319,19 @@ class TPServing:
             })
             if self.node.state == "serving" and not group.info()["in_flight"]:
                 self.node.state = "ready"
+
+    def prefix_info(self) -> dict | None:
+        """The prefix cache figures of the tensor group this node leads (``None``: none)."""
+        group = self.group
+        return group.prefix_info if group is not None and group.layers is None else None
+
+    def prefix_budget(self, group) -> int:
+        """Bytes of prefix cache each rank of ``group`` may hold: the node's budget for
+        weights of ``1/size`` of the model (:meth:`ringlet.daemon.node.core.Node.prefix_budget_for`)."""
+        spec = group.spec
+        size = max(1, len(group.decision.ranks) if group.decision else 1)
+        weights = (spec.replicated_bytes + (spec.total_bytes - spec.replicated_bytes) // size) if spec else 0
+        return self.node.prefix_budget_for(weights)
 
     # --- ranks for another leader -------------------------------------------------------------
 
