@@ -32,7 +32,8 @@ Design (issue "Conversations stay in the ring"):
   tensors (for moving KV with its layers).
 
 Only mlx-lm ``KVCache`` layers are stored (full attention); a stage whose caches are
-of another kind (rotating windows, SSM state, a tensor group's ranks) stores nothing.
+of another kind (rotating windows, SSM state) stores nothing; a tensor group's stage
+has a store of its own (:mod:`ringlet.daemon.tensor.group_prefix`).
 All methods run on the engine's MLX worker thread.
 """
 

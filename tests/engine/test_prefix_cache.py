@@ -24,8 +24,9 @@ import pytest
 from ringlet.daemon.ops.demo import LocalCluster
 
 KV_BYTES_PER_TOKEN_PER_LAYER = 2 * 3 * 64 * 4
-#: API keys: KEYS[0] holds the conversation; each of the others is a scope with nothing cached.
-KEYS = tuple(f"test-key-{i}-" + "k" * 24 for i in range(5))
+#: API keys (each a scope of its own). The tests that share a cluster (:func:`keyed`) use
+#: keys of their own: a test's "cold" key has cached nothing, whatever ran before.
+KEYS = tuple(f"test-key-{i}-" + "k" * 24 for i in range(12))
 #: The system prompt of the equality tests (~150 tokens: a cold prefill of it costs a
 #: third of the issue's 500-token one; the sharing test uses a 500-token prompt of its own).
 SYSTEM = " ".join(f"Rule {i}: answer briefly and politely about topic number {i}." for i in range(10))
@@ -37,6 +38,27 @@ def _keys_file(tmp_path: Path) -> Path:
     path.write_text("\n".join(KEYS) + "\n")
     path.chmod(0o600)
     return path
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """``keyed(stages)``: a static cluster of that many float32 stages with API keys
+    (:data:`KEYS`), started on first use and shared by this module's tests (a cluster
+    start costs more than most of these tests)."""
+    keys = _keys_file(tmp_path_factory.mktemp("keys"))
+    started: dict[int, LocalCluster] = {}
+
+    def get(stages: int) -> LocalCluster:
+        if stages not in started:
+            c = LocalCluster(stages, dtype="float32", extra_args=["--api-key-file", str(keys)])
+            started[stages] = c.start()
+        return started[stages]
+
+    try:
+        yield get
+    finally:
+        for c in started.values():
+            c.stop()
 
 
 def _client(cluster: LocalCluster, key: str = "none", node: int = 0) -> openai.OpenAI:
@@ -56,60 +78,60 @@ def prefix_info(cluster: LocalCluster, i: int, key: str | None = None) -> dict:
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_hits_equal_cold_answers_and_scopes_keep_keys_apart(stages, tmp_path):
+def test_hits_equal_cold_answers_and_scopes_keep_keys_apart(stages, keyed):
     """Three turns of one conversation (key A) against the same requests, each under a key
     that has cached nothing: equal answers; A's turns after the first are hits; a cold
     key's request sees none of A's entries (per-key scope)."""
-    keys = _keys_file(tmp_path)
-    with LocalCluster(stages, dtype="float32", extra_args=["--api-key-file", str(keys)]) as c:
-        a = _client(c, KEYS[0])
-        messages = [{"role": "system", "content": SYSTEM}]
-        previous = 0
-        for turn, question in enumerate(QUESTIONS[:3]):
-            messages.append({"role": "user", "content": question})
-            warm, prompt_tokens, cached = ask(a, messages)
-            cold, _, cold_cached = ask(_client(c, KEYS[1 + turn]), messages)
-            assert warm == cold, f"turn {turn}: {warm!r} != {cold!r}"
-            assert cold_cached == 0  # A's entries are not another key's
-            if turn == 0:
-                assert cached == 0
-            else:
-                assert cached >= previous - 1, (turn, cached, previous)
-            previous = prompt_tokens
-            messages.append({"role": "assistant", "content": warm})
-        for i in range(stages):
-            info = prefix_info(c, i, KEYS[0])
-            assert info["entries"] >= 1 and info["hits"] >= 1
-            layers = info["layer_range"][1] - info["layer_range"][0]
-            assert info["bytes"] == info["tokens"] * layers * KV_BYTES_PER_TOKEN_PER_LAYER  # compact: no padding
+    c = keyed(stages)
+    a = _client(c, KEYS[0])
+    messages = [{"role": "system", "content": SYSTEM}]
+    previous = 0
+    for turn, question in enumerate(QUESTIONS[:3]):
+        messages.append({"role": "user", "content": question})
+        warm, prompt_tokens, cached = ask(a, messages)
+        cold, _, cold_cached = ask(_client(c, KEYS[1 + turn]), messages)
+        assert warm == cold, f"turn {turn}: {warm!r} != {cold!r}"
+        assert cold_cached == 0  # A's entries are not another key's
+        if turn == 0:
+            assert cached == 0
+        else:
+            assert cached >= previous - 1, (turn, cached, previous)
+        previous = prompt_tokens
+        messages.append({"role": "assistant", "content": warm})
+    for i in range(stages):
+        info = prefix_info(c, i, KEYS[0])
+        assert info["entries"] >= 1 and info["hits"] >= 1
+        layers = info["layer_range"][1] - info["layer_range"][0]
+        assert info["bytes"] == info["tokens"] * layers * KV_BYTES_PER_TOKEN_PER_LAYER  # compact: no padding
 
 
-def test_two_conversations_sharing_a_system_prompt_keep_their_own_entries():
+def test_two_conversations_sharing_a_system_prompt_keep_their_own_entries(keyed):
     """5 turns of two conversations, interleaved, sharing a ~500-token system prompt: every
     turn after each conversation's first reports at least its previous prompt length - 1
     as cached, and the streamed usage chunk says the same as the non-streamed answer."""
     system = " ".join(f"Guideline {i}: be concise and exact when asked about subject {i}." for i in range(36))
-    with LocalCluster(3, dtype="float32") as c:
-        client = _client(c, node=1)  # any node takes the API calls
-        convs = {name: [{"role": "system", "content": system}] for name in ("x", "y")}
-        previous = {"x": 0, "y": 0}
-        for turn in range(5):
-            for name, messages in convs.items():
-                topic = "France Italy Spain Germany Japan".split()[turn] if name == "x" else f"{turn + 2} + {turn}"
-                messages.append({"role": "user", "content": f"Tell me about {topic}."})
-                answer, prompt_tokens, cached = ask(client, messages, max_tokens=8)
-                assert prompt_tokens > 480 or turn > 0
-                if turn > 0:
-                    assert cached >= previous[name] - 1, (name, turn, cached, previous[name])
-                previous[name] = prompt_tokens
-                messages.append({"role": "assistant", "content": answer})
-        # the streamed usage chunk reports the cached tokens too (a repeat of the last turn)
-        stream = client.chat.completions.create(model="smollm2-135m", messages=convs["x"][:-1], max_tokens=4,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
-        usage = [chunk.usage for chunk in stream if chunk.usage is not None]
-        assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= previous["x"] - 1
-        entries = [prefix_info(c, i)["entries"] for i in range(3)]
-        assert all(n >= 2 for n in entries), entries  # one per conversation (and the repeat's), not one overwritten
+    c = keyed(3)
+    before = [prefix_info(c, i, KEYS[4])["entries"] for i in range(3)]
+    client = _client(c, KEYS[4], node=1)  # any node takes the API calls
+    convs = {name: [{"role": "system", "content": system}] for name in ("x", "y")}
+    previous = {"x": 0, "y": 0}
+    for turn in range(5):
+        for name, messages in convs.items():
+            topic = "France Italy Spain Germany Japan".split()[turn] if name == "x" else f"{turn + 2} + {turn}"
+            messages.append({"role": "user", "content": f"Tell me about {topic}."})
+            answer, prompt_tokens, cached = ask(client, messages, max_tokens=8)
+            assert prompt_tokens > 480 or turn > 0
+            if turn > 0:
+                assert cached >= previous[name] - 1, (name, turn, cached, previous[name])
+            previous[name] = prompt_tokens
+            messages.append({"role": "assistant", "content": answer})
+    # the streamed usage chunk reports the cached tokens too (a repeat of the last turn)
+    stream = client.chat.completions.create(model="smollm2-135m", messages=convs["x"][:-1], max_tokens=4,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= previous["x"] - 1
+    added = [prefix_info(c, i, KEYS[4])["entries"] - before[i] for i in range(3)]
+    assert all(n >= 2 for n in added), added  # one per conversation (and the repeat's), not one overwritten
 
 
 def test_the_store_keeps_to_its_budget_and_zero_holds_nothing():
@@ -138,28 +160,27 @@ def test_the_store_keeps_to_its_budget_and_zero_holds_nothing():
             assert info["entries"] == 0 and info["bytes"] == 0 and info["budget_bytes"] == 0
 
 
-def test_a_restarted_stage_falls_back_then_hits_again(tmp_path):
+def test_a_restarted_stage_falls_back_then_hits_again(keyed):
     """kill -9 of the middle stage of 3, restarted empty, while a conversation goes on:
     stage 0 still offers its cached prefix, the restarted stage lacks it, and the request
     is prefilled again from what every stage holds (nothing): the answer equals the cold
-    one. The turn after is a hit again."""
-    keys = _keys_file(tmp_path)
-    with LocalCluster(3, dtype="float32", extra_args=["--api-key-file", str(keys)]) as c:
-        a, b = _client(c, KEYS[0]), _client(c, KEYS[1])
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
-        answer, previous, _ = ask(a, messages)
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": QUESTIONS[1]}]
-        os.killpg(c.procs[1].pid, signal.SIGKILL)
-        c.procs[1].wait(timeout=30)
-        c.restart(1)
-        warm, prompt_tokens, cached = ask(a, messages)
-        cold, _, _ = ask(b, messages)
-        assert warm == cold
-        assert cached == 0  # the restarted stage held nothing: the ring fell back to no prefix
-        assert prefix_info(c, 1, KEYS[0])["misses"] >= 1
-        messages += [{"role": "assistant", "content": warm}, {"role": "user", "content": QUESTIONS[2]}]
-        _, _, cached = ask(a, messages)
-        assert cached >= prompt_tokens - 1
+    one. The turn after is a hit again. (The last test on the shared 3-stage cluster.)"""
+    c = keyed(3)
+    a, b = _client(c, KEYS[5]), _client(c, KEYS[6])
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    answer, previous, _ = ask(a, messages)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": QUESTIONS[1]}]
+    os.killpg(c.procs[1].pid, signal.SIGKILL)
+    c.procs[1].wait(timeout=30)
+    c.restart(1)
+    warm, prompt_tokens, cached = ask(a, messages)
+    cold, _, _ = ask(b, messages)
+    assert warm == cold
+    assert cached == 0  # the restarted stage held nothing: the ring fell back to no prefix
+    assert prefix_info(c, 1, KEYS[5])["misses"] >= 1
+    messages += [{"role": "assistant", "content": warm}, {"role": "user", "content": QUESTIONS[2]}]
+    _, _, cached = ask(a, messages)
+    assert cached >= prompt_tokens - 1
 
 
 def test_a_join_keeps_answers_equal_and_hits_resume(tmp_path):
@@ -184,33 +205,32 @@ def test_a_join_keeps_answers_equal_and_hits_resume(tmp_path):
         assert cached >= prompt_tokens - 1
 
 
-def test_concurrent_requests_extending_one_prefix_equal_their_solo_answers(tmp_path):
+def test_concurrent_requests_extending_one_prefix_equal_their_solo_answers(keyed):
     """Two requests at once extend the same cached conversation with different questions
     (their decode steps batch on every stage): each equals the same request alone under a
     cold key, and neither changes the shared entry (a third, later, still hits it)."""
-    keys = _keys_file(tmp_path)
-    with LocalCluster(2, dtype="float32", extra_args=["--api-key-file", str(keys)]) as c:
-        a, b = _client(c, KEYS[0]), _client(c, KEYS[1])
-        base = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
-        answer, prompt_tokens, _ = ask(a, base)
-        base.append({"role": "assistant", "content": answer})
-        branches = [base + [{"role": "user", "content": q}] for q in (QUESTIONS[1], QUESTIONS[3])]
-        results: dict[int, tuple] = {}
+    c = keyed(2)
+    a, b = _client(c, KEYS[7]), _client(c, KEYS[8])
+    base = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    answer, prompt_tokens, _ = ask(a, base)
+    base.append({"role": "assistant", "content": answer})
+    branches = [base + [{"role": "user", "content": q}] for q in (QUESTIONS[1], QUESTIONS[3])]
+    results: dict[int, tuple] = {}
 
-        def run(i: int) -> None:
-            results[i] = ask(a, branches[i], max_tokens=12)
+    def run(i: int) -> None:
+        results[i] = ask(a, branches[i], max_tokens=12)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        for i in range(2):
-            warm, _, cached = results[i]
-            assert cached >= prompt_tokens - 1
-            assert warm == ask(b, branches[i], max_tokens=12)[0]
-        time.sleep(0.2)
-        assert ask(a, branches[0], max_tokens=12)[2] >= prompt_tokens - 1
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for i in range(2):
+        warm, _, cached = results[i]
+        assert cached >= prompt_tokens - 1
+        assert warm == ask(b, branches[i], max_tokens=12)[0]
+    time.sleep(0.2)
+    assert ask(a, branches[0], max_tokens=12)[2] >= prompt_tokens - 1
 
 
 def test_an_entry_spilled_to_disk_serves_hits_also_after_every_daemon_restarts(tmp_path):
