@@ -168,6 +168,11 @@ class Daemon:
     log_path: Path
     args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
+    #: started as a user would on a LAN host: ``--host 0.0.0.0 --api-host 0.0.0.0``, no
+    #: ``--interface`` (the daemon picks its own addresses)
+    wildcard: bool = False
+    #: the node-side name of its link
+    link: str = "veth0"
 
     @property
     def api_url(self) -> str:
@@ -242,10 +247,19 @@ class NetnsLab:
 
     NODE_VETH = "veth0"  # name of the node-side end, inside each node's namespace
 
-    def add_node(self, args: list[str] | None = None, share_namespace_with: Daemon | None = None) -> Daemon:
+    def add_node(self, args: list[str] | None = None, share_namespace_with: Daemon | None = None, *,
+                 bridges: tuple[tuple[str, str], ...] = (), wildcard: bool = False,
+                 link_name: str | None = None) -> Daemon:
         """Create node ``i``'s namespace and link (not started yet: :meth:`start`). With
         ``share_namespace_with``, node ``i`` is a second daemon on that node's machine
-        instead: its address is added to the same veth (cutting or shaping it acts on both)."""
+        instead: its address is added to the same veth (cutting or shaping it acts on both).
+
+        ``bridges``: ``(name, address/prefix)`` bridges created in the namespace *before*
+        its link (as on a Docker host: ``("docker0", "172.17.0.1/16")``), so they come
+        first in the interface list. ``wildcard``: start it without ``--host``,
+        ``--api-host`` or ``--interface`` choices (:attr:`Daemon.wildcard`). ``link_name``:
+        the node-side name of its link (default :attr:`NODE_VETH`; ``veth*`` names are
+        container ports to a daemon choosing its own interfaces)."""
         self._ensure_hub()
         i = len(self.daemons)
         ip = f"{SUBNET}.{i + 1}"
@@ -258,15 +272,20 @@ class NetnsLab:
             return d
         ns = self.node_ns(i)
         self._add_namespace(ns)
+        for name, address in bridges:
+            sh("ip", "-n", ns, "link", "add", name, "type", "bridge")
+            sh("ip", "-n", ns, "addr", "add", address, "dev", name)
+            sh("ip", "-n", ns, "link", "set", name, "up")
+        dev = link_name or self.NODE_VETH
         # both ends are created directly in their namespaces: nothing appears in the root one
-        sh("ip", "-n", self.hub, "link", "add", self.hub_veth(i), "type", "veth", "peer", "name", self.NODE_VETH,
+        sh("ip", "-n", self.hub, "link", "add", self.hub_veth(i), "type", "veth", "peer", "name", dev,
            "netns", ns)
         sh("ip", "-n", self.hub, "link", "set", self.hub_veth(i), "master", "br0")
         sh("ip", "-n", self.hub, "link", "set", self.hub_veth(i), "up")
-        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", self.NODE_VETH)
-        sh("ip", "-n", ns, "link", "set", self.NODE_VETH, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
         d = Daemon(index=i, ns=ns, ip=ip, data_dir=self.dir / f"data{i}", log_path=self.dir / f"node{i}.log",
-                   args=list(args or []))
+                   args=list(args or []), wildcard=wildcard, link=dev)
         self.daemons.append(d)
         return d
 
@@ -274,7 +293,7 @@ class NetnsLab:
 
     def shape(self, i: int, rate: str = "100mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
         """Rate-limit node ``i``'s link in both directions (``tbf`` on both veth ends)."""
-        for ns, dev in ((self.hub, self.hub_veth(i)), (self.node_ns(i), self.NODE_VETH)):
+        for ns, dev in ((self.hub, self.hub_veth(i)), (self.node_ns(i), self.daemons[i].link)):
             sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                "latency", latency)
 
@@ -291,16 +310,18 @@ class NetnsLab:
         if side == "hub":
             return ["ip", "-n", self.hub, "link", "set", self.hub_veth(i)]
         if side == "node":
-            return ["ip", "-n", self.node_ns(i), "link", "set", self.NODE_VETH]
+            return ["ip", "-n", self.node_ns(i), "link", "set", self.daemons[i].link]
         raise ValueError(f"side must be 'hub' or 'node', not {side!r}")
 
     # --- daemons ------------------------------------------------------------------------
 
     def command(self, d: Daemon) -> list[str]:
         """The full command line that starts daemon ``d`` inside its namespace."""
+        where = (["--host", "0.0.0.0", "--api-host", "0.0.0.0"] if d.wildcard  # noqa: S104 - as a user would
+                 else ["--host", d.ip, "--api-host", d.ip, "--interface", d.ip])
         return ["ip", "netns", "exec", d.ns, sys.executable, "-m", "ringlet.daemon.ops.cli", "run",
-                "--host", d.ip, "--port", str(GRPC_PORT), "--api-host", d.ip, "--api-port", str(API_PORT),
-                "--interface", d.ip, "--cluster", self.cluster, "--data-dir", str(d.data_dir), *d.args]
+                *where, "--port", str(GRPC_PORT), "--api-port", str(API_PORT),
+                "--cluster", self.cluster, "--data-dir", str(d.data_dir), *d.args]
 
     def start(self, d: Daemon) -> None:
         """Spawn daemon ``d`` (returns at once; see :meth:`wait_healthy`)."""

@@ -1,4 +1,11 @@
-"""Interface selection for discovery: the IPv4 addresses to bind and advertise (mDNS here is IPv4 only)."""
+"""Interface selection for discovery: the IPv4 addresses to bind and advertise (mDNS here is IPv4 only).
+
+Without ``--interface``, container and VM bridges, their veth ports and VPN tunnels are
+skipped (:data:`VIRTUAL_PREFIXES`): every Docker, Podman or libvirt host has the same
+``docker0`` 172.17.0.1 (or ``virbr0`` 192.168.122.1), so a node that advertised it would
+hand its peers an address that is every host's own (exo #858). ``--interface`` names any
+of them on purpose. macOS's ``bridge0`` (the Thunderbolt Bridge) is kept.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,17 @@ from typing import Any
 
 import psutil
 
-__all__ = ["interface_addresses", "is_ipv4"]
+__all__ = ["VIRTUAL_PREFIXES", "interface_addresses", "is_ipv4", "skipped_interfaces", "virtual_kind"]
+
+#: Interface name prefixes skipped without ``--interface``, and what they are: container
+#: and VM bridges and their ports (Docker, Podman, CNI, flannel, libvirt), VPN tunnels
+#: (Tailscale, macOS ``utun``) and Apple's peer-to-peer Wi-Fi (``awdl``, ``llw``).
+VIRTUAL_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("docker", "a Docker bridge"), ("br-", "a Docker network bridge"), ("veth", "a container's veth port"),
+    ("virbr", "a libvirt bridge"), ("cni", "a CNI bridge"), ("flannel", "a flannel overlay"),
+    ("podman", "a Podman bridge"), ("tailscale", "a Tailscale tunnel"), ("utun", "a VPN tunnel"),
+    ("awdl", "Apple Wireless Direct Link"), ("llw", "Apple low-latency Wi-Fi"),
+)
 
 
 def interface_addresses(
@@ -21,8 +38,9 @@ def interface_addresses(
     """Resolve an interface selection to the IPv4 addresses to bind and advertise.
 
     Args:
-        interfaces: ``None`` means every interface that is up, multicast-capable
-            and not loopback (its IPv4 addresses, link-local included: a
+        interfaces: ``None`` means every interface that is up, multicast-capable,
+            not loopback and not a container or VM bridge or tunnel
+            (:func:`virtual_kind`; its IPv4 addresses, link-local included: a
             Thunderbolt bridge often has only 169.254.x.x). Otherwise a list
             whose entries are IPv4 addresses (used as given, e.g. ``127.0.0.1``
             for one-machine clusters) or interface names (``en0``, ``lo``:
@@ -51,7 +69,7 @@ def interface_addresses(
         stats = psutil.net_if_stats() if if_stats is None else if_stats
         for name, entries in addrs.items():
             st = stats.get(name)
-            if st is None or not st.isup:
+            if st is None or not st.isup or virtual_kind(name):
                 continue
             flags = set(filter(None, str(getattr(st, "flags", "") or "").split(",")))
             if "loopback" in flags or (flags and "multicast" not in flags):
@@ -68,6 +86,31 @@ def interface_addresses(
             else:
                 out.extend(e.address for e in addrs.get(spec, ()) if e.family == socket.AF_INET)
     return list(dict.fromkeys(out))
+
+
+def virtual_kind(name: str) -> str | None:
+    """What interface ``name`` is when it is skipped by default (e.g. ``"a Docker bridge"``),
+    else ``None``."""
+    return next((kind for prefix, kind in VIRTUAL_PREFIXES if name.startswith(prefix)), None)
+
+
+def skipped_interfaces(
+    *,
+    if_addrs: Mapping[str, Sequence[Any]] | None = None,
+    if_stats: Mapping[str, Any] | None = None,
+) -> list[tuple[str, list[str], str]]:
+    """The interfaces with IPv4 addresses that :func:`interface_addresses` skips without
+    ``--interface``: ``(name, addresses, what it is)`` each (for the log and ``doctor``)."""
+    addrs = psutil.net_if_addrs() if if_addrs is None else if_addrs
+    stats = psutil.net_if_stats() if if_stats is None else if_stats
+    out = []
+    for name, entries in addrs.items():
+        kind = virtual_kind(name)
+        st = stats.get(name)
+        ipv4 = [e.address for e in entries if e.family == socket.AF_INET]
+        if kind and ipv4 and st is not None and st.isup:
+            out.append((name, ipv4, kind))
+    return out
 
 
 def is_ipv4(s: str) -> bool:

@@ -113,6 +113,8 @@ class Membership:
         self._tasks: set[asyncio.Task] = set()
         #: removed members: node id -> (address, monotonic time of removal)
         self.lost: dict[str, tuple[str, float]] = {}
+        #: member id -> the address that member reaches this node at (from its beats)
+        self.seen_as: dict[str, str] = {}
         #: set when links should be measured again (membership changed)
         self.links_wanted = asyncio.Event()
         self.on_member_added: Callable[[Member], Awaitable[None] | None] | None = None
@@ -143,6 +145,19 @@ class Membership:
     def digest(self) -> str:
         """Digest of :meth:`alive_ids` (see :func:`membership_digest`)."""
         return membership_digest(self.alive_ids())
+
+    def reachable_address(self) -> str:
+        """The address this node's stage goes by in a plan: the one most of its alive
+        members reach it at (each member's beats list the address it has for this node,
+        verified by its own handshake), else the advertised :attr:`address`. A node whose
+        first interface is a bridge its peers cannot route to (``docker0`` 172.17.0.1 on
+        every Docker host) thus stands in the plan at the address that works."""
+        seen = [a for i, a in self.seen_as.items() if i in self.members and self.members[i].state == "alive"]
+        if not seen:
+            return self.address
+        counts = {a: seen.count(a) for a in seen}
+        best = max(counts.values())
+        return self.address if counts.get(self.address) == best else min(a for a, n in counts.items() if n == best)
 
     def address_of(self, node_id: str) -> str | None:
         if node_id == self.node_id:
@@ -280,6 +295,7 @@ class Membership:
         if member is None:
             return
         self.lost[node_id] = (member.address, time.monotonic())
+        self.seen_as.pop(node_id, None)
         log.warning("member left: %s (%s)", node_id, why)
         self.on_event("leave", f"{node_id} left: {why}")
         self.on_change()
@@ -331,7 +347,9 @@ class Membership:
         if beat.record_version != member.record_version:
             self.consider_refresh(member)
         for digest in beat.members:
-            if digest.node_id != self.node_id and digest.node_id not in self.members and digest.grpc_address:
+            if digest.node_id == self.node_id and digest.grpc_address:
+                self.seen_as[member.node_id] = digest.grpc_address  # how it reaches us: a route that works
+            elif digest.node_id not in self.members and digest.grpc_address:
                 self.consider(digest.grpc_address, digest.node_id)
 
     def consider_refresh(self, member: Member) -> None:

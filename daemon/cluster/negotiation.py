@@ -8,7 +8,9 @@ Protocol (all over ringlet's gRPC)::
                                      the committed one, (epoch, proposer) is not older
                                      than a proposal already prepared, the membership
                                      digest equals its own view, the plan is for this
-                                     model and covers every layer exactly once;
+                                     model and covers every layer exactly once, and
+                                     this node can dial stage 0 and its next stage at
+                                     the plan's addresses;
                                      prepare: load its new layers in the background
                                      (keeping the layers it holds) while the old plan
                                      keeps serving
@@ -52,6 +54,11 @@ from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
 
 log = logging.getLogger(__name__)
+
+
+#: Seconds a member waits for stage 0 or its next stage to answer an ``Echo`` before
+#: refusing a proposal as unreachable (a loopback or LAN round trip takes milliseconds).
+REACH_TIMEOUT_S = 3.0
 
 
 def _gb(n: float) -> str:
@@ -203,7 +210,9 @@ class Negotiator:
                 return False
         epoch = max([self.node.epoch, self._epoch_floor,
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
-        addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
+        me = self.node.node_id  # this node goes by the address its members reach it at
+        addresses = [pb.LayerRange(node_id=i, grpc_address=(self.membership.reachable_address() if i == me
+                                                            else self.membership.address_of(i)) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
@@ -262,6 +271,33 @@ class Negotiator:
         log.info("refusing a proposal: %s", why)
         newest = max(self.node.epoch, self._prepared_key[0] if self._prepared_key is not None else 0)
         return pb.Vote(ok=False, reason=why, node_id=self.node.node_id, newest_epoch=newest)
+
+    async def _unreachable(self, serving: ServingPlan) -> str | None:
+        """Why this node cannot serve ``serving``'s hops (``None``: it can): it must dial
+        stage 0 (where its API requests go) and the stage after its own, at the plan's
+        addresses. A node that advertised an address its peers cannot reach (a container
+        bridge every host has, a stale route) is caught here, before any commit."""
+        me = self.node.node_id
+        index = next((i for i, s in enumerate(serving.stages) if s.node_id == me), None)
+        wanted = {0} if index != 0 else set()
+        if index is not None and index + 1 < len(serving.stages):
+            wanted.add(index + 1)
+
+        async def dial(i: int) -> str | None:
+            stage = serving.stages[i]
+            try:
+                await self.membership.stub(stage.address).Echo(pb.Ping(), timeout=REACH_TIMEOUT_S)
+                return None
+            except grpc.aio.AioRpcError as exc:
+                role = "stage 0" if i == 0 else f"the next stage ({i})"
+                host = stage.address.rsplit(":", 1)[0]
+                return (f"cannot reach {role}, {stage.node_id[:8]} at {stage.address}, from this node "
+                        f"({self.membership.address}): {exc.code().name}; if {host} is not an address its peers "
+                        "can reach (a container or VM bridge such as docker0), start that node with "
+                        "--advertise-host ADDRESS or --interface NAME")
+
+        problems = [p for p in await asyncio.gather(*(dial(i) for i in sorted(wanted))) if p]
+        return "; ".join(problems) or None
 
     def _abandon(self, key: tuple[int, str]) -> None:
         """Forget this node's own proposal ``key`` after a member refused it.
@@ -342,6 +378,8 @@ class Negotiator:
                 else:
                     serving = replace(serving, tp=mode)
             reason = None
+            if not serving.is_tensor and (why := await self._unreachable(serving)):
+                return self._refuse(why)
         self._prepared_key = key
         self.state = f"preparing epoch {p.epoch}"
         try:

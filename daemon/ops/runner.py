@@ -82,6 +82,15 @@ def _public_host(args) -> str:
     return addresses[0]
 
 
+def _log_skipped_interfaces() -> None:
+    """Say once which container/VM bridges and tunnels discovery and the advertised address skip."""
+    from ringlet.daemon.cluster.addresses import skipped_interfaces
+
+    for name, addresses, kind in skipped_interfaces():
+        log.info("not advertising %s (%s): %s, the same on many hosts; --interface %s uses it",
+                 name, ", ".join(addresses), kind, name)
+
+
 def build_config(args) -> tuple[NodeConfig, int]:
     """Resolve the model and the (optional) static plan from CLI arguments.
 
@@ -229,6 +238,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         usable = min(usable, limit)
     speed = probe.speed
     public = _public_host(args)
+    if not args.interface:
+        _log_skipped_interfaces()
     api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",

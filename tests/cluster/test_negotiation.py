@@ -60,6 +60,9 @@ class Ring(pb_grpc.RingServicer):
     async def Commit(self, request, context):  # noqa: N802
         return await self.negotiation.on_commit(request)
 
+    async def Echo(self, request, context):  # noqa: N802 - members dial stage 0 and their next stage
+        return pb.Ping(sent_at=request.sent_at)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -141,5 +144,31 @@ def test_a_proposer_forgets_its_own_refused_proposal():
             neg_a = parts[a][2]
             assert await neg_a._propose_round() is False, neg_a.last_result
             assert {parts[i][0].epoch for i in parts} == {1}
+
+    asyncio.run(scenario())
+
+
+def test_a_member_that_cannot_dial_its_next_stage_refuses_naming_the_address():
+    """A plan whose hop from b to c goes to an address nobody answers on (c advertised a
+    container bridge, say) is refused by b before anything is committed, with the address
+    and the flags that fix it; a, which only needs stage 0 (itself) and b, accepts."""
+    async def scenario():
+        async with trio() as parts:
+            a, b, c = sorted(parts)
+            dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+            specs = [NodeSpec(i, 1000, 100e9, 1e12) for i in (a, b, c)]
+            plan = make_plan(specs, [], SPEC)
+            addresses = {a: parts[a][1].address, b: parts[b][1].address, c: dead}
+            proposal = pb.Proposal(epoch=1, proposer_id=a, membership_digest=parts[a][1].digest(),
+                                   plan_json=plan.to_json(), model="tiny-model",
+                                   addresses=[pb.LayerRange(node_id=i, grpc_address=addresses[i]) for i in (a, b, c)])
+            order = [s.node_id for s in plan.stages]
+            assert order == [a, b, c]  # equal nodes: in id order
+            vote = await parts[b][2].on_propose(proposal)
+            assert not vote.ok
+            assert f"cannot reach the next stage (2), {c[:8]} at {dead}" in vote.reason
+            assert "--advertise-host" in vote.reason and "UNAVAILABLE" in vote.reason
+            assert (await parts[a][2].on_propose(proposal)).ok
+            assert parts[b][0].prepared == []  # refused before loading anything
 
     asyncio.run(scenario())

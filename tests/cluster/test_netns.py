@@ -289,3 +289,36 @@ def test_cut_link_mid_stream_then_restore_rejoins(lab: NetnsLab):
         if ref.poll() is None:
             ref.kill()
             ref.wait()
+
+
+# --------------------------------------------------------------------------- issue 18
+
+
+def test_hosts_with_docker_bridges_and_another_private_bridge_plan_on_addresses_that_route(lab: NetnsLab):
+    """Three hosts as a user starts them (``--host 0.0.0.0``, no ``--interface``), each with
+    Docker's ``docker0`` 172.17.0.1/16 made before its real link, and the first also with an
+    unrelated bridge ``lan1`` 192.168.50.1/24 made first of all. Every stage address in the
+    plan is on the hosts' shared subnet, completions through every node succeed with one
+    answer, and ``doctor`` names docker0 as skipped."""
+    docker = ("docker0", "172.17.0.1/16")
+    nodes = [lab.add_node(["--mode", "pipeline"], bridges=(("lan1", "192.168.50.1/24"), docker) if i == 0
+                          else (docker,), wildcard=True, link_name="eth0") for i in range(3)]
+    lab.start_nodes(nodes)
+    views = lab.wait_converged(nodes, stages=3, timeout_s=90)
+    for i, view in views.items():
+        hosts = [s["address"].rsplit(":", 1)[0] for s in view["plan"]]
+        assert sorted(hosts) == sorted(d.ip for d in nodes), (i, view["plan"])
+    answers = []
+    for d in nodes:
+        resp = lab.post(d, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+                                                "return_token_ids": True}, timeout=120)
+        assert resp.status_code == 200, (d.index, resp.text)
+        answers.append(resp.json()["choices"][0]["token_ids"])
+    assert len(answers[0]) == 6 and answers.count(answers[0]) == 3, answers
+    log = nodes[1].log_path.read_text()
+    assert "not advertising docker0 (172.17.0.1): a Docker bridge" in log, log[-2000:]
+    doctor = subprocess.run(["ip", "netns", "exec", nodes[0].ns, sys.executable, "-m", "ringlet.daemon.ops.cli",
+                             "doctor", "--api-port", "8001", "--port", "7101"], capture_output=True, text=True,
+                            timeout=120)
+    out = " ".join(doctor.stdout.split())
+    assert "skips docker0 (172.17.0.1: a Docker bridge)" in out, doctor.stdout + doctor.stderr

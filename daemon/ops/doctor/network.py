@@ -34,11 +34,20 @@ def check_multicast(ctx: Context) -> Check:
     infos = _interfaces_info()
     by_ip = {ip: n for n, i in infos.items() for ip in i["ipv4"]}
     problems, good = [], []
+    skipped = ""
     if ctx.interfaces:
         chosen = ctx.interfaces
     else:
+        from ringlet.daemon.cluster.addresses import interface_addresses, skipped_interfaces, virtual_kind
+
         chosen = [n for n, i in sorted(infos.items())
-                  if i["up"] and not i["loopback"] and "multicast" in i["flags"] and i["ipv4"]]
+                  if i["up"] and not i["loopback"] and "multicast" in i["flags"] and i["ipv4"] and not virtual_kind(n)]
+        skips = skipped_interfaces()
+        if skips:
+            skipped = "; skips " + ", ".join(f"{n} ({', '.join(a)}: {k})" for n, a, k in skips)
+        advertised = [a for a in interface_addresses(None) if not a.startswith("127.")]
+        if advertised:
+            skipped = f"; advertises {advertised[0]} to its peers" + skipped
     for name in chosen:
         iface = by_ip.get(name, name)  # --interface also takes an IPv4 address
         i = infos.get(iface)
@@ -55,12 +64,13 @@ def check_multicast(ctx: Context) -> Check:
     bind = _bind_mdns()
     if not chosen:
         return Check("multicast", WARN, "no multicast-capable interface is up (only loopback): other machines "
-                     "cannot discover this one", "connect a network (Ethernet, Thunderbolt Bridge), or list peers "
-                     "with ringlet run --peers HOST:PORT,...; for a cluster on one machine use --interface 127.0.0.1")
+                     f"cannot discover this one{skipped}",
+                     "connect a network (Ethernet, Thunderbolt Bridge), or list peers with ringlet run --peers "
+                     "HOST:PORT,...; for a cluster on one machine use --interface 127.0.0.1")
     if problems and not good:
         return Check("multicast", FAIL, "; ".join(problems),
                      "bring the interface up with an address, or choose others with --interface")
-    summary = "mDNS on " + ", ".join(good) + ("; " + "; ".join(problems) if problems else "")
+    summary = "mDNS on " + ", ".join(good) + ("; " + "; ".join(problems) if problems else "") + skipped
     if bind:
         return Check("multicast", WARN, summary + f"; UDP {MDNS_PORT} cannot be shared: {bind}",
                      "another mDNS responder holds port 5353 exclusively; stop it or use --peers")
