@@ -10,13 +10,19 @@ of them on purpose. macOS's ``bridge0`` (the Thunderbolt Bridge) is kept.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
 
-__all__ = ["VIRTUAL_PREFIXES", "interface_addresses", "is_ipv4", "skipped_interfaces", "virtual_kind"]
+from ringlet.daemon.errors import RingletError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VIRTUAL_PREFIXES", "interface_addresses", "is_ipv4", "log_skipped_interfaces", "public_host",
+           "skipped_interfaces", "virtual_kind"]
 
 #: Interface name prefixes skipped without ``--interface``, and what they are: container
 #: and VM bridges and their ports (Docker, Podman, CNI, flannel, libvirt), VPN tunnels
@@ -119,3 +125,28 @@ def is_ipv4(s: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def public_host(advertise_host: str | None, host: str, interfaces: Sequence[str] | None) -> str:
+    """The address peers dial: ``--advertise-host``, else ``--host`` unless it is a
+    wildcard, else the first non-loopback IPv4 address of the mDNS ``interfaces``
+    (:func:`interface_addresses`: container and VM bridges skipped when none are named).
+
+    Raises:
+        RingletError: a wildcard ``--host`` and no usable address to advertise.
+    """
+    if advertise_host:
+        return advertise_host
+    if host not in ("0.0.0.0", ""):  # noqa: S104 - comparison only
+        return host
+    addresses = [a for a in interface_addresses(interfaces) if not a.startswith("127.")]
+    if not addresses:
+        raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
+    return addresses[0]
+
+
+def log_skipped_interfaces() -> None:
+    """Say once which container/VM bridges and tunnels discovery and the advertised address skip."""
+    for name, addresses, kind in skipped_interfaces():
+        log.info("not advertising %s (%s): %s, the same on many hosts; --interface %s uses it",
+                 name, ", ".join(addresses), kind, name)

@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from ringlet.daemon.api.app import create_app
+from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
@@ -61,34 +62,6 @@ def parse_size(text: str | None, option: str = "--memory-limit", allow_zero: boo
     if value < 0 or (value == 0 and not allow_zero):
         raise RingletError(f"{option} must be positive" + (" or 0" if allow_zero else ""))
     return int(value)
-
-
-def _public_host(args) -> str:
-    """The address peers dial: ``--advertise-host``, else ``--host`` unless it is a
-    wildcard, else the first IPv4 address of the mDNS interfaces.
-
-    Raises:
-        RingletError: a wildcard ``--host`` and no usable address to advertise.
-    """
-    if args.advertise_host:
-        return args.advertise_host
-    if args.host not in ("0.0.0.0", ""):  # noqa: S104 - comparison only
-        return args.host
-    from ringlet.daemon.cluster.addresses import interface_addresses
-
-    addresses = [a for a in interface_addresses(args.interface or None) if not a.startswith("127.")]
-    if not addresses:
-        raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
-    return addresses[0]
-
-
-def _log_skipped_interfaces() -> None:
-    """Say once which container/VM bridges and tunnels discovery and the advertised address skip."""
-    from ringlet.daemon.cluster.addresses import skipped_interfaces
-
-    for name, addresses, kind in skipped_interfaces():
-        log.info("not advertising %s (%s): %s, the same on many hosts; --interface %s uses it",
-                 name, ", ".join(addresses), kind, name)
 
 
 def build_config(args) -> tuple[NodeConfig, int]:
@@ -237,9 +210,9 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     if limit is not None:
         usable = min(usable, limit)
     speed = probe.speed
-    public = _public_host(args)
+    public = public_host(args.advertise_host, args.host, args.interface or None)
     if not args.interface:
-        _log_skipped_interfaces()
+        log_skipped_interfaces()
     api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
