@@ -18,7 +18,6 @@ import argparse
 import time
 
 from ringlet.daemon.tensor.control import Control, Health
-from ringlet.daemon.tensor.rank_prefix import ShardEntries
 from ringlet.daemon.tensor.side_channel import (
     DTYPE_CODES,
     F_HEAD,
@@ -78,6 +77,10 @@ class Rank:
         self.inner = None
         self.side: SideChannel | None = None
         self.caches: dict[int, list] = {}
+        # imported here, not at the top: it imports MLX, which must come after the worker
+        # has loaded the optimized BLAS (ringlet.daemon.probes.blas.load)
+        from ringlet.daemon.tensor.rank_prefix import ShardEntries
+
         #: this rank's shards of the group's prefix cache entries
         self.kept = ShardEntries()
         self.stage_mode = False

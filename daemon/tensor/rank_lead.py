@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringlet.daemon.tensor.rank import Rank
-from ringlet.daemon.tensor.rank_prefix import ShardIndex
 from ringlet.daemon.tensor.side_channel import (
     DTYPE_CODES,
     F_HEAD,
@@ -234,6 +233,8 @@ class LeadRank(Rank):
             out = self.apply_header(header, tokens)
             self.health.end()
             return out
+
+        from ringlet.daemon.tensor.rank_prefix import ShardIndex  # imports MLX: after the BLAS (see Rank)
 
         index = ShardIndex(0, lambda entry_id: run([OP_DROP, 0, 0, 0, 0, entry_id, -1]))
         rr = 0
