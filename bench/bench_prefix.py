@@ -14,6 +14,9 @@
 
 4. The disk tier: TTFT of a turn served from disk, from memory and uncached, and after
    restarting every daemon.
+5. Tensor mode: a 3-turn chat with the ~1,000-token system prompt on 3 daemons of one
+   tensor group (rank 0 keeps the index, every rank its KV shards), TTFT of each turn
+   with the cache and without (``--prefix-cache-bytes 0``).
 
 Run: ``python bench/run.py bench_prefix`` or ``python bench/bench_prefix.py``.
 """
@@ -118,6 +121,40 @@ def disk_tier(cold_url: str) -> dict:
     return out
 
 
+def tensor_mode() -> dict:
+    """TTFT of 3 chat turns in tensor mode (3 ranks, float32), with the group's prefix cache
+    and without. More ranks than this machine's 2 cores: the poll shim of
+    tests/tp_support.py lets waiting ranks sleep (as bench_tp does)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tp_support import poll_shim
+
+    shim = poll_shim()
+    env = {"RINGLET_TP_LD_PRELOAD": shim} if shim else {}
+    runs: dict[str, list] = {}
+    args = ["--mode", "tensor"]
+    for name, extra in (("cached", []), ("uncached", ["--prefix-cache-bytes", "0"])):
+        with LocalCluster(3, dtype="float32", dynamic=True, extra_args=[*args, *extra], env=env) as c:
+            c.wait_plan(stages=3)
+            messages, turns = [{"role": "system", "content": SYSTEM}], []
+            for n in range(3):
+                messages.append({"role": "user", "content": TURN.format(n=n + 1)})
+                t, answer, usage = ttft(c.api_urls[0], messages)
+                turns.append((t, usage.get("prompt_tokens", 0),
+                              usage.get("prompt_tokens_details", {}).get("cached_tokens", 0), answer))
+                messages.append({"role": "assistant", "content": answer})
+            runs[name] = turns
+            mode = c.cluster_info(0)["mode"]
+            if mode != "tensor":  # the group gave up: these are not tensor-mode figures
+                raise RuntimeError(f"the cluster fell back to {mode} mode: {c.cluster_info(0)['events'][-3:]}")
+    out = {"turns": [{"prompt_tokens": w[1], "cached_tokens": w[2], "ttft_cached_s": w[0], "ttft_uncached_s": u[0],
+                      "same_answer": w[3] == u[3]} for w, u in zip(runs["cached"], runs["uncached"], strict=True)]}
+    for n, turn in enumerate(out["turns"]):
+        print(f"  tensor mode, turn {n + 1}: {turn['prompt_tokens']} prompt tokens, {turn['cached_tokens']} cached: "
+              f"TTFT {turn['ttft_cached_s']:.2f} s cached, {turn['ttft_uncached_s']:.2f} s without "
+              f"(x{turn['ttft_uncached_s'] / turn['ttft_cached_s']:.1f}; same answer: {turn['same_answer']})")
+    return out
+
+
 def main() -> dict:
     results: dict = {}
     with LocalCluster(3) as warm, \
@@ -150,6 +187,7 @@ def main() -> dict:
         print(f"  8 concurrent on a shared ~4,000-token prefix: mean TTFT {a:.2f} s cached, {b:.2f} s without "
               f"(x{b / a:.1f})")
         results["disk_tier"] = disk_tier(cold.api_urls[0])
+    results["tensor_mode"] = tensor_mode()
     Path(__file__).with_name("results_prefix.json").write_text(json.dumps(results, indent=1))
     return results
 
