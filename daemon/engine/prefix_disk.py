@@ -84,9 +84,8 @@ class PrefixDisk(TokenIndex):
     def __init__(self, directory: Path, budget_bytes: int, key: str):
         self.dir = Path(directory) / key
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.budget_bytes = max(0, int(budget_bytes))
         self.key = key
-        super().__init__()
+        super().__init__(budget_bytes)
         self.hits = self.writes = self.evictions = self.ignored = 0
         self._scan()
 
@@ -190,11 +189,6 @@ class PrefixDisk(TokenIndex):
             if (entry.scope == scope and len(entry.tokens) <= len(tokens) and tokens[:len(entry.tokens)] == entry.tokens
                     and start <= entry.start and end >= entry.end):
                 self._forget(entry)
-
-    def set_budget(self, budget_bytes: int) -> None:
-        """A new budget (bytes); files beyond it are deleted now."""
-        self.budget_bytes = max(0, int(budget_bytes))
-        self._evict_to(self.budget_bytes)
 
     def info(self) -> dict[str, Any]:
         """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache.disk``."""

@@ -92,11 +92,10 @@ class PrefixStore(TokenIndex):
     """
 
     def __init__(self, budget_bytes: int, start: int = 0, end: int = 0, disk: PrefixDisk | None = None):
-        self.budget_bytes = max(0, int(budget_bytes))
         #: the disk tier: entries evicted for room go there, and come back on a hit
         self.disk = disk
         self.start, self.end = start, end
-        super().__init__()
+        super().__init__(budget_bytes)
         self.stats = StoreStats()
 
     # --- lookup -------------------------------------------------------------------------
@@ -193,16 +192,6 @@ class PrefixStore(TokenIndex):
         if self.disk is None:
             return 0
         return sum(self.disk.put(*self.export_entry(entry)) for entry in self.entries())
-
-    def set_budget(self, budget_bytes: int) -> None:
-        """A new budget (bytes); entries beyond it are evicted now."""
-        self.budget_bytes = max(0, int(budget_bytes))
-        self._evict_to(self.budget_bytes)
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        for entry in list(self._entries.values()):
-            self._forget(entry)
 
     # --- re-plans, export ---------------------------------------------------------------
 

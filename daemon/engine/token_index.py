@@ -18,13 +18,26 @@ from mlx_lm.models.cache import PromptTrie
 
 
 class TokenIndex:
-    """Entries with ``id``, ``scope``, ``tokens`` (list of token ids) and ``nbytes``."""
+    """Entries with ``id``, ``scope``, ``tokens`` (list of token ids) and ``nbytes``,
+    held within ``budget_bytes``."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_bytes: int = 0) -> None:
         self._trie = PromptTrie()
         self._entries: OrderedDict[int, Any] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
         self.nbytes = 0
+        #: the most bytes of entries held (0: none)
+        self.budget_bytes = max(0, int(budget_bytes))
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new budget (bytes); entries beyond it are evicted now."""
+        self.budget_bytes = max(0, int(budget_bytes))
+        self._evict_to(self.budget_bytes)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        for entry in list(self._entries.values()):
+            self._forget(entry)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -50,9 +50,8 @@ class GroupPrefixStore(TokenIndex):
     disk = None  # no disk tier: the KV lives in other processes
 
     def __init__(self, stage: GroupStage, budget_bytes: int):
-        super().__init__()
+        super().__init__(budget_bytes)
         self.stage = stage
-        self.budget_bytes = max(0, int(budget_bytes))
         self.stats = StoreStats()
 
     def _live(self) -> None:
@@ -112,14 +111,6 @@ class GroupPrefixStore(TokenIndex):
 
     def _discard(self, entry: GroupEntry) -> None:
         self.stage.drop_prefix(entry.id, entry.epoch)
-
-    def set_budget(self, budget_bytes: int) -> None:
-        self.budget_bytes = max(0, int(budget_bytes))
-        self._evict_to(self.budget_bytes)
-
-    def clear(self) -> None:
-        for entry in list(self._entries.values()):
-            self._forget(entry)
 
     def retain(self, start: int, end: int) -> None:
         """A group holds one layer range for its whole life: another range drops everything."""

@@ -78,8 +78,7 @@ class ShardIndex(TokenIndex):
     """
 
     def __init__(self, budget_bytes: int, drop):
-        super().__init__()
-        self.budget_bytes = max(0, int(budget_bytes))
+        super().__init__(budget_bytes)
         self._drop_shards = drop
         self.stats = StoreStats()
 
@@ -115,20 +114,12 @@ class ShardIndex(TokenIndex):
             self._forget(covered[0])  # it holds a prefix of these tokens: the new entry serves it
         self._add(ShardEntry(entry_id, scope, list(tokens), nbytes))
         self.stats.inserted += 1
-        before = len(self._entries)
         self._evict_to(self.budget_bytes)
-        self.stats.evictions += before - len(self._entries)
         return True
 
-    def set_budget(self, budget_bytes: int) -> None:
-        self.budget_bytes = max(0, int(budget_bytes))
-        before = len(self._entries)
-        self._evict_to(self.budget_bytes)
-        self.stats.evictions += before - len(self._entries)
-
-    def clear(self) -> None:
-        for entry in list(self._entries.values()):
-            self._forget(entry)
+    def _evict(self, entry: ShardEntry) -> None:
+        self._forget(entry)
+        self.stats.evictions += 1
 
     def _discard(self, entry: ShardEntry) -> None:
         self._drop_shards(entry.id)
