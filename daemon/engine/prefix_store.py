@@ -100,17 +100,13 @@ class PrefixStore(TokenIndex):
 
     # --- lookup -------------------------------------------------------------------------
 
-    def _search(self, scope: str, tokens: list[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` and that prefix's length."""
-        return max(self._candidates(scope, tokens), key=lambda c: c[1], default=(None, 0))
-
     def longest(self, scope: str, tokens: list[int], limit: int | None = None) -> int:
         """How many leading tokens of ``tokens`` (at most ``limit``) this stage can serve,
         from memory or from the disk tier."""
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         n = 0
         if self._entries:
-            entry, found = self._search(scope, tokens[:limit])
+            entry, found = self._longest_match(scope, tokens[:limit])
             n = found if entry is not None and self._covers(entry) else 0
         if self.disk is not None and len(self.disk) and n < limit:
             n = max(n, self.disk.longest(scope, tokens[:limit], self.start, self.end))
@@ -121,7 +117,7 @@ class PrefixStore(TokenIndex):
         or ``None`` when neither memory nor the disk tier can serve that many (counted as
         a miss). The entry is moved to the most recently used end (an entry on disk is
         loaded back into memory first); its arrays are never handed out."""
-        entry, n = self._search(scope, tokens) if self._entries else (None, 0)
+        entry, n = self._longest_match(scope, tokens) if self._entries else (None, 0)
         if (entry is None or n < len(tokens) or not self._covers(entry)) and self.disk is not None:
             loaded = self.disk.take(scope, tokens, self.start, self.end)
             if loaded is not None:
@@ -129,7 +125,7 @@ class PrefixStore(TokenIndex):
                     self.stats.hits += 1
                     self.stats.hit_tokens += len(tokens)
                     return caches_from(_layers_of(*loaded, self.start, self.end), len(tokens))
-                entry, n = self._search(scope, tokens)
+                entry, n = self._longest_match(scope, tokens)
         if entry is None or n < len(tokens) or not self._covers(entry):
             self.stats.misses += 1
             return None
@@ -161,23 +157,12 @@ class PrefixStore(TokenIndex):
         nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
         if nbytes > self.budget_bytes:
             return False
-        self._drop_covered(scope, tokens)
+        self._forget_prefixes_of(scope, tokens)
         entry = Entry(scope, list(tokens), self.start, self.end, layers, nbytes, next(self._ids))
         self._add(entry)
         self.stats.inserted += 1
         self._evict_to(self.budget_bytes)
         return True
-
-    def _drop_covered(self, scope: str, tokens: list[int]) -> None:
-        """Drop entries whose tokens are ``tokens`` or a prefix of them (the new entry serves them)."""
-        while True:
-            found = self._trie.search(scope, tokens)
-            prefix = found.exact if found.exact is not None else found.shorter
-            if prefix is None and len(tokens) > 1 and self._trie.search(scope, tokens[:1]).exact is not None:
-                prefix = tokens[:1]  # PromptTrie.search never reports a one-token prefix as ``shorter``
-            if prefix is None:
-                return
-            self._forget(self._entries[self._trie.get(scope, prefix)])
 
     def _evict(self, entry: Entry) -> None:
         """Evict one entry for room, spilling it to the disk tier when there is one."""
@@ -240,7 +225,7 @@ class PrefixStore(TokenIndex):
                       sum(k.nbytes + v.nbytes for k, v in layers), next(self._ids))
         if entry.nbytes > self.budget_bytes:
             return False
-        self._drop_covered(entry.scope, tokens)
+        self._forget_prefixes_of(entry.scope, tokens)
         self._add(entry)
         self._evict_to(self.budget_bytes)
         return True

@@ -70,6 +70,23 @@ class TokenIndex:
             _, oldest = next(iter(self._entries.items()))
             self._evict(oldest)
 
+    def _longest_match(self, scope: str, tokens: list[int]) -> tuple[Any | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` and that prefix's length
+        (``(None, 0)``: none shares any)."""
+        return max(self._candidates(scope, tokens), key=lambda c: c[1], default=(None, 0))
+
+    def _forget_prefixes_of(self, scope: str, tokens: list[int]) -> None:
+        """Forget the entries whose tokens are ``tokens`` or a prefix of them (an entry for
+        ``tokens`` serves every lookup they did)."""
+        while True:
+            found = self._trie.search(scope, tokens)
+            prefix = found.exact if found.exact is not None else found.shorter
+            if prefix is None and len(tokens) > 1 and self._trie.search(scope, tokens[:1]).exact is not None:
+                prefix = tokens[:1]  # PromptTrie.search never reports a one-token prefix as ``shorter``
+            if prefix is None:
+                return
+            self._forget(self._entries[self._trie.get(scope, prefix)])
+
     def _candidates(self, scope: str, tokens: list[int]) -> list[tuple[Any, int]]:
         """The entries that share a prefix with ``tokens``, each with that prefix's
         length (> 0): the one holding exactly ``tokens``, then the longest holding a

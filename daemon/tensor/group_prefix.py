@@ -18,29 +18,18 @@ thread, like the engine's own store (they block on the group's answers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ringlet.daemon.engine.prefix_store import StoreStats
-from ringlet.daemon.engine.token_index import TokenIndex
+from ringlet.daemon.tensor.rank_prefix import ShardEntry, ShardIndex
 
 if TYPE_CHECKING:
     from ringlet.daemon.tensor.group_stage import GroupStage
 
 
-@dataclass
-class GroupEntry:
-    """One entry: its scope, token ids, rank 0's shard bytes and the group epoch holding it."""
-
-    id: int
-    scope: str
-    tokens: list[int]
-    nbytes: int
-    epoch: int
-
-
-class GroupPrefixStore(TokenIndex):
-    """The prefix store of a tensor-group stage holding layers ``[start, end)``.
+class GroupPrefixStore(ShardIndex):
+    """The prefix store of a tensor-group stage holding layers ``[start, end)``: a
+    :class:`~ringlet.daemon.tensor.rank_prefix.ShardIndex` whose entries name the group
+    epoch holding them, behind the engine's prefix store interface.
 
     Args:
         stage: the group stage whose ranks hold the entries' KV.
@@ -50,9 +39,8 @@ class GroupPrefixStore(TokenIndex):
     disk = None  # no disk tier: the KV lives in other processes
 
     def __init__(self, stage: GroupStage, budget_bytes: int):
-        super().__init__(budget_bytes)
+        super().__init__(budget_bytes, lambda entry: stage.drop_prefix(entry.id, entry.epoch))
         self.stage = stage
-        self.stats = StoreStats()
 
     def _live(self) -> None:
         """Forget the entries of group epochs that are gone (their ranks exited)."""
@@ -64,24 +52,22 @@ class GroupPrefixStore(TokenIndex):
         """How many leading tokens of ``tokens`` (at most ``limit``) the ranks can serve."""
         self._live()
         limit = len(tokens) if limit is None else min(limit, len(tokens))
-        return max((n for _, n in self._candidates(scope, tokens[:limit])), default=0)
+        return self._longest_match(scope, tokens[:limit])[1]
 
     def take(self, scope: str, tokens: list[int]) -> list | None:
         """A fresh slot whose caches (in every rank) hold exactly ``tokens``, or ``None``
         (a miss) when no entry holds them or the ranks could not load it."""
         self._live()
-        entry = next((e for e, n in self._candidates(scope, tokens) if n == len(tokens)), None)
-        cache = self.stage.load_prefix(entry.id, entry.epoch, len(tokens)) if entry is not None else None
-        if cache is None:
-            self.stats.misses += 1
-            return None
-        self._entries.move_to_end(entry.id)
-        self.stats.hits += 1
-        self.stats.hit_tokens += len(tokens)
+        entry, n = self._longest_match(scope, tokens)
+        ok = entry is not None and n == len(tokens)
+        cache = self.stage.load_prefix(entry.id, entry.epoch, n) if ok else None
+        if cache is not None:
+            self._entries.move_to_end(entry.id)
+        self.count(len(tokens) if cache is not None else 0)
         return cache
 
     def miss(self) -> None:
-        self.stats.misses += 1
+        self.count(0)
 
     def insert(self, scope: str, tokens: list[int], cache: list) -> bool:
         """Have the ranks keep a finished request's slot (``cache``) for ``tokens`` (as many
@@ -90,27 +76,9 @@ class GroupPrefixStore(TokenIndex):
         if self.budget_bytes <= 0 or not tokens:
             return False
         self._live()
-        entry_id = next(self._ids)
+        entry_id = self.next_id()
         kept = self.stage.save_prefix(cache, entry_id, len(tokens))
-        if kept is None:
-            return False
-        epoch, nbytes = kept
-        if nbytes <= 0 or nbytes > self.budget_bytes:
-            self.stage.drop_prefix(entry_id, epoch)
-            return False
-        while covered := [e for e, n in self._candidates(scope, tokens) if n == len(e.tokens)]:
-            self._forget(covered[0])  # it holds a prefix of these tokens: the new entry serves it
-        self._add(GroupEntry(entry_id, scope, list(tokens), nbytes, epoch))
-        self.stats.inserted += 1
-        self._evict_to(self.budget_bytes)
-        return True
-
-    def _evict(self, entry: GroupEntry) -> None:
-        self._forget(entry)
-        self.stats.evictions += 1
-
-    def _discard(self, entry: GroupEntry) -> None:
-        self.stage.drop_prefix(entry.id, entry.epoch)
+        return kept is not None and self.add(entry_id, scope, tokens, kept[1], epoch=kept[0])
 
     def retain(self, start: int, end: int) -> None:
         """A group holds one layer range for its whole life: another range drops everything."""
@@ -120,14 +88,10 @@ class GroupPrefixStore(TokenIndex):
     def save_to_disk(self) -> int:
         return 0
 
-    def entries(self) -> list[GroupEntry]:
+    def entries(self) -> list[ShardEntry]:
         return list(self._entries.values())
 
     def info(self) -> dict:
         """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache`` (``bytes`` per rank)."""
-        s = self.stats
-        return {"disk": None, "budget_bytes": self.budget_bytes, "bytes": self.nbytes,
-                "entries": len(self._entries), "tokens": sum(len(e.tokens) for e in self._entries.values()),
-                "hits": s.hits, "misses": s.misses, "hit_tokens": s.hit_tokens, "evictions": s.evictions,
-                "inserted": s.inserted, "dropped_on_replan": s.dropped_on_replan,
-                "layer_range": [self.stage.start, self.stage.end], "ranks": self.stage.group_size()}
+        return {**super().info(self.stage.group_size()), "dropped_on_replan": self.stats.dropped_on_replan,
+                "layer_range": [self.stage.start, self.stage.end]}

@@ -236,7 +236,7 @@ class LeadRank(Rank):
 
         from ringlet.daemon.tensor.rank_prefix import ShardIndex  # imports MLX: after the BLAS (see Rank)
 
-        index = ShardIndex(0, lambda entry_id: run([OP_DROP, 0, 0, 0, 0, entry_id, -1]))
+        index = ShardIndex(0, lambda entry: run([OP_DROP, 0, 0, 0, 0, entry.id, -1]))
         rr = 0
         while True:
             # take new work; block only when there is nothing to do

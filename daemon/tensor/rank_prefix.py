@@ -60,12 +60,14 @@ class ShardEntries:
 
 @dataclass
 class ShardEntry:
-    """What the index knows of one entry: its scope, token ids and rank 0's shard bytes."""
+    """What the index knows of one entry: its scope, token ids, rank 0's shard bytes and
+    the group epoch whose ranks hold it (0 in rank 0's own index: its group is its epoch)."""
 
     id: int
     scope: str
     tokens: list[int]
     nbytes: int
+    epoch: int = 0
 
 
 class ShardIndex(TokenIndex):
@@ -73,8 +75,9 @@ class ShardIndex(TokenIndex):
 
     Args:
         budget_bytes: the most bytes of KV each rank holds (0: none).
-        drop: called with an entry id whenever an entry is forgotten (evicted, replaced
-            by one that extends it, or cleared), so that the ranks drop their shards.
+        drop: called with a :class:`ShardEntry` whenever an entry is forgotten (evicted,
+            replaced by one that extends it, cleared, or refused), so that the ranks drop
+            their shards.
     """
 
     def __init__(self, budget_bytes: int, drop):
@@ -89,7 +92,7 @@ class ShardIndex(TokenIndex):
     def longest(self, scope: str, tokens: list[int]) -> tuple[int, int]:
         """``(entry id, n)``: the entry sharing the longest prefix with ``tokens`` and that
         prefix's length, ``(0, 0)`` when none does. The entry becomes the most recently used."""
-        entry, n = max(self._candidates(scope, tokens), key=lambda c: c[1], default=(None, 0))
+        entry, n = self._longest_match(scope, tokens)
         if entry is None:
             return 0, 0
         self._entries.move_to_end(entry.id)
@@ -103,16 +106,16 @@ class ShardIndex(TokenIndex):
         else:
             self.stats.misses += 1
 
-    def add(self, entry_id: int, scope: str, tokens: list[int], nbytes: int) -> bool:
+    def add(self, entry_id: int, scope: str, tokens: list[int], nbytes: int, epoch: int = 0) -> bool:
         """Index an entry the ranks kept (``nbytes``: rank 0's). Entries it extends and the
         least recently used beyond the budget are forgotten. Returns whether it was kept
         (not when it alone is over the budget: the ranks are told to drop it)."""
+        entry = ShardEntry(entry_id, scope, list(tokens), nbytes, epoch)
         if nbytes <= 0 or nbytes > self.budget_bytes or not tokens:
-            self._drop_shards(entry_id)
+            self._drop_shards(entry)
             return False
-        while covered := [e for e, n in self._candidates(scope, tokens) if n == len(e.tokens)]:
-            self._forget(covered[0])  # it holds a prefix of these tokens: the new entry serves it
-        self._add(ShardEntry(entry_id, scope, list(tokens), nbytes))
+        self._forget_prefixes_of(scope, entry.tokens)
+        self._add(entry)
         self.stats.inserted += 1
         self._evict_to(self.budget_bytes)
         return True
@@ -122,7 +125,7 @@ class ShardIndex(TokenIndex):
         self.stats.evictions += 1
 
     def _discard(self, entry: ShardEntry) -> None:
-        self._drop_shards(entry.id)
+        self._drop_shards(entry)
 
     def info(self, ranks: int) -> dict:
         """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache`` (``bytes`` per rank)."""
