@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -152,16 +153,17 @@ class Membership:
         verified by its own handshake), else the advertised :attr:`address`. A node whose
         first interface is a bridge its peers cannot route to (``docker0`` 172.17.0.1 on
         every Docker host) thus stands in the plan at the address that works."""
-        seen = [a for i, a in self.seen_as.items() if i in self.members and self.members[i].state == "alive"]
-        if not seen:
+        counts = Counter(a for i, a in self.seen_as.items() if i in self.members and self.members[i].state == "alive")
+        if not counts:
             return self.address
-        counts = {a: seen.count(a) for a in seen}
         best = max(counts.values())
-        return self.address if counts.get(self.address) == best else min(a for a, n in counts.items() if n == best)
+        return self.address if counts[self.address] == best else min(a for a, n in counts.items() if n == best)
 
     def address_of(self, node_id: str) -> str | None:
+        """The address ``node_id`` is dialled at: a member's as this node reached it, this
+        node's own as its members reach it (:meth:`reachable_address`)."""
         if node_id == self.node_id:
-            return self.address
+            return self.reachable_address()
         m = self.members.get(node_id)
         return m.address if m else None
 

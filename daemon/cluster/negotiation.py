@@ -210,9 +210,7 @@ class Negotiator:
                 return False
         epoch = max([self.node.epoch, self._epoch_floor,
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
-        me = self.node.node_id  # this node goes by the address its members reach it at
-        addresses = [pb.LayerRange(node_id=i, grpc_address=(self.membership.reachable_address() if i == me
-                                                            else self.membership.address_of(i)) or "") for i in ids]
+        addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
