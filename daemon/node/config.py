@@ -21,6 +21,10 @@ RESUME_WAIT_S = 10.0
 PREFILL_TIMEOUT_TOKENS = 64
 #: Seconds between retries while stage 0 and this node hold different epochs.
 EPOCH_SKEW_RETRY_S = 0.25
+#: Seconds a stage holds an activation of an epoch newer than its own before it answers
+#: "behind": the sender has committed that epoch, so this node's commit is on its way
+#: (members commit one plan within moments; a busy engine thread can delay the switch).
+COMMIT_WAIT_S = 5.0
 #: Tries with a shorter cached prefix after a stage's prefix store missed, before the
 #: request prefills from scratch.
 PREFIX_ATTEMPTS = 3

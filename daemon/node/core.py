@@ -248,16 +248,20 @@ class Node(ResumingClient, Head, Relay):
         old_index_spec = self.stage_spec
         await self.engine.swap_stage(stage)
         await self.engine.run(self.engine.prefix.set_budget, self.prefix_budget(stage))
+        # From here to changed.set() nothing awaits: a resumed request that starts on the
+        # new plan must see the new plan and a fresh plan-changed event together, or the
+        # old event would end it at once as changed again (CI saw that on a join).
         self.plan = plan
+        changed, self._plan_changed = self._plan_changed, asyncio.Event()
         self.index = plan.index_of(self.node_id, self.config.address)
         for gen in list(self._generations.values()):
             self._finish(gen, PlanChanged(f"the plan changed to epoch {plan.epoch}", plan.epoch))
         successor = None
         if self.index is not None and len(plan.stages) > 1:
             successor = plan.stages[(self.index + 1) % len(plan.stages)].address
+        retired = None  # the old plan's link, closed once the new plan is in place
         if self._next is not None and (successor is None or self._next.address != successor):
-            await self._next.close()
-            self._next = None
+            retired, self._next = self._next, None
         if successor is not None and self._next is None:
             self._next = HopLink(successor, self.config.transport)
         if plan.infeasible:
@@ -271,8 +275,9 @@ class Node(ResumingClient, Head, Relay):
         where = f"layers [{spec.start}, {spec.end})" if spec else "no stage"
         log.info("committed epoch %d: %s%s", plan.epoch, where,
                  f" (was [{old_index_spec.start}, {old_index_spec.end}))" if old_index_spec else "")
-        changed, self._plan_changed = self._plan_changed, asyncio.Event()
         changed.set()
+        if retired is not None:
+            await retired.close()
 
     # --- introspection -------------------------------------------------------------------
 
