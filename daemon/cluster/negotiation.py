@@ -29,7 +29,8 @@ Protocol (all over ringlet's gRPC)::
   when two partitions merged) would otherwise refuse every later one at its epoch.
 * Churn is debounced: the proposer waits until the membership has been stable for
   ``settle_s`` and proposes only when the plan would differ from the committed one
-  or the membership changed.
+  or the membership changed, or when its last commit did not reach every member
+  (a split commit heals with the next epoch).
 * A model that no longer fits gets an epoch too: the committed "plan" then carries
   only the reason ("model needs X GB, cluster has Y GB"), and requests get 503
   with it until a member joins.
@@ -129,6 +130,7 @@ class Negotiator:
         self.committed_reason: str | None = None
         self._prepared_key: tuple[int, str] | None = None
         self._epoch_floor = 0  # newest epoch a refusing member reported (Vote.newest_epoch)
+        self._split = False  # this node's last commit did not reach every member
         self._prepared: dict[tuple[int, str], tuple[ServingPlan, Plan | None, str]] = {}
         self._changed = asyncio.Event()
         self._last_change = time.monotonic()
@@ -201,7 +203,7 @@ class Negotiator:
         plan, reason = self.compute_plan()
         ids = self.membership.alive_ids()
         mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
-        if self.node.plan is not None and digest == self.committed_digest:
+        if self.node.plan is not None and digest == self.committed_digest and not self._split:
             same = (plan is not None and self.committed_plan is not None
                     and plan.plan_id == self.committed_plan.plan_id) or (plan is None and reason
                                                                           and self.committed_reason)
@@ -256,9 +258,10 @@ class Negotiator:
         acks = await asyncio.gather(self.on_commit(commit), *(tell(m) for m in members))
         failed = [a for a in acks if not a.ok]
         self.state = "idle"
+        self._split = bool(failed)  # the next round proposes again though nothing changed
         if failed:
             self.last_result = "; ".join(f"{a.node_id}: {a.reason}" for a in failed)
-            log.warning("commit of epoch %d incomplete: %s", epoch, self.last_result)
+            log.warning("commit of epoch %d incomplete: %s; proposing again", epoch, self.last_result)
             return True
         self.last_result = f"epoch {epoch} committed"
         return False
