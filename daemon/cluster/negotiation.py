@@ -403,7 +403,11 @@ class Negotiator:
         serving, plan, digest = entry
         if (plan.plan_id if plan is not None else "") != c.plan_id:
             return self._refuse("commit names another plan than the one prepared")
-        await self.node.commit(serving)
+        try:
+            await self.node.commit(serving)
+        except Exception as exc:  # the proposer proposes again (a split commit heals)
+            log.exception("committing epoch %d failed", c.epoch)
+            return self._refuse(f"cannot switch to epoch {c.epoch}: {exc}")
         if self.tp is not None:
             self.tp.committed(serving)
         for k in [k for k in self._prepared if k <= key]:

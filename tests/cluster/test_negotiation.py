@@ -172,3 +172,34 @@ def test_a_member_that_cannot_dial_its_next_stage_refuses_naming_the_address():
             assert parts[b][0].prepared == []  # refused before loading anything
 
     asyncio.run(scenario())
+
+
+def test_a_commit_that_misses_a_member_is_proposed_again():
+    """c fails to switch when told to commit (its commit raises once): the proposer's
+    next round, with nothing else changed, proposes a newer epoch, and then every member
+    serves one plan. Before, the round saw "same plan, same membership" and left c on
+    the old epoch until the next membership change."""
+    async def scenario():
+        async with trio() as parts:
+            a, b, c = sorted(parts)
+            host_c = parts[c][0]
+            real_commit = host_c.commit
+            failures = []
+
+            async def failing_once(plan: ServingPlan) -> None:
+                if not failures:
+                    failures.append(plan.epoch)
+                    raise RuntimeError("engine busy")
+                await real_commit(plan)
+
+            host_c.commit = failing_once
+            neg_a = parts[a][2]
+            assert await neg_a._propose_round() is True  # c's Commit failed
+            assert failures == [1] and parts[a][0].epoch == 1 and host_c.epoch == 0
+            assert f"{c}: cannot switch to epoch 1: engine busy" in neg_a.last_result, neg_a.last_result
+            assert await neg_a._propose_round() is False, neg_a.last_result
+            assert {parts[i][0].epoch for i in parts} == {2}, {i: parts[i][0].epoch for i in parts}
+            assert await neg_a._propose_round() is False  # healed: nothing more to propose
+            assert {parts[i][0].epoch for i in parts} == {2}
+
+    asyncio.run(scenario())
