@@ -33,6 +33,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ringlet.daemon.engine import kv_handoff
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
@@ -82,6 +83,7 @@ class _Work:
     prefix_ids: list[int] | None = None  # first chunk of a request reusing a cached prefix
     scope: str = ""  # its prefix cache scope (first chunk), or the ids to store (release)
     token_ids: list[int] | None = None
+    ids: list[int] | None = None  # the token ids a hidden-states payload stands for
 
     @property
     def tokens(self) -> int:
@@ -98,6 +100,9 @@ class _RequestState:
     sampler: RequestSampler | None
     offset: int = 0
     scope: str = ""
+    #: the ids of the tokens in ``cache`` (``None``: unknown, a sender that did not say),
+    #: so that its KV can move with its layers on a re-plan
+    tokens: list[int] | None = None
 
 
 def sampling_from_pb(message: pb.Sampling | None) -> SamplingParams:
@@ -198,7 +203,7 @@ class StageEngine:
 
     def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
                sampling: SamplingParams | None, more: bool = False, prefix_ids: list[int] | None = None,
-               scope: str = "") -> asyncio.Future:
+               scope: str = "", ids: list[int] | None = None) -> asyncio.Future:
         """Queue one forward of this stage for one request.
 
         Args:
@@ -215,6 +220,8 @@ class StageEngine:
             prefix_ids: on a request's first chunk with ``offset`` > 0, the ``offset`` token
                 ids its KV cache starts from, taken from the prefix store.
             scope: the request's prefix cache scope (first chunk).
+            ids: on a later stage, the token ids ``payload``'s hidden states stand for
+                (``Activation.token_ids``); the request's cache then knows its tokens.
 
         Returns:
             A future with the encoded hidden states ``(1, tokens, hidden_size)`` for
@@ -225,7 +232,8 @@ class StageEngine:
             changed, before the step ran), PrefixMiss (the store lacks ``prefix_ids``).
         """
         work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more,
-                     prefix_ids=list(prefix_ids) if prefix_ids else None, scope=scope)
+                     prefix_ids=list(prefix_ids) if prefix_ids else None, scope=scope,
+                     ids=list(ids) if ids is not None else None)
         self._enqueue(work)
         return work.future
 
@@ -239,11 +247,12 @@ class StageEngine:
         self._enqueue(work)
         return work.future
 
-    async def swap_stage(self, stage: Stage | None) -> None:
+    async def swap_stage(self, stage: Stage | None, keep: bool = False) -> list:
         """Serve ``stage`` from now on: waiting steps are dropped (their requests belong
-        to the old plan) and every KV cache goes (see :meth:`swap`)."""
+        to the old plan) and every KV cache goes (see :meth:`swap`); with ``keep``, it
+        comes back as :class:`~ringlet.daemon.engine.kv_pieces.Piece` s first."""
         self._drop(lambda w: True, "the plan changed")
-        await self.run(self.swap, stage)
+        return await self.run(self.swap, stage, keep)
 
     def _enqueue(self, work: _Work) -> None:
         self._queue.append(work)
@@ -319,9 +328,12 @@ class StageEngine:
 
     # --- worker-thread functions ---------------------------------------------------------
 
-    def swap(self, stage: Stage | None) -> None:
-        """Serve ``stage`` from now on (worker thread): every KV cache of the previous
-        stage is dropped (its requests resume on the new plan by re-prefilling)."""
+    def swap(self, stage: Stage | None, keep: bool = False) -> list:
+        """Serve ``stage`` from now on (worker thread); every KV cache of the old stage goes.
+        With ``keep``, its requests in flight and prefix entries come back first as pieces
+        (:func:`ringlet.daemon.engine.kv_handoff.park`); without, the store keeps what covers
+        the new range."""
+        parked = kv_handoff.park(self.stage, self._requests, self._prefix) if keep else []
         self.stage = stage
         self._requests.clear()
         if isinstance(stage, Stage):
@@ -329,6 +341,11 @@ class StageEngine:
         else:
             self._prefix.clear()  # no layers here (a tensor plan), or a tensor group's stage (its own store)
         mx.clear_cache()
+        return parked
+
+    def kv_pieces(self) -> list:
+        """The KV held now, as pieces (worker thread); nothing is dropped."""
+        return kv_handoff.park(self.stage, self._requests, self._prefix, clear=False)
 
     def _state(self, work: _Work) -> _RequestState:
         request_id, step, offset, sampling = work.request_id, work.step, work.offset, work.sampling
@@ -344,7 +361,8 @@ class StageEngine:
                 raise PrefixMiss(f"request {request_id}: the prefix store holds {holds} of the {offset} "
                                  "prefix tokens", holds)
             sampler = RequestSampler(sampling or SamplingParams()) if self.stage.last else None
-            state = _RequestState(cache=cache, sampler=sampler, offset=offset, scope=work.scope)
+            state = _RequestState(cache=cache, sampler=sampler, offset=offset, scope=work.scope,
+                                  tokens=list(work.prefix_ids or ()))
             self._requests[request_id] = state
             return state
         state = self._requests.get(request_id)
@@ -394,7 +412,13 @@ class StageEngine:
         for i, work in enumerate(batch):
             try:
                 x = self._input(work.payload)
-                ready.append((i, self._state(work), x))
+                state = self._state(work)
+                ids = work.payload if isinstance(work.payload, list) else work.ids
+                if state.tokens is not None and ids is not None and len(ids) == x.shape[1]:
+                    state.tokens.extend(ids)
+                else:
+                    state.tokens = None
+                ready.append((i, state, x))
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 results[i] = exc
         if len(ready) > 1 and mergeable([state.cache for _, state, _ in ready]):

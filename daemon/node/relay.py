@@ -72,13 +72,16 @@ class Relay:
             return
         if message.WhichOneof("payload") != "hidden":
             raise codec.TensorDecodeError("activation carries no hidden states")
+        if message.step == 0:
+            await self.await_installed()  # a resumed request reuses the KV that moved with its layers
         if (error := self.engine.shape_error(tuple(message.hidden.shape))) is not None:
             await self._forward(pb.Activation(request_id=rid, epoch=message.epoch,
                                               error=f"stage {self.index} ({self.config.address}): {error}"))
             raise codec.TensorDecodeError(error)
         sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
         future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more,
-                                    prefix_ids=list(message.prefix_ids), scope=message.cache_scope)
+                                    prefix_ids=list(message.prefix_ids), scope=message.cache_scope,
+                                    ids=list(message.token_ids) if message.token_ids else None)
         self._spawn(self._complete(message, future))
 
     async def _await_commit(self, epoch: int) -> None:
@@ -126,6 +129,7 @@ class Relay:
                 nxt.sampling.CopyFrom(message.sampling)
             nxt.cache_scope = message.cache_scope
             nxt.prefix_ids.extend(message.prefix_ids)
+            nxt.token_ids.extend(message.token_ids)
         await self._forward(nxt)
 
     async def _release_and_forward(self, message: pb.Activation) -> None:

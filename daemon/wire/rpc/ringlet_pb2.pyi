@@ -205,7 +205,7 @@ class Heartbeat(_message.Message):
     def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json")
+    __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json", "previous")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class Proposal(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     TP_JSON_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     proposer_id: str
     membership_digest: str
@@ -220,7 +221,8 @@ class Proposal(_message.Message):
     model: str
     addresses: _containers.RepeatedCompositeFieldContainer[LayerRange]
     tp_json: str
-    def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ...) -> None: ...
+    previous: _containers.RepeatedCompositeFieldContainer[LayerRange]
+    def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ..., previous: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
 
 class Vote(_message.Message):
     __slots__ = ("ok", "reason", "node_id", "newest_epoch")
@@ -393,3 +395,37 @@ class RankEvent(_message.Message):
     exit_code: int
     error: str
     def __init__(self, pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class KVRequest(_message.Message):
+    __slots__ = ("epoch", "start", "end", "node_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    start: int
+    end: int
+    node_id: str
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("piece", "scope", "tokens", "inflight", "layer", "token_start", "keys", "values", "error")
+    PIECE_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    piece: int
+    scope: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    inflight: bool
+    layer: int
+    token_start: int
+    keys: Tensor
+    values: Tensor
+    error: str
+    def __init__(self, piece: _Optional[int] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,11 @@ class RingStub:
                 request_serializer=ringlet__pb2.ShardRequest.SerializeToString,
                 response_deserializer=ringlet__pb2.ShardChunk.FromString,
                 _registered_method=True)
+        self.FetchKV = channel.unary_stream(
+                '/ringlet.v1.Ring/FetchKV',
+                request_serializer=ringlet__pb2.KVRequest.SerializeToString,
+                response_deserializer=ringlet__pb2.KVChunk.FromString,
+                _registered_method=True)
         self.RunRank = channel.unary_stream(
                 '/ringlet.v1.Ring/RunRank',
                 request_serializer=ringlet__pb2.RankStart.SerializeToString,
@@ -147,6 +152,14 @@ class RingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKV(self, request, context):
+        """KV migration: a node that gained layers on a re-plan pulls those layers' KV caches
+        (requests in flight and prefix-cache entries) from their previous holder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RunRank(self, request, context):
         """Tensor parallelism: run one rank of the leader's group on this machine.
         """
@@ -201,6 +214,11 @@ def add_RingServicer_to_server(servicer, server):
                     servicer.FetchShard,
                     request_deserializer=ringlet__pb2.ShardRequest.FromString,
                     response_serializer=ringlet__pb2.ShardChunk.SerializeToString,
+            ),
+            'FetchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=ringlet__pb2.KVRequest.FromString,
+                    response_serializer=ringlet__pb2.KVChunk.SerializeToString,
             ),
             'RunRank': grpc.unary_stream_rpc_method_handler(
                     servicer.RunRank,
@@ -451,6 +469,33 @@ class Ring:
             '/ringlet.v1.Ring/FetchShard',
             ringlet__pb2.ShardRequest.SerializeToString,
             ringlet__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ringlet.v1.Ring/FetchKV',
+            ringlet__pb2.KVRequest.SerializeToString,
+            ringlet__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,
