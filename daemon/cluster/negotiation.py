@@ -214,9 +214,10 @@ class Negotiator:
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
+        previous = await self._serving_stages()
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
-                               tp_json=json.dumps(mode, sort_keys=True) if mode else "")
+                               tp_json=json.dumps(mode, sort_keys=True) if mode else "", previous=previous)
         self.state = f"proposing epoch {epoch}"
         members = [self.membership.members[i] for i in ids if i != self.node.node_id]
         if plan is None:
@@ -265,6 +266,24 @@ class Negotiator:
             return True
         self.last_result = f"epoch {epoch} committed"
         return False
+
+    async def _serving_stages(self) -> list[pb.LayerRange]:
+        """The stages of the plan the cluster serves now, for a proposal's ``previous``:
+        this node's committed plan, else (a node that joins) the plan of the member with
+        the newest committed epoch (empty: none, or it cannot be asked)."""
+        current = self.node.plan
+        if current is not None:
+            return [pb.LayerRange(node_id=s.node_id, start=s.start, end=s.end, grpc_address=s.address)
+                    for s in current.stages]
+        newest = max(self.membership.members.values(), key=lambda m: m.committed_epoch, default=None)
+        if newest is None or not newest.committed_epoch:
+            return []
+        try:
+            info = await self.membership.stub(newest.address).GetNodeInfo(
+                pb.NodeInfoRequest(caller_id=self.node.node_id), timeout=REACH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return []
+        return list(info.plan)
 
     # --- the member side -----------------------------------------------------------------
 
@@ -379,6 +398,11 @@ class Negotiator:
                 else:
                     serving = replace(serving, tp=mode)
             reason = None
+            previous = tuple(StageSpec(address=r.grpc_address, start=r.start, end=r.end, node_id=r.node_id)
+                             for r in p.previous)
+            if not previous and self.node.plan is not None:  # a proposer that could not say
+                previous = self.node.plan.stages
+            serving = replace(serving, previous=previous)
             if not serving.is_tensor and (why := await self._unreachable(serving)):
                 return self._refuse(why)
         self._prepared_key = key

@@ -97,6 +97,9 @@ class PrefixStore(TokenIndex):
         self.start, self.end = start, end
         super().__init__(budget_bytes)
         self.stats = StoreStats()
+        #: ids of entries the budget never evicts: requests in flight across a re-plan
+        #: (:mod:`ringlet.daemon.engine.kv_handoff`), until taken or the next re-plan
+        self.pinned: set[int] = set()
 
     # --- lookup -------------------------------------------------------------------------
 
@@ -133,7 +136,11 @@ class PrefixStore(TokenIndex):
         offset = self.start - entry.start
         self.stats.hits += 1
         self.stats.hit_tokens += len(tokens)
-        return caches_from(entry.layers[offset:offset + (self.end - self.start)], len(tokens))
+        caches = caches_from(entry.layers[offset:offset + (self.end - self.start)], len(tokens))
+        if entry.id in self.pinned:  # a resumed request took its KV: an entry like any other now
+            self.pinned.discard(entry.id)
+            self._evict_to(self.budget_bytes)
+        return caches
 
     def miss(self) -> None:
         """Count a lookup that found nothing to reuse."""
@@ -163,6 +170,36 @@ class PrefixStore(TokenIndex):
         self.stats.inserted += 1
         self._evict_to(self.budget_bytes)
         return True
+
+    def adopt(self, scope: str, tokens: list[int], start: int, end: int, layers: list[tuple[mx.array, mx.array]],
+              pinned: bool = False) -> bool:
+        """Keep KV that came with a re-plan: ``layers`` of ``[start, end)`` (this stage's
+        range) for ``tokens``. ``pinned``: a request in flight, kept whatever the budget
+        until it is taken. Returns whether it was kept."""
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if (start, end) != (self.start, self.end) or not tokens or (not pinned and nbytes > self.budget_bytes):
+            return False
+        self._forget_prefixes_of(scope, tokens)
+        entry = Entry(scope, list(tokens), start, end, layers, nbytes, next(self._ids))
+        self._add(entry)
+        if pinned:
+            self.pinned.add(entry.id)
+        self._evict_to(self.budget_bytes)
+        return entry.id in self._entries
+
+    def _evict_to(self, budget: int) -> None:
+        """Evict least recently used unpinned entries until at most ``budget`` bytes of
+        unpinned entries are held."""
+        held = self.nbytes - sum(self._entries[i].nbytes for i in self.pinned if i in self._entries)
+        for entry in [e for e in self._entries.values() if e.id not in self.pinned]:
+            if held <= budget:
+                return
+            held -= entry.nbytes
+            self._evict(entry)
+
+    def _forget(self, entry: Entry, in_trie: bool = True) -> None:
+        self.pinned.discard(entry.id)
+        super()._forget(entry, in_trie)
 
     def _evict(self, entry: Entry) -> None:
         """Evict one entry for room, spilling it to the disk tier when there is one."""
@@ -238,7 +275,8 @@ class PrefixStore(TokenIndex):
                 "budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
                 "tokens": sum(len(e.tokens) for e in self._entries.values()), "hits": s.hits, "misses": s.misses,
                 "hit_tokens": s.hit_tokens, "evictions": s.evictions, "inserted": s.inserted,
-                "dropped_on_replan": s.dropped_on_replan, "layer_range": [self.start, self.end]}
+                "dropped_on_replan": s.dropped_on_replan, "layer_range": [self.start, self.end],
+                "pinned": len(self.pinned)}
 
 
 def _layers_of(arrays: dict[str, Any], meta: dict[str, str], start: int, end: int) -> list[tuple[mx.array, mx.array]]:

@@ -46,6 +46,7 @@ from ringlet.daemon.errors import GenerationError, first_line
 from ringlet.daemon.node.config import PREFIX_CACHE_FRACTION, NodeConfig
 from ringlet.daemon.node.head import Generation, Head
 from ringlet.daemon.node.memory import mlx_active_bytes, mlx_memory_bytes, peak_rss_bytes, warm_up_mlx
+from ringlet.daemon.node.migration import Migration
 from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.node.servicer import RingServicer
@@ -60,7 +61,7 @@ from ringlet.daemon.wire.transport import make_server
 log = logging.getLogger("ringlet.daemon.node")
 
 
-class Node(ResumingClient, Head, Relay):
+class Node(ResumingClient, Head, Relay, Migration):
     """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api.app`).
 
     ``cluster`` (set by the runner in negotiated mode) handles membership and
@@ -93,6 +94,7 @@ class Node(ResumingClient, Head, Relay):
         self.loading_progress: float | None = None  # 0..1 while a stage loads
         self._tasks: set[asyncio.Task] = set()
         self._token_times: deque[float] = deque(maxlen=4096)  # monotonic time of each token headed here
+        self._init_migration()
 
     # --- plan views ------------------------------------------------------------------
 
@@ -243,10 +245,11 @@ class Node(ResumingClient, Head, Relay):
         """
         key = (plan.epoch, plan.plan_id)
         stage = self._prepared.pop(key)
+        self._committing = plan.epoch  # FetchKV callers wait for this commit (migration.serve_kv)
         for old in [k for k in self._prepared if k[0] <= plan.epoch]:
             self._prepared.pop(old, None)
         old_index_spec = self.stage_spec
-        await self.engine.swap_stage(stage)
+        await self._swap_moving_kv(plan, stage)
         await self.engine.run(self.engine.prefix.set_budget, self.prefix_budget(stage))
         # From here to changed.set() nothing awaits: a resumed request that starts on the
         # new plan must see the new plan and a fresh plan-changed event together, or the
@@ -275,6 +278,7 @@ class Node(ResumingClient, Head, Relay):
         where = f"layers [{spec.start}, {spec.end})" if spec else "no stage"
         log.info("committed epoch %d: %s%s", plan.epoch, where,
                  f" (was [{old_index_spec.start}, {old_index_spec.end}))" if old_index_spec else "")
+        self._committing = 0
         changed.set()
         if retired is not None:
             await retired.close()
@@ -359,6 +363,7 @@ class Node(ResumingClient, Head, Relay):
             "prefix_cache": ((self.tp.prefix_info() if self.tp is not None and self.plan is not None
                               and self.plan.is_tensor else None)
                              or (self.engine.prefix.info() if self.engine else None)),
+            "kv_migration": self.kv_migration,
             "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "hop_latency_median_s": statistics.median(lat) if lat else None,

@@ -97,6 +97,13 @@ class RingServicer(pb_grpc.RingServicer):
         async for chunk in shard_serve.serve_fetch(request, context, self.node.config.model):
             yield chunk
 
+    async def FetchKV(self, request, context):  # noqa: N802
+        if request.end <= request.start:
+            yield pb.KVChunk(error=f"empty layer range [{request.start}, {request.end})")
+            return
+        async for chunk in self.node.serve_kv(request):
+            yield chunk
+
     async def Beat(self, request, context):  # noqa: N802
         if self.node.cluster is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs a static plan")

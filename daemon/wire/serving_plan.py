@@ -38,6 +38,9 @@ class ServingPlan:
             When it is ``hybrid``, ``stages`` are the tensor groups' leaders with the
             groups' layer ranges (a pipeline whose stages run in their groups' rank
             processes, :mod:`ringlet.daemon.tensor.group_stage`).
+        previous: the stages of the plan this one replaces, as its proposer served it
+            (empty: unknown, or the first plan): where a node that gains layers fetches
+            their KV caches from.
     """
 
     epoch: int
@@ -46,6 +49,7 @@ class ServingPlan:
     infeasible: str | None = None
     detail: dict | None = None
     tp: dict | None = None
+    previous: tuple[StageSpec, ...] = ()
 
     @property
     def is_tensor(self) -> bool:

@@ -483,7 +483,7 @@ def test_info_figures():
     assert store.info() == {"disk": None,
                             "budget_bytes": 5120, "bytes": 0, "entries": 0, "tokens": 0, "hits": 0, "misses": 0,
                             "hit_tokens": 0, "evictions": 0, "inserted": 0, "dropped_on_replan": 0,
-                            "layer_range": [0, 2]}
+                            "layer_range": [0, 2], "pinned": 0}
     store.insert("a", T, filled(10))  # 2560 bytes
     store.insert("b", A, filled(4))  # 1024
     store.take("a", T[:7])
@@ -493,12 +493,12 @@ def test_info_figures():
     assert store.info() == {"disk": None,
                             "budget_bytes": 5120, "bytes": 1024 + 2048, "entries": 2, "tokens": 12, "hits": 2,
                             "misses": 1, "hit_tokens": 11, "evictions": 1, "inserted": 3, "dropped_on_replan": 0,
-                            "layer_range": [0, 2]}
+                            "layer_range": [0, 2], "pinned": 0}
     store.retain(1, 2)
     assert store.info() == {"disk": None,
                             "budget_bytes": 5120, "bytes": 512 + 1024, "entries": 2, "tokens": 12, "hits": 2,
                             "misses": 1, "hit_tokens": 11, "evictions": 1, "inserted": 3, "dropped_on_replan": 0,
-                            "layer_range": [1, 2]}
+                            "layer_range": [1, 2], "pinned": 0}
 
 
 # --- through the stage engine ---------------------------------------------------------------
@@ -552,3 +552,22 @@ def test_stage_engine_keeps_released_requests_and_reuses_them(tmp_path):
             engine.close()
 
     asyncio.run(go())
+
+
+def test_a_request_in_flight_across_a_re_plan_is_pinned_until_taken():
+    """KV that moved with a re-plan for a request in flight stays whatever the budget
+    (here 8 tokens' worth for a 10-token request), other entries are evicted around it,
+    and once the resumed request takes it, it is an entry like any other (evicted to
+    fit the budget)."""
+    store = PrefixStore(8 * TOKEN_LAYER_BYTES * 2, 0, 2)
+    layers = [(c.keys[..., :10, :], c.values[..., :10, :]) for c in filled(10)]
+    assert store.adopt("s", list(range(10)), 0, 2, layers, pinned=True)
+    assert not store.adopt("s", list(range(10)), 2, 4, layers)  # another layer range: refused
+    assert store.insert("s", list(range(100, 104)), filled(4))  # 4 tokens: within the budget
+    assert len(store) == 2 and store.info()["pinned"] == 1
+    assert store.insert("s", list(range(200, 206)), filled(6))  # evicts the 4-token entry, not the pinned one
+    assert store.longest("s", list(range(10))) == 10 and store.longest("s", list(range(100, 104))) == 0
+    caches = store.take("s", list(range(9)))
+    expect_contents(caches, 9, 0)
+    assert store.info()["pinned"] == 0
+    assert store.nbytes <= store.budget_bytes  # unpinned, the 10-token entry no longer fits

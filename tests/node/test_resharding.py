@@ -7,6 +7,7 @@ same prompt, whose float32 path is checked against transformers in test_referenc
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -38,6 +39,33 @@ def undisturbed() -> list[int]:
     return ids
 
 
+KV_BYTES_PER_TOKEN_LAYER = 2 * 3 * 64 * 4  # float32 keys and values of SmolLM2-135M's 3 KV heads of 64
+
+
+def assert_kv_moved(infos: list[dict], epoch: int) -> None:
+    """The request resumed on epoch ``epoch`` prefilled nothing again: every stage took its
+    tokens' KV from its prefix store, the gained layers' KV having come from their old
+    holders (bytes: tokens x layers x the model's KV size per token and layer)."""
+    resumed = sum(i["kv_migration"]["resumed"] for i in infos)
+    assert resumed >= 1, [i["kv_migration"] for i in infos]
+    assert sum(i["kv_migration"]["reprefilled_tokens"] for i in infos) == 0, [i["kv_migration"] for i in infos]
+    assert sum(i["kv_migration"]["full_reprefills"] for i in infos) == 0, [i["kv_migration"] for i in infos]
+    moved = 0
+    for info in infos:
+        last = info["kv_migration"]["last"]
+        if last is None or last["epoch"] != epoch or not last["from"]:
+            continue
+        assert not last["failed"] and last["inflight"] == 1, last
+        for source, nbytes in last["from"].items():  # "<node> [a, b)": that holder's layers
+            a, b = map(int, re.search(r"\[(\d+), (\d+)\)", source).groups())
+            tokens, rest = divmod(nbytes, (b - a) * KV_BYTES_PER_TOKEN_LAYER)
+            # whole tokens, at least as many as the joined sequence kept (a holder may have
+            # parked the request a step ahead, a leaving one later still)
+            assert rest == 0 and tokens >= last["tokens"] > 0, (source, nbytes, last)
+            moved += nbytes
+    assert moved > 0, [i["kv_migration"] for i in infos]
+
+
 def index_of(cluster: LocalCluster, node_id: str) -> int:
     for i in cluster.alive():
         if cluster.cluster_info(i)["node_id"] == node_id:
@@ -65,6 +93,7 @@ def test_join_mid_stream_keeps_the_stream(undisturbed):
         assert stream.times[-1] > joined_at
         resumed = [e for e in c.cluster_info(0)["events"] if e["kind"] == "resume"]
         assert resumed, "the request was not resumed on the new plan"
+        assert_kv_moved([c.cluster_info(i) for i in range(3)], after["epoch"])
         # every node's memory figures describe its new range, not its first load
         for i in range(3):
             info = c.cluster_info(i)
@@ -131,6 +160,8 @@ def test_sigterm_mid_stream_is_a_graceful_leave(undisturbed):
                        if e["kind"] == "replan" and f"epoch {after['epoch']}" in e["message"]]
             assert replans and replans[0] < exited, (replans, exited)
         assert "committed without this node" in c.tail(leaver, 40), c.tail(leaver, 40)
+        assert_kv_moved([c.cluster_info(i) for i in survivors], after["epoch"])
+        assert "sent the KV of layers" in c.tail(leaver, 40), c.tail(leaver, 40)
 
 
 def test_repeated_kills_lose_no_request(undisturbed):

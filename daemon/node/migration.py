@@ -1,0 +1,213 @@
+"""KV caches move with their layers on a re-plan. A mixin of :class:`ringlet.daemon.node.Node`.
+
+Without this, a re-plan drops every KV cache and each request in flight resumes by
+prefilling its prompt and tokens so far again: minutes for a 100k-token agent context.
+With it, at each commit of a pipeline plan:
+
+1. the node parks the KV it holds (requests in flight, prefix-cache entries) as pieces of
+   its old layer range (:func:`ringlet.daemon.engine.kv_handoff.park`);
+2. it keeps the layers it still holds, and keeps the others for their new holders, who
+   pull them with ``FetchKV`` (:meth:`Migration.serve_kv`);
+3. it pulls the layers it gained from their old holders (the plan's ``previous``
+   stages), joins everything into sequences over its new range and puts them in its
+   prefix store (requests in flight pinned);
+4. the API node resumes each request as before; every stage now finds its tokens in
+   its prefix store, so the request prefills one token: the one its next decode step
+   would have computed anyway.
+
+A holder that is gone (killed) or parked nothing leaves those sequences uncovered; their
+requests then prefill from scratch (counted in ``kv_migration.full_reprefills``). A
+leaving node (``SIGTERM``, not in the new plan) serves a snapshot of what it holds when
+asked, and waits (up to :data:`HANDOFF_WAIT_S`) until its layers have been fetched
+before it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import mlx.core as mx
+
+from ringlet.daemon.engine import kv_handoff
+from ringlet.daemon.engine.kv_pieces import KVPieceError, Piece, PieceReader, to_chunks
+from ringlet.daemon.engine.stage import Stage
+from ringlet.daemon.errors import one_line
+from ringlet.daemon.node.config import COMMIT_WAIT_S
+from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.serving_plan import ServingPlan
+
+log = logging.getLogger("ringlet.daemon.node")
+
+#: Seconds a stage holds the first prefill chunk of a request while it still joins the
+#: KV it fetched on a re-plan (a fetch moves KV bytes at link speed; this bounds a stall).
+INSTALL_WAIT_S = 60.0
+#: Seconds a leaving node waits for its layers' new holders to fetch their KV.
+HANDOFF_WAIT_S = 10.0
+#: Seconds one KV fetch from one old holder may take.
+FETCH_TIMEOUT_S = 120.0
+
+
+def _gaps(start: int, end: int, held: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` outside ``held``."""
+    if held is None or held[1] <= start or held[0] >= end:
+        return [(start, end)]
+    out = []
+    if start < held[0]:
+        out.append((start, held[0]))
+    if held[1] < end:
+        out.append((held[1], end))
+    return out
+
+
+class Migration:
+    """KV migration of :class:`ringlet.daemon.node.Node`."""
+
+    def _init_migration(self) -> None:
+        self._handoff: tuple[int, list[Piece]] = (0, [])  # (epoch committed, pieces given away)
+        self._committing = 0  # the epoch a commit is switching to now (0: none)
+        self._installed = asyncio.Event()
+        self._installed.set()
+        self._served: list[tuple[int, int]] = []  # layer ranges fetched from this node
+        #: figures for /v1/cluster: the last re-plan's, and totals since start
+        self.kv_migration: dict = {"last": None, "kv_bytes_sent": 0, "kv_bytes_received": 0,
+                                   "resumed": 0, "reprefilled_tokens": 0, "full_reprefills": 0}
+
+    # --- at commit -----------------------------------------------------------------------
+
+    async def _swap_moving_kv(self, plan: ServingPlan, stage) -> None:
+        """Switch the engine to ``stage`` of ``plan``, keeping the KV this node still holds
+        and fetching the layers it gained (see the module docstring)."""
+        old = self.engine.stage
+        old_range = (old.start, old.end) if isinstance(old, Stage) else None
+        new_range = (stage.start, stage.end) if isinstance(stage, Stage) else None
+        pipeline = not plan.infeasible and not plan.is_tensor and not plan.is_hybrid
+        keep = pipeline and old_range is not None
+        pieces = await self.engine.swap_stage(stage, keep=keep)
+        own = [q for p in pieces if new_range and (q := p.within(*new_range)) is not None]
+        given = [q for p in pieces for q in (p.outside(*new_range) if new_range else [p])]
+        self._handoff = (plan.epoch, given)
+        self._served = []
+        if not pipeline or new_range is None:
+            return
+        sources = []
+        for a, b in _gaps(*new_range, old_range):
+            for s in plan.previous:
+                lo, hi = max(a, s.start), min(b, s.end)
+                if lo < hi and s.node_id != self.node_id:
+                    sources.append((s, lo, hi))
+        if not own and not sources:
+            return
+        self._installed = asyncio.Event()
+        self._spawn(self._gather_kv(plan, own, sources, new_range, self._installed))
+
+    async def _gather_kv(self, plan: ServingPlan, own: list[Piece], sources: list, new_range: tuple[int, int],
+                         done: asyncio.Event) -> None:
+        t0 = time.perf_counter()
+        report = {"epoch": plan.epoch, "kv_bytes_received": 0, "kv_bytes_sent": 0, "from": {}, "failed": {}}
+        try:
+            fetched = await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b) for s, a, b in sources),
+                                           return_exceptions=True)
+            pieces = list(own)
+            for (spec, a, b), result in zip(sources, fetched, strict=True):
+                name = f"{spec.node_id[:8]} [{a}, {b})"
+                if isinstance(result, BaseException):
+                    report["failed"][name] = one_line(result)
+                    continue
+                got, nbytes = result
+                pieces.extend(got)
+                report["from"][name] = nbytes
+                report["kv_bytes_received"] += nbytes
+            installed = await self.engine.run(kv_handoff.install, self.engine.prefix, pieces, *new_range)
+            report.update(sequences=installed.sequences, inflight=installed.inflight, tokens=installed.tokens,
+                          bytes=installed.nbytes, left_out=installed.left_out,
+                          seconds=round(time.perf_counter() - t0, 3))
+            self.kv_migration["kv_bytes_received"] += report["kv_bytes_received"]
+            self.kv_migration["last"] = report
+            log.info("epoch %d: KV kept for %d sequence(s) (%d in flight, %d tokens) over layers [%d, %d); "
+                     "received %.1f MB from %d holder(s)%s in %.2f s", plan.epoch, installed.sequences,
+                     installed.inflight, installed.tokens, *new_range, report["kv_bytes_received"] / 1e6,
+                     len(report["from"]), "; failed: " + "; ".join(f"{k}: {v}" for k, v in report["failed"].items())
+                     if report["failed"] else "", report["seconds"])
+            self.event("kv", f"epoch {plan.epoch}: KV of {installed.inflight} request(s) in flight and "
+                             f"{installed.sequences - installed.inflight} cached prefix(es) kept; received "
+                             f"{report['kv_bytes_received'] / 1e6:.1f} MB")
+        except Exception:  # the requests fall back to a full prefill; the node keeps serving
+            log.exception("epoch %d: KV migration failed", plan.epoch)
+        finally:
+            done.set()
+
+    async def _fetch_kv(self, epoch: int, spec, start: int, end: int) -> tuple[list[Piece], int]:
+        """Pull layers ``[start, end)`` from ``spec``'s node. Returns pieces and bytes."""
+        dtype = getattr(mx, self.config.dtype) if self.config.dtype else None
+        max_bytes = self.config.transport.max_message_bytes
+        reader = PieceReader(start, end, dtype, max_bytes)
+        stub = pb_grpc.RingStub(self._channel(spec.address))
+        call = stub.FetchKV(pb.KVRequest(epoch=epoch, start=start, end=end, node_id=self.node_id),
+                            timeout=FETCH_TIMEOUT_S)
+        async for chunk in call:
+            if chunk.error:
+                raise KVPieceError(chunk.error)
+            await self.engine.run(reader.add, chunk)
+        return await self.engine.run(reader.pieces), reader.nbytes
+
+    async def await_installed(self) -> None:
+        """Wait (up to :data:`INSTALL_WAIT_S`) until the KV fetched on the last re-plan is
+        in this node's prefix store."""
+        if not self._installed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._installed.wait(), timeout=INSTALL_WAIT_S)
+
+    # --- the old holder's side -------------------------------------------------------------
+
+    async def serve_kv(self, request: pb.KVRequest) -> AsyncIterator[pb.KVChunk]:
+        """``FetchKV``: the KV of layers ``[start, end)`` this node held before the caller's
+        epoch. A member of that epoch answers once it has committed it (with what it
+        parked then); a node outside it (leaving) answers with what it holds now."""
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        joining = self._committing == request.epoch or any(k[0] == request.epoch for k in self._prepared)
+        while joining and self.epoch < request.epoch and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._plan_changed.wait(), timeout=max(0.01, deadline - time.monotonic()))
+        epoch, given = self._handoff
+        if epoch == request.epoch:
+            pieces = [q for p in given if (q := p.within(request.start, request.end)) is not None]
+        elif self.epoch < request.epoch and not joining and isinstance(self.engine.stage, Stage):
+            held = await self.engine.run(self.engine.kv_pieces)
+            pieces = [q for p in held if (q := p.within(request.start, request.end)) is not None]
+        else:
+            yield pb.KVChunk(error=f"{self.node_id[:8]} holds no KV for epoch {request.epoch} (it serves epoch "
+                                   f"{self.epoch})")
+            return
+        pieces = [p for p in pieces if (p.start, p.end) == (request.start, request.end)]
+        chunks = await self.engine.run(lambda: list(to_chunks(pieces, self.config.transport.max_message_bytes // 4)))
+        sent = sum(len(c.keys.data) + len(c.values.data) for c in chunks)
+        for chunk in chunks:
+            yield chunk
+        self._served.append((request.start, request.end))
+        self.kv_migration["kv_bytes_sent"] += sent
+        if self.kv_migration["last"] is not None and self.kv_migration["last"].get("epoch") == request.epoch:
+            self.kv_migration["last"]["kv_bytes_sent"] += sent
+        log.info("epoch %d: sent the KV of layers [%d, %d) to %s: %d sequence(s), %.1f MB", request.epoch,
+                 request.start, request.end, request.node_id[:8] or "a peer", len(pieces), sent / 1e6)
+
+    async def await_handoff(self, deadline: float) -> None:
+        """Before a leaving node exits: wait until its layers have been fetched (or the
+        deadline, ``time.monotonic()``, or :data:`HANDOFF_WAIT_S`)."""
+        stage = self.engine.stage if self.engine is not None else None
+        if not isinstance(stage, Stage) or not self.engine.active_requests and not len(self.engine.prefix):
+            return
+        until = min(deadline, time.monotonic() + HANDOFF_WAIT_S)
+        while time.monotonic() < until:
+            covered = sorted(self._served)
+            at = stage.start
+            for a, b in covered:
+                if a <= at:
+                    at = max(at, b)
+            if at >= stage.end:
+                return
+            await asyncio.sleep(0.05)
