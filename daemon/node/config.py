@@ -65,6 +65,8 @@ class NodeConfig:
         prefix_cache_disk_bytes: the prefix store's disk tier budget, bytes (0: off).
         prefix_cache_dir: where the disk tier keeps its files (the data dir's
             ``prefix-cache``).
+        kv_migration: on a re-plan, move KV caches with their layers
+            (:mod:`ringlet.daemon.node.migration`); off: drop them, requests re-prefill.
     """
 
     host: str
@@ -88,6 +90,7 @@ class NodeConfig:
     prefix_cache_scope: str = "key"
     prefix_cache_disk_bytes: int = 0
     prefix_cache_dir: Path | None = None
+    kv_migration: bool = True
 
     @property
     def address(self) -> str:

@@ -76,9 +76,10 @@ class Head:
                 async for token in self._generate_once(rid, prompt, max_tokens, sampling, stop_ids, scope, reuse,
                                                        info):
                     if first and resumed:  # tokens prefilled again beyond the one the next step computes
-                        self.kv_migration["resumed"] += 1
-                        self.kv_migration["reprefilled_tokens"] += len(prompt) - 1 - reuse
-                        self.kv_migration["full_reprefills"] += int(reuse == 0 and len(prompt) > 1)
+                        for figures in (self.kv_migration, self.replan_figures(self.epoch)):
+                            figures["resumed"] += 1
+                            figures["reprefilled_tokens"] += len(prompt) - 1 - reuse
+                            figures["full_reprefills"] += int(reuse == 0 and len(prompt) > 1)
                     first = False
                     yield token
                 return

@@ -77,6 +77,16 @@ class Migration:
         self.kv_migration: dict = {"last": None, "kv_bytes_sent": 0, "kv_bytes_received": 0,
                                    "resumed": 0, "reprefilled_tokens": 0, "full_reprefills": 0}
 
+    def replan_figures(self, epoch: int) -> dict:
+        """``kv_migration["last"]``: the figures of the re-plan to ``epoch`` (made afresh
+        when the last ones are of another epoch)."""
+        last = self.kv_migration["last"]
+        if last is None or last.get("epoch") != epoch:
+            last = {"epoch": epoch, "kv_bytes_received": 0, "kv_bytes_sent": 0, "from": {}, "failed": {},
+                    "resumed": 0, "reprefilled_tokens": 0, "full_reprefills": 0}
+            self.kv_migration["last"] = last
+        return last
+
     # --- at commit -----------------------------------------------------------------------
 
     async def _swap_moving_kv(self, plan: ServingPlan, stage) -> None:
@@ -85,7 +95,7 @@ class Migration:
         old = self.engine.stage
         old_range = (old.start, old.end) if isinstance(old, Stage) else None
         new_range = (stage.start, stage.end) if isinstance(stage, Stage) else None
-        pipeline = not plan.infeasible and not plan.is_tensor and not plan.is_hybrid
+        pipeline = self.config.kv_migration and not plan.infeasible and not plan.is_tensor and not plan.is_hybrid
         keep = pipeline and old_range is not None
         pieces = await self.engine.swap_stage(stage, keep=keep)
         own = [q for p in pieces if new_range and (q := p.within(*new_range)) is not None]
@@ -108,7 +118,7 @@ class Migration:
     async def _gather_kv(self, plan: ServingPlan, own: list[Piece], sources: list, new_range: tuple[int, int],
                          done: asyncio.Event) -> None:
         t0 = time.perf_counter()
-        report = {"epoch": plan.epoch, "kv_bytes_received": 0, "kv_bytes_sent": 0, "from": {}, "failed": {}}
+        report = self.replan_figures(plan.epoch)
         try:
             fetched = await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b) for s, a, b in sources),
                                            return_exceptions=True)
@@ -127,7 +137,6 @@ class Migration:
                           bytes=installed.nbytes, left_out=installed.left_out,
                           seconds=round(time.perf_counter() - t0, 3))
             self.kv_migration["kv_bytes_received"] += report["kv_bytes_received"]
-            self.kv_migration["last"] = report
             log.info("epoch %d: KV kept for %d sequence(s) (%d in flight, %d tokens) over layers [%d, %d); "
                      "received %.1f MB from %d holder(s)%s in %.2f s", plan.epoch, installed.sequences,
                      installed.inflight, installed.tokens, *new_range, report["kv_bytes_received"] / 1e6,
@@ -190,8 +199,7 @@ class Migration:
             yield chunk
         self._served.append((request.start, request.end))
         self.kv_migration["kv_bytes_sent"] += sent
-        if self.kv_migration["last"] is not None and self.kv_migration["last"].get("epoch") == request.epoch:
-            self.kv_migration["last"]["kv_bytes_sent"] += sent
+        self.replan_figures(request.epoch)["kv_bytes_sent"] += sent
         log.info("epoch %d: sent the KV of layers [%d, %d) to %s: %d sequence(s), %.1f MB", request.epoch,
                  request.start, request.end, request.node_id[:8] or "a peer", len(pieces), sent / 1e6)
 

@@ -92,6 +92,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--prefix-cache-scope", choices=["key", "cluster"], default="key",
                      help="with --api-key-file, keep cached prefixes per API key (key, default) or shared by "
                           "every caller (cluster)")
+    run.add_argument("--kv-migration", choices=["on", "off"], default="on",
+                     help="on a re-plan, move the KV caches of requests in flight and of cached prefixes with "
+                          "their layers (on, default), or drop them and re-prefill (off)")
     run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
     add_run_arguments(run)  # --secret-file, --api-key-file, limits
     return run

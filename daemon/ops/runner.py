@@ -87,6 +87,7 @@ def build_config(args) -> tuple[NodeConfig, int]:
                       prefix_cache_bytes=parse_size(getattr(args, "prefix_cache_bytes", None), "--prefix-cache-bytes",
                                                     allow_zero=True),
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "key"),
+                      kv_migration=getattr(args, "kv_migration", "on") == "on",
                       prefix_cache_disk_bytes=parse_size(getattr(args, "prefix_cache_disk_bytes", "0"),
                                                          "--prefix-cache-disk-bytes", allow_zero=True) or 0,
                       prefix_cache_dir=prefix_cache_dir(getattr(args, "data_dir", None), address, plan is not None),
