@@ -116,18 +116,22 @@ def make_server(config: TransportConfig, address: str) -> grpc.aio.Server:
     global _warned_open
     server = grpc.aio.server(
         interceptors=[ServerGuard(config)],
-        options=options(config) + [("grpc.max_concurrent_streams", config.max_concurrent_streams)],
+        # grpc turns SO_REUSEPORT on by default on Linux: a second daemon on a port in
+        # use would bind it too and take half of the connections (hops, heartbeats)
+        # meant for the first; off, the port in use is an error
+        options=options(config) + [("grpc.max_concurrent_streams", config.max_concurrent_streams),
+                                   ("grpc.so_reuseport", 0)],
     )
     if config.secret is not None:
         from ringlet.daemon.wire.tls import cluster_tls
 
         material = cluster_tls(config.secret)
         credentials = grpc.ssl_server_credentials([(material.key_pem, material.chain_pem)])
-        bound = server.add_secure_port(address, credentials)
+        bound = _bind(lambda: server.add_secure_port(address, credentials))
         log.info("gRPC on %s: TLS and per-call authentication (secret fingerprint %s)",
                  address, fingerprint(config.secret))
     else:
-        bound = server.add_insecure_port(address)
+        bound = _bind(lambda: server.add_insecure_port(address))
         if not _warned_open:
             _warned_open = True
             log.warning("no cluster secret (--secret-file): the gRPC plane on %s is OPEN and unencrypted; "
@@ -135,6 +139,14 @@ def make_server(config: TransportConfig, address: str) -> grpc.aio.Server:
     if bound == 0:
         raise OSError(f"cannot bind the gRPC port {address} (in use?)")
     return server
+
+
+def _bind(add) -> int:
+    """The port ``add()`` bound, 0 when it could not (grpc returns 0 or raises, by version)."""
+    try:
+        return add()
+    except RuntimeError:
+        return 0
 
 
 def make_channel(config: TransportConfig, address: str) -> grpc.aio.Channel:
