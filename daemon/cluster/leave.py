@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
@@ -33,7 +34,16 @@ POLL_S = 0.2
 ANNOUNCE_TIMEOUT_S = 2.0
 
 
-async def leave_cluster(membership: Membership, epoch: int, deadline: float) -> str:
+@dataclass
+class Left:
+    """How a leave went: one line for the log, and whether a peer committed a plan
+    without this node (its new holders then fetch this node's KV before it exits)."""
+
+    line: str
+    replanned: bool = False
+
+
+async def leave_cluster(membership: Membership, epoch: int, deadline: float) -> Left:
     """Announce this node's leave and wait until a peer serves a plan without it.
 
     Args:
@@ -42,15 +52,15 @@ async def leave_cluster(membership: Membership, epoch: int, deadline: float) -> 
         deadline: ``time.monotonic()`` by which to return in any case.
 
     Returns:
-        One line for the log: how the leave went.
+        How the leave went (:class:`Left`).
     """
     started = time.monotonic()
     if not membership.members:
         membership.leaving = True
-        return "no peers to tell"
+        return Left("no peers to tell")
     acked = await membership.announce_leave(min(ANNOUNCE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
     if not acked:
-        return "no peer acknowledged the leave; they will notice the silence"
+        return Left("no peer acknowledged the leave; they will notice the silence")
     request = pb.NodeInfoRequest(caller_id=membership.node_id)  # no caller address: no handshake back
     waiting = set(acked)
     while waiting and time.monotonic() < deadline:
@@ -64,9 +74,9 @@ async def leave_cluster(membership: Membership, epoch: int, deadline: float) -> 
             if info.leaving:
                 waiting.discard(address)  # stopping too (the whole cluster is): nothing to wait for
             elif info.epoch > epoch and all(s.node_id != membership.node_id for s in info.plan):
-                return (f"{len(acked)} peer(s) told; epoch {info.epoch} was committed without this node "
-                        f"{time.monotonic() - started:.2f} s later")
+                return Left(f"{len(acked)} peer(s) told; epoch {info.epoch} was committed without this node "
+                            f"{time.monotonic() - started:.2f} s later", replanned=True)
         await asyncio.sleep(POLL_S)
     if not waiting:
-        return f"{len(acked)} peer(s) told; they are stopping or gone too"
-    return f"{len(acked)} peer(s) told; no plan without this node was committed before the drain timeout"
+        return Left(f"{len(acked)} peer(s) told; they are stopping or gone too")
+    return Left(f"{len(acked)} peer(s) told; no plan without this node was committed before the drain timeout")

@@ -313,8 +313,10 @@ async def _start_cluster(args, node: Node, context_tokens: int):
 
             await negotiator.stop()  # no proposals of its own while it leaves
             node.event("leave", "stopping: telling the peers")
-            log.info("leaving: %s", await leave_cluster(membership, node.epoch, leave_by))
-            await node.await_handoff(leave_by)  # the new holders of its layers fetch their KV
+            left = await leave_cluster(membership, node.epoch, leave_by)
+            log.info("leaving: %s", left.line)
+            if left.replanned:
+                await node.await_handoff(leave_by)  # the new holders of its layers fetch their KV
         await tp.close()
         await negotiator.stop()
         if discovery is not None:

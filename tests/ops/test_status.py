@@ -253,6 +253,29 @@ def test_prefix_store_figures_per_node_and_summed():
     assert "10.1MiB:2h/1m" in text and "1.0MiB+3.0GiBdisk:5h/0m" in text  # 10,629,120 B = 10.14 MiB
 
 
+def test_the_last_re_plans_kv_migration_summed_over_the_nodes_that_saw_it():
+    """Each node's ``kv_migration.last``; the status line sums the newest epoch's figures
+    (an older epoch's report on another node is left out; an old node has none)."""
+    infos = batched_infos()
+    urls = list(infos)
+
+    def last(epoch, received, sent, resumed=0, again=0, full=0):
+        return {"kv_migration": {"last": {"epoch": epoch, "kv_bytes_received": received, "kv_bytes_sent": sent,
+                                          "resumed": resumed, "reprefilled_tokens": again,
+                                          "full_reprefills": full}}}
+
+    infos[urls[0]].update(last(4, 3 * 2**20, 0, resumed=2, again=1, full=0))
+    infos[urls[1]].update(last(4, 2**20, 4 * 2**20))
+    snap = build_snapshot("http://a0", infos, {})
+    assert snap["cluster"]["kv_migration"] == {"epoch": 4, "kv_bytes_received": 4 * 2**20, "kv_bytes_sent": 4 * 2**20,
+                                               "resumed": 2, "reprefilled_tokens": 1, "full_reprefills": 0}
+    assert ("re-plan to epoch 4: KV moved 4.0 MiB · 2 request(s) resumed · 1 token(s) prefilled again "
+            "(0 full re-prefill(s))") in format_status(snap)
+    infos[urls[1]].update(last(3, 9, 9))
+    assert build_snapshot("http://a0", infos, {})["cluster"]["kv_migration"]["kv_bytes_received"] == 3 * 2**20
+    assert build_snapshot("http://a0", batched_infos(), {})["cluster"]["kv_migration"] is None
+
+
 def test_compute_column_and_the_fix_for_a_slow_path():
     """What each node computes on (its loaded dtype and BLAS, from /v1/cluster) and, for a
     node on MLX's reference BLAS or quantized weights on a CPU, one line with the fix."""

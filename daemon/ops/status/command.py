@@ -69,6 +69,10 @@ def format_status(snap: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if (kv := c.get("kv_migration")) is not None:
+        lines.append(f"re-plan to epoch {kv['epoch']}: KV moved {fmt_bytes(kv['kv_bytes_received'])} · "
+                     f"{kv['resumed']} request(s) resumed · {kv['reprefilled_tokens']} token(s) prefilled again"
+                     f" ({kv['full_reprefills']} full re-prefill(s))")
     for n in snap["nodes"]:
         if n.get("compute_fix"):
             lines.append(f"slow path on {n['name']}: {n['compute_fix']}")

@@ -166,6 +166,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "head_tokens_per_s": as_num(batching.get("head_tokens_per_s")),
             **compute_fields(info),
             **prefix_fields(info),
+            **migration_fields(info),
             "api_url": api_url,
             "reachable": reachable,
             "error": error,
@@ -268,6 +269,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "prefix_hits": sum_known([n["prefix_hits"] for n in in_plan]),
         "prefix_misses": sum_known([n["prefix_misses"] for n in in_plan]),
         "prefix_disk_bytes": sum_known([n["prefix_disk_bytes"] for n in in_plan]),
+        "kv_migration": migration_summary(nodes),
     }
     if cluster["num_layers"] is None and plan:
         ends = [as_int(s.get("end")) for s in plan]
@@ -358,3 +360,24 @@ def prefix_fields(info: dict) -> dict:
     return {**{f"prefix_{k}": as_int(pc.get(k)) for k in ("bytes", "budget_bytes", "entries", "hits", "misses",
                                                            "evictions")},
             "prefix_disk_bytes": as_int(disk.get("bytes")), "prefix_disk_entries": as_int(disk.get("entries"))}
+
+
+def migration_fields(info: dict) -> dict:
+    """One node's KV migration figures at its last re-plan (``/v1/cluster``'s
+    ``kv_migration.last``): epoch, bytes received and sent, requests resumed, tokens
+    prefilled again and full re-prefills."""
+    last = info.get("kv_migration", {}).get("last") if isinstance(info.get("kv_migration"), dict) else None
+    last = last if isinstance(last, dict) else {}
+    return {"kv_epoch": as_int(last.get("epoch")), **{f"kv_{k}": as_int(last.get(k)) for k in (
+        "kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")}}
+
+
+def migration_summary(nodes: list[dict]) -> dict | None:
+    """The last re-plan's KV migration over every node that reported it (``None``: none did)."""
+    epochs = [n["kv_epoch"] for n in nodes if n.get("kv_epoch") is not None]
+    if not epochs:
+        return None
+    epoch = max(epochs)
+    at = [n for n in nodes if n.get("kv_epoch") == epoch]
+    return {"epoch": epoch, **{k: sum(n.get(f"kv_{k}") or 0 for n in at) for k in (
+        "kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")}}
