@@ -114,6 +114,8 @@ class Membership:
         self._tasks: set[asyncio.Task] = set()
         #: removed members: node id -> (address, monotonic time of removal)
         self.lost: dict[str, tuple[str, float]] = {}
+        #: node id -> why it was last removed ("stopped" for a graceful leave)
+        self.departed: dict[str, str] = {}
         #: member id -> the address that member reaches this node at (from its beats)
         self.seen_as: dict[str, str] = {}
         #: set when links should be measured again (membership changed)
@@ -297,6 +299,9 @@ class Membership:
         if member is None:
             return
         self.lost[node_id] = (member.address, time.monotonic())
+        self.departed[node_id] = why
+        while len(self.departed) > 256:
+            self.departed.pop(next(iter(self.departed)))
         self.seen_as.pop(node_id, None)
         log.warning("member left: %s (%s)", node_id, why)
         self.on_event("leave", f"{node_id} left: {why}")

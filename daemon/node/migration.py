@@ -45,11 +45,12 @@ log = logging.getLogger("ringlet.daemon.node")
 
 #: Seconds a stage holds the first prefill chunk of a request while it still joins the
 #: KV it fetched on a re-plan (a fetch moves KV bytes at link speed; this bounds a stall).
-INSTALL_WAIT_S = 60.0
+INSTALL_WAIT_S = 30.0
 #: Seconds a leaving node waits for its layers' new holders to fetch their KV.
 HANDOFF_WAIT_S = 10.0
-#: Seconds one KV fetch from one old holder may take.
-FETCH_TIMEOUT_S = 120.0
+#: Seconds one KV fetch from one old holder may take (a holder that cannot be reached
+#: fails at once; this bounds one that stops answering mid-stream).
+FETCH_TIMEOUT_S = 30.0
 
 
 def _gaps(start: int, end: int, held: tuple[int, int] | None) -> list[tuple[int, int]]:
@@ -104,14 +105,24 @@ class Migration:
         self._served = []
         if not pipeline or new_range is None:
             return
-        sources = []
+        sources, lost = [], {}
+        departed = self.cluster.membership.departed if self.cluster is not None else {}
         for a, b in _gaps(*new_range, old_range):
             for s in plan.previous:
                 lo, hi = max(a, s.start), min(b, s.end)
-                if lo < hi and s.node_id != self.node_id:
+                if lo >= hi or s.node_id == self.node_id:
+                    continue
+                if departed.get(s.node_id, "stopped") != "stopped" and s.node_id not in self.cluster.membership.members:
+                    lost[f"{s.node_id[:8]} [{lo}, {hi})"] = f"lost ({departed[s.node_id]})"  # its KV went with it
+                else:
                     sources.append((s, lo, hi))
+        if lost:
+            self.replan_figures(plan.epoch)["failed"].update(lost)
         if not own and not sources:
             return
+        if lost:
+            log.info("epoch %d: no KV to fetch from %s: requests that needed it prefill again", plan.epoch,
+                     ", ".join(lost))
         self._installed = asyncio.Event()
         self._spawn(self._gather_kv(plan, own, sources, new_range, self._installed))
 

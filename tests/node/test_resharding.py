@@ -123,6 +123,11 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed):
         survivors = [i for i in range(3) if i != middle]
         after = c.wait_plan(stages=2, nodes=survivors)
         assert after["epoch"] > plan["epoch"]
+        # the killed node's KV went with it: the resumed request prefilled from scratch, counted
+        migration = [c.cluster_info(i)["kv_migration"] for i in survivors]
+        assert sum(m["full_reprefills"] for m in migration) >= 1, migration
+        assert any("lost (" in reason for m in migration if m["last"] for reason in m["last"]["failed"].values()), \
+            migration
         # the events of the kill and the resume are one line of plain words each
         events = [e for i in survivors for e in c.cluster_info(i)["events"]]
         assert any(e["kind"] == "resume" for e in events), events
