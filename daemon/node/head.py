@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,9 +21,6 @@ from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
 log = logging.getLogger("ringlet.daemon.node")
-
-#: A request id the resume loop gave a request it resumes on a new plan (``<id>~<n>``).
-RESUMED = re.compile(r"~\d+$")
 
 
 @dataclass
@@ -61,9 +57,7 @@ class Head:
         never depends on what the stores hold. ``info["cached_tokens"]`` gets the length
         used."""
         cap = len(prompt) - 1  # at least one token is computed: its logits give the first token
-        resumed = RESUMED.search(request_id) is not None
-        if resumed:
-            await self.await_installed()  # the KV that moved with its layers on the re-plan
+        await self.await_installed()  # the KV that moved with its layers on a re-plan just now
         for attempt in range(PREFIX_ATTEMPTS + 1):
             rid = request_id if attempt == 0 else f"{request_id}~p{attempt}"
             reuse = 0
@@ -72,15 +66,8 @@ class Head:
                 if reuse == 0:
                     await self.engine.run(self.engine.prefix.miss)
             try:
-                first = True
                 async for token in self._generate_once(rid, prompt, max_tokens, sampling, stop_ids, scope, reuse,
                                                        info):
-                    if first and resumed:  # tokens prefilled again beyond the one the next step computes
-                        for figures in (self.kv_migration, self.replan_figures(self.epoch)):
-                            figures["resumed"] += 1
-                            figures["reprefilled_tokens"] += len(prompt) - 1 - reuse
-                            figures["full_reprefills"] += int(reuse == 0 and len(prompt) > 1)
-                    first = False
                     yield token
                 return
             except PrefixMissed as miss:

@@ -88,6 +88,16 @@ class Migration:
             self.kv_migration["last"] = last
         return last
 
+    def count_resume(self, tokens: int, cached: int) -> None:
+        """A request resumed on a new plan with ``tokens`` of context, ``cached`` of them
+        from the stages' prefix stores: what it prefilled beyond the one token its next
+        step computes anyway is counted (all of it, when nothing was cached, as a full
+        re-prefill), in the totals and in the current epoch's figures."""
+        for figures in (self.kv_migration, self.replan_figures(self.epoch)):
+            figures["resumed"] += 1
+            figures["reprefilled_tokens"] += max(0, tokens - 1 - cached)
+            figures["full_reprefills"] += int(cached == 0 and tokens > 1)
+
     # --- at commit -----------------------------------------------------------------------
 
     async def _swap_moving_kv(self, plan: ServingPlan, stage) -> None:

@@ -103,9 +103,14 @@ class ResumingClient:
         while len(produced) < max_tokens:
             plan = await self._wait_plan()
             resumed = replace(sampling, steps_done=sampling.steps_done + len(produced))
+            again = attempts + skews > 0  # a resume: count what it prefilled again
+            tried, context = ({} if again else info), prompt + produced
             try:
-                async for token in self._attempt(plan, request_id, prompt + produced, max_tokens - len(produced),
-                                                 resumed, stop_ids, cache_scope, info):
+                async for token in self._attempt(plan, request_id, context, max_tokens - len(produced),
+                                                 resumed, stop_ids, cache_scope, tried):
+                    if again:
+                        again = False
+                        self.count_resume(len(context), (tried or {}).get("cached_tokens", 0))
                     produced.append(token)
                     yield token
                     if token in stop_ids:

@@ -229,6 +229,9 @@ def test_kill_a_rank_daemon_mid_stream_resumes_on_the_pipeline(trio):
         "group sizes that work: 3")
     resumed = [e for e in c.cluster_info(api)["events"] if e["kind"] == "resume"]
     assert resumed, "the request was not resumed"
+    # a tensor group's KV lives in its ranks and went with the group: the fallback is counted
+    migration = c.cluster_info(api)["kv_migration"]
+    assert migration["resumed"] >= 1 and migration["full_reprefills"] >= 1, migration
     left = wait_dead(workers, 15)
     assert not left, f"rank processes left: {left}"
     assert not rank_workers([c.procs[i].pid for i in survivors])
