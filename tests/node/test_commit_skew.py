@@ -14,48 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
+
+from inproc import greedy_with_a_change, plan, started, switch
 
 from ringlet.daemon.engine.sampling import SamplingParams
-from ringlet.daemon.node import Node, NodeConfig
+from ringlet.daemon.node import Node
 from ringlet.daemon.node.config import COMMIT_WAIT_S
-from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 
 TOKENS = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def plan(epoch: int, *stages: tuple[Node, int, int]) -> ServingPlan:
-    specs = tuple(StageSpec(address=n.config.address, start=a, end=b, node_id=n.node_id) for n, a, b in stages)
-    return ServingPlan(epoch=epoch, stages=specs, plan_id=f"test:{epoch}:{[(n.node_id, a, b) for n, a, b in stages]}")
 
 
 @contextlib.asynccontextmanager
 async def ring(location, *ranges: tuple[int, int]):
     """One started node per layer range, ``a``, ``b``, ... in that ring order on epoch 1."""
-    nodes = [Node(NodeConfig(host="127.0.0.1", port=free_port(), model=location, dtype="float32",
-                             node_id=chr(ord("a") + i) * 16, step_timeout_s=20.0, prefix_cache_bytes=0))
-             for i in range(len(ranges))]
-    try:
-        for n in nodes:
-            await n.start()
+    async with started(location, len(ranges), prefix_cache_bytes=0) as nodes:
         await switch(plan(1, *((n, a, b) for n, (a, b) in zip(nodes, ranges, strict=True))), nodes)
         yield nodes
-    finally:
-        for n in nodes:
-            await n.stop()
-
-
-async def switch(new: ServingPlan, nodes: list[Node]) -> None:
-    """Prepare ``new`` on every node, then commit it on all at once (as negotiation does)."""
-    for n in nodes:
-        await n.prepare(new)
-    await asyncio.gather(*(n.commit(new) for n in nodes))
 
 
 async def generate(node: Node, prompt: list[int]) -> list[int]:
@@ -106,17 +80,8 @@ async def reordered_mid_stream(default_location, prompt: list[int], tokens: int)
     ``a -> c -> b`` (``a`` stays stage 0, with another next stage). Returns the ids and
     ``a``'s events."""
     async with ring(default_location, (0, 10), (10, 20), (20, 30)) as (a, b, c):
-        got: list[int] = []
-
-        async def consume() -> None:
-            async for t in a.generate(prompt, tokens, SamplingParams(temperature=0.0), set()):
-                got.append(t)
-
-        request = asyncio.ensure_future(consume())
-        while len(got) < 5 and not request.done():
-            await asyncio.sleep(0.05)
-        await switch(plan(2, (a, 0, 10), (c, 10, 20), (b, 20, 30)), [a, b, c])
-        await asyncio.wait_for(request, timeout=120)
+        got = await greedy_with_a_change(a, prompt, tokens, 5, lambda: switch(
+            plan(2, (a, 0, 10), (c, 10, 20), (b, 20, 30)), [a, b, c]))
         return got, list(a.events)
 
 

@@ -12,56 +12,21 @@ take 2 x 192 float32 values).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-from test_commit_skew import free_port, plan
-
-from ringlet.daemon.engine.sampling import SamplingParams
-from ringlet.daemon.node import Node, NodeConfig
-from ringlet.daemon.wire.serving_plan import ServingPlan
+from inproc import greedy_with_a_change, plan, started, switch
 
 KV_BYTES_PER_TOKEN_LAYER = 2 * 3 * 64 * 4
 TOKENS = 36
 
 
-@contextlib.asynccontextmanager
-async def nodes(location, n: int):
-    started = [Node(NodeConfig(host="127.0.0.1", port=free_port(), model=location, dtype="float32",
-                               node_id=chr(ord("a") + i) * 16, step_timeout_s=20.0)) for i in range(n)]
-    try:
-        for node in started:
-            await node.start()
-        yield started
-    finally:
-        for node in started:
-            await node.stop()
-
-
-async def switch(new: ServingPlan, members: list[Node]) -> None:
-    for node in members:
-        await node.prepare(new)
-    await asyncio.gather(*(node.commit(new) for node in members))
-
-
 async def join_mid_stream(location, prompt: list[int]) -> dict:
     """``a [0, 18) -> b [18, 30)``; after 12 tokens, ``c`` joins: ``a [0, 10) -> b [10, 20)
     -> c [20, 30)``. Returns the ids and every node's ``kv_migration`` figures."""
-    async with nodes(location, 3) as (a, b, c):
+    async with started(location, 3) as (a, b, c):
         first = plan(1, (a, 0, 18), (b, 18, 30))
         await switch(first, [a, b, c])
-        got: list[int] = []
-
-        async def consume() -> None:
-            async for t in a.generate(prompt, TOKENS, SamplingParams(temperature=0.0), set()):
-                got.append(t)
-
-        request = asyncio.ensure_future(consume())
-        while len(got) < 12 and not request.done():
-            await asyncio.sleep(0.02)
-        second = plan(2, (a, 0, 10), (b, 10, 20), (c, 20, 30))
-        second = ServingPlan(second.epoch, second.stages, second.plan_id, previous=first.stages)
-        await switch(second, [a, b, c])
-        await asyncio.wait_for(request, timeout=120)
+        second = plan(2, (a, 0, 10), (b, 10, 20), (c, 20, 30), previous=first)
+        got = await greedy_with_a_change(a, prompt, TOKENS, 12, lambda: switch(second, [a, b, c]))
         return {"ids": got, "resumed_at": 12, **{n.node_id[0]: n.kv_migration for n in (a, b, c)},
                 "events": list(a.events)}
 
