@@ -216,15 +216,18 @@ def test_generate_rpc_checks_the_prompt_and_the_node_keeps_serving(cluster):
 
 def test_each_stage_holds_only_its_shard(cluster):
     """float32, 3 stages: MLX active memory after loading is within 10 % of the stage's
-    own bytes (hand-computed above), and peak RSS stays below the daemon's RSS before
-    loading plus half of the full weights."""
+    own bytes (hand-computed above), and the peak RSS while loading grew by less than the
+    stage's own bytes plus half of the other stages' (a node that read the whole model
+    would grow by all of it). Half of the full weights was the bound before: stage 0 holds
+    the embedding, 47 % of the model, and its load peaks 4 MB under that, over it when
+    the machine is busy (CI)."""
     expected = [10 * LAYER_BYTES + EMBED_BYTES, 10 * LAYER_BYTES, 10 * LAYER_BYTES + 4 * HIDDEN + EMBED_BYTES]
     for url, want in zip(cluster.api_urls, expected, strict=True):
         mem = httpx.get(f"{url}/v1/cluster").json()["memory"]
         first = mem["first_load"]
         assert mem["weights_bytes"] == first["weights_bytes"] == want
         assert abs(first["mlx_active_after_bytes"] - want) <= 0.10 * want, mem
-        assert first["peak_rss_after_bytes"] - first["rss_before_bytes"] < FULL_BYTES / 2, mem
+        assert first["peak_rss_after_bytes"] - first["rss_before_bytes"] < want + (FULL_BYTES - want) / 2, mem
 
 
 def test_release_frees_every_stage_cache(cluster):
