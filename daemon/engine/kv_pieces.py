@@ -65,12 +65,7 @@ class Piece:
 
     def outside(self, start: int, end: int) -> list[Piece]:
         """This piece's layers outside ``[start, end)``: up to two pieces."""
-        out = []
-        if self.start < start:
-            out.append(self.within(self.start, min(start, self.end)))
-        if self.end > end:
-            out.append(self.within(max(end, self.start), self.end))
-        return [p for p in out if p is not None]
+        return [self.within(lo, hi) for lo, hi in range_minus((self.start, self.end), (start, end))]
 
     def truncated(self, n: int) -> Piece:
         """The first ``n`` tokens of this piece (compact copies)."""
@@ -78,6 +73,15 @@ class Piece:
             return self
         layers = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :])) for k, v in self.layers]
         return Piece(self.scope, self.tokens[:n], self.start, self.end, layers, self.inflight)
+
+
+def range_minus(whole: tuple[int, int], held: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """The parts of the half-open range ``whole`` outside ``held`` (``None``: nothing
+    held): up to two ranges, in order."""
+    start, end = whole
+    if held is None or held[1] <= start or held[0] >= end:
+        return [(start, end)] if start < end else []
+    return [r for r in ((start, held[0]), (held[1], end)) if r[0] < r[1]]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

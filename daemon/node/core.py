@@ -28,6 +28,7 @@ the new plan by re-prefilling prompt + tokens so far, so the client sees one str
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -43,7 +44,7 @@ from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
 from ringlet.daemon.engine.stage import Stage, load_stage
 from ringlet.daemon.errors import GenerationError, first_line
-from ringlet.daemon.node.config import PREFIX_CACHE_FRACTION, NodeConfig
+from ringlet.daemon.node.config import COMMIT_WAIT_S, PREFIX_CACHE_FRACTION, NodeConfig
 from ringlet.daemon.node.head import Generation, Head
 from ringlet.daemon.node.memory import mlx_active_bytes, mlx_memory_bytes, peak_rss_bytes, warm_up_mlx
 from ringlet.daemon.node.migration import Migration
@@ -282,6 +283,18 @@ class Node(ResumingClient, Head, Relay, Migration):
         changed.set()
         if retired is not None:
             await retired.close()
+
+    async def await_commit(self, epoch: int) -> None:
+        """Wait up to :data:`~ringlet.daemon.node.config.COMMIT_WAIT_S` seconds for this
+        node to commit ``epoch``, whose commit is on its way: a previous stage already
+        sends activations of it (without the wait a stage a moment behind would answer
+        "behind" and the request would start again; one that headed the old plan would
+        take the activation for one of its own finished requests), or a peer that gained
+        layers asks for their KV (:meth:`serve_kv`)."""
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while self.epoch < epoch and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._plan_changed.wait(), timeout=left)
 
     # --- introspection -------------------------------------------------------------------
 

@@ -33,10 +33,9 @@ from collections.abc import AsyncIterator
 import mlx.core as mx
 
 from ringlet.daemon.engine import kv_handoff
-from ringlet.daemon.engine.kv_pieces import KVPieceError, Piece, PieceReader, to_chunks
+from ringlet.daemon.engine.kv_pieces import KVPieceError, Piece, PieceReader, range_minus, to_chunks
 from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.errors import one_line
-from ringlet.daemon.node.config import COMMIT_WAIT_S
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan
@@ -51,18 +50,8 @@ HANDOFF_WAIT_S = 10.0
 #: Seconds one KV fetch from one old holder may take (a holder that cannot be reached
 #: fails at once; this bounds one that stops answering mid-stream).
 FETCH_TIMEOUT_S = 30.0
-
-
-def _gaps(start: int, end: int, held: tuple[int, int] | None) -> list[tuple[int, int]]:
-    """The parts of ``[start, end)`` outside ``held``."""
-    if held is None or held[1] <= start or held[0] >= end:
-        return [(start, end)]
-    out = []
-    if start < held[0]:
-        out.append((start, held[0]))
-    if held[1] < end:
-        out.append((held[1], end))
-    return out
+#: The counters of ``kv_migration`` (totals) and of each re-plan's figures.
+COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")
 
 
 class Migration:
@@ -75,16 +64,14 @@ class Migration:
         self._installed.set()
         self._served: list[tuple[int, int]] = []  # layer ranges fetched from this node
         #: figures for /v1/cluster: the last re-plan's, and totals since start
-        self.kv_migration: dict = {"last": None, "kv_bytes_sent": 0, "kv_bytes_received": 0,
-                                   "resumed": 0, "reprefilled_tokens": 0, "full_reprefills": 0}
+        self.kv_migration: dict = {"last": None, **dict.fromkeys(COUNTERS, 0)}
 
     def replan_figures(self, epoch: int) -> dict:
         """``kv_migration["last"]``: the figures of the re-plan to ``epoch`` (made afresh
         when the last ones are of another epoch)."""
         last = self.kv_migration["last"]
         if last is None or last.get("epoch") != epoch:
-            last = {"epoch": epoch, "kv_bytes_received": 0, "kv_bytes_sent": 0, "from": {}, "failed": {},
-                    "resumed": 0, "reprefilled_tokens": 0, "full_reprefills": 0}
+            last = {"epoch": epoch, **dict.fromkeys(COUNTERS, 0), "from": {}, "failed": {}}
             self.kv_migration["last"] = last
         return last
 
@@ -117,7 +104,7 @@ class Migration:
             return
         sources, lost = [], {}
         departed = self.cluster.membership.departed if self.cluster is not None else {}
-        for a, b in _gaps(*new_range, old_range):
+        for a, b in range_minus(new_range, old_range):
             for s in plan.previous:
                 lo, hi = max(a, s.start), min(b, s.end)
                 if lo >= hi or s.node_id == self.node_id:
@@ -198,11 +185,9 @@ class Migration:
         """``FetchKV``: the KV of layers ``[start, end)`` this node held before the caller's
         epoch. A member of that epoch answers once it has committed it (with what it
         parked then); a node outside it (leaving) answers with what it holds now."""
-        deadline = time.monotonic() + COMMIT_WAIT_S
         joining = self._committing == request.epoch or any(k[0] == request.epoch for k in self._prepared)
-        while joining and self.epoch < request.epoch and time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._plan_changed.wait(), timeout=max(0.01, deadline - time.monotonic()))
+        if joining:
+            await self.await_commit(request.epoch)
         epoch, given = self._handoff
         if epoch == request.epoch:
             pieces = [q for p in given if (q := p.within(request.start, request.end)) is not None]

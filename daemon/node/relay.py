@@ -7,13 +7,11 @@ from the last stage) or the request's error on. A mixin of
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry, sampling_from_pb
 from ringlet.daemon.errors import GenerationError, one_line
-from ringlet.daemon.node.config import COMMIT_WAIT_S
 from ringlet.daemon.node.signals import EpochSkew, PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -43,7 +41,7 @@ class Relay:
             codec.check(message.hidden, max_bytes=self.config.transport.max_message_bytes)
         rid = message.request_id
         if message.epoch > self.epoch:
-            await self._await_commit(message.epoch)
+            await self.await_commit(message.epoch)
         if self.is_head and message.epoch <= self.epoch:
             gen = self._generations.get(rid)
             if gen is None or message.epoch != gen.epoch:
@@ -83,17 +81,6 @@ class Relay:
                                     prefix_ids=list(message.prefix_ids), scope=message.cache_scope,
                                     ids=list(message.token_ids) if message.token_ids else None)
         self._spawn(self._complete(message, future))
-
-    async def _await_commit(self, epoch: int) -> None:
-        """Wait up to :data:`~ringlet.daemon.node.config.COMMIT_WAIT_S` seconds for this
-        node to commit ``epoch``: the previous stage already serves it, so its commit is
-        on the way. Without the wait, a stage a moment behind would answer "behind" and
-        the request would start again; a stage that headed the old plan would take the
-        activation for one of its own finished requests."""
-        deadline = time.monotonic() + COMMIT_WAIT_S
-        while self.epoch < epoch and (left := deadline - time.monotonic()) > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._plan_changed.wait(), timeout=left)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

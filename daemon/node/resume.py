@@ -110,7 +110,7 @@ class ResumingClient:
                                                  resumed, stop_ids, cache_scope, tried):
                     if again:
                         again = False
-                        self.count_resume(len(context), (tried or {}).get("cached_tokens", 0))
+                        self.count_resume(len(context), tried.get("cached_tokens", 0))
                     produced.append(token)
                     yield token
                     if token in stop_ids:

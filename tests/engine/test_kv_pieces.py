@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ringlet.daemon.engine.kv_pieces import KVPieceError, Piece, PieceReader, assemble, to_chunks
+from ringlet.daemon.engine.kv_pieces import KVPieceError, Piece, PieceReader, assemble, range_minus, to_chunks
 
 HEADS, DIM = 2, 3
 
@@ -93,3 +93,13 @@ def test_the_reader_names_what_is_wrong():
     reader.add(chunks[0])
     with pytest.raises(KVPieceError, match="piece 0 lacks layer 1"):
         reader.pieces()
+
+
+def test_range_minus_and_the_layers_a_piece_gives_away():
+    assert range_minus((0, 30), None) == [(0, 30)]
+    assert range_minus((0, 30), (10, 20)) == [(0, 10), (20, 30)]
+    assert range_minus((12, 24), (0, 18)) == [(18, 24)]  # a stage moving from [0, 18) to [12, 24) gains these
+    assert range_minus((0, 10), (0, 18)) == []
+    assert range_minus((0, 10), (20, 30)) == [(0, 10)]
+    given = piece([1, 2], 0, 18).outside(12, 24)
+    assert [(p.start, p.end, len(p.layers)) for p in given] == [(0, 12, 12)]

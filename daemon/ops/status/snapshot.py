@@ -362,14 +362,18 @@ def prefix_fields(info: dict) -> dict:
             "prefix_disk_bytes": as_int(disk.get("bytes")), "prefix_disk_entries": as_int(disk.get("entries"))}
 
 
+#: The counters of a re-plan's ``kv_migration`` figures (``ringlet.daemon.node.migration.COUNTERS``;
+#: named here so that ``status`` does not import the node, and MLX with it).
+KV_COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")
+
+
 def migration_fields(info: dict) -> dict:
     """One node's KV migration figures at its last re-plan (``/v1/cluster``'s
     ``kv_migration.last``): epoch, bytes received and sent, requests resumed, tokens
     prefilled again and full re-prefills."""
     last = info.get("kv_migration", {}).get("last") if isinstance(info.get("kv_migration"), dict) else None
     last = last if isinstance(last, dict) else {}
-    return {"kv_epoch": as_int(last.get("epoch")), **{f"kv_{k}": as_int(last.get(k)) for k in (
-        "kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")}}
+    return {"kv_epoch": as_int(last.get("epoch")), **{f"kv_{k}": as_int(last.get(k)) for k in KV_COUNTERS}}
 
 
 def migration_summary(nodes: list[dict]) -> dict | None:
@@ -379,5 +383,4 @@ def migration_summary(nodes: list[dict]) -> dict | None:
         return None
     epoch = max(epochs)
     at = [n for n in nodes if n.get("kv_epoch") == epoch]
-    return {"epoch": epoch, **{k: sum(n.get(f"kv_{k}") or 0 for n in at) for k in (
-        "kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")}}
+    return {"epoch": epoch, **{k: sum(n.get(f"kv_{k}") or 0 for n in at) for k in KV_COUNTERS}}
