@@ -36,7 +36,7 @@ import mlx.core as mx
 from ringlet.daemon.engine import kv_handoff
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
 from ringlet.daemon.engine.prefix_store import PrefixStore
-from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
+from ringlet.daemon.engine.sampling import GrammarTokenizer, RequestSampler, SamplingParams
 from ringlet.daemon.engine.stage import Stage, StageRange, forward_merged, mergeable, token_id_error
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -105,31 +105,6 @@ class _RequestState:
     tokens: list[int] | None = None
 
 
-def sampling_from_pb(message: pb.Sampling | None) -> SamplingParams:
-    """Sampling parameters from their wire form."""
-    if message is None:
-        return SamplingParams()
-    return SamplingParams(
-        temperature=message.temperature,
-        top_p=message.top_p or 1.0,
-        top_k=message.top_k,
-        seed=message.seed if message.has_seed else None,
-        steps_done=message.steps_done,
-    )
-
-
-def sampling_to_pb(params: SamplingParams) -> pb.Sampling:
-    """The wire form of sampling parameters."""
-    return pb.Sampling(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        has_seed=params.seed is not None,
-        seed=params.seed or 0,
-        steps_done=params.steps_done,
-    )
-
-
 class StageEngine:
     """Runs one stage for many requests, batching their decode steps.
 
@@ -165,6 +140,8 @@ class StageEngine:
         #: (monotonic time, batch size) of recent decode forwards
         self.recent_batches: deque[tuple[float, int]] = deque(maxlen=256)
         self.last_batch = 0
+        #: supplies llguidance's tokenizer and the logits width, for requests with a grammar
+        self.grammar_tokenizer: GrammarTokenizer | None = None
 
     @staticmethod
     def new_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -360,7 +337,7 @@ class StageEngine:
                 holds = self.prefix.longest(work.scope, work.prefix_ids)
                 raise PrefixMiss(f"request {request_id}: the prefix store holds {holds} of the {offset} "
                                  "prefix tokens", holds)
-            sampler = RequestSampler(sampling or SamplingParams()) if self.stage.last else None
+            sampler = RequestSampler(sampling or SamplingParams(), self.grammar_tokenizer) if self.stage.last else None
             state = _RequestState(cache=cache, sampler=sampler, offset=offset, scope=work.scope,
                                   tokens=list(work.prefix_ids or ()))
             self._requests[request_id] = state
@@ -401,7 +378,7 @@ class StageEngine:
         if more:
             self.stage.settle(state.cache)  # fill the cache; the logits are never computed
             return None
-        return state.sampler(out[0, -1])
+        return state.sampler(out[0, -1], state.tokens or ())
 
     def _run_batch(self, batch: list[_Work]) -> list[Any]:
         """Run the steps of one round (worker thread): one multi-token step, or up to

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ringlet.daemon.engine.sampling import SamplingParams
-from ringlet.daemon.engine.scheduler import RequestError, RequestRetry, sampling_to_pb
+from ringlet.daemon.engine.sampling_pb import sampling_to_pb
+from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan

@@ -10,7 +10,8 @@ import asyncio
 import logging
 import time
 
-from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry, sampling_from_pb
+from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb, token_from_pb
+from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.signals import EpochSkew, PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
@@ -53,7 +54,7 @@ class Relay:
             elif message.error:
                 self._finish(gen, (RetryOnPlan if message.retry else GenerationError)(message.error))
             elif message.WhichOneof("payload") == "token":
-                self._on_token(gen, message.token)
+                self._on_token(gen, token_from_pb(message))
             return
         if self.index is None or message.epoch != self.epoch:
             if message.WhichOneof("payload") == "hidden" and not message.release:
@@ -110,6 +111,8 @@ class Relay:
                             stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time(), more=message.more)
         if isinstance(out, int):
             nxt.token = out
+            if (scores := scores_to_pb(out)) is not None:
+                nxt.scores.CopyFrom(scores)
         else:
             nxt.hidden.CopyFrom(out)
             if message.HasField("sampling"):

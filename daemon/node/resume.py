@@ -19,7 +19,7 @@ from dataclasses import replace
 import grpc
 
 from ringlet.daemon.engine.sampling import SamplingParams
-from ringlet.daemon.engine.scheduler import sampling_to_pb
+from ringlet.daemon.engine.sampling_pb import sampling_to_pb, token_from_pb
 from ringlet.daemon.engine.stage import token_id_error
 from ringlet.daemon.errors import GenerationError, NoPlanError, one_line
 from ringlet.daemon.node.config import EPOCH_SKEW_RETRY_S, RESUME_WAIT_S
@@ -213,7 +213,7 @@ class ResumingClient:
                 if first and info is not None:
                     info.setdefault("cached_tokens", event.cached_tokens)
                 first = False
-                yield event.token
+                yield token_from_pb(event)
         except grpc.aio.AioRpcError as exc:
             error = EpochSkew if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else GenerationError
             raise error(f"stage 0 ({address}): {one_line(exc)}") from None

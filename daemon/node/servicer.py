@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ringlet.daemon.engine.scheduler import sampling_from_pb
+from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb
 from ringlet.daemon.errors import GenerationError
 from ringlet.daemon.node.config import PROTOCOL_VERSION
 from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
@@ -56,7 +56,8 @@ class RingServicer(pb_grpc.RingServicer):
             async for token in node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt),
                                                 request.max_tokens, sampling_from_pb(request.sampling),
                                                 frozenset(request.stop_ids), request.cache_scope, info):
-                yield pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0)
+                yield pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0,
+                                       scores=scores_to_pb(token))
                 first = False
         except GenerationError as exc:
             yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan), skew=isinstance(exc, EpochSkew),

@@ -23,10 +23,10 @@ import base64
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ringlet.daemon.engine.sampling import SamplingParams
+from ringlet.daemon.engine.sampling import SamplingParams, Token, sampling_to_dict
 from ringlet.daemon.tensor.group_errors import TPGroupError, TPStageLost
 from ringlet.daemon.tensor.group_state import Epoch
 
@@ -85,12 +85,7 @@ class GroupRequests:
             kind="gen",
             prompt=[int(t) for t in prompt_ids],
             max_tokens=int(max_tokens),
-            sampling={
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "top_k": sampling.top_k,
-                "seed": seed,
-            },
+            sampling=sampling_to_dict(replace(sampling, seed=seed)),
             stop=[int(t) for t in stop_ids],
             extra={"steps_done": int(sampling.steps_done)},
             prefix=dict(prefix) if prefix else None,
@@ -306,9 +301,11 @@ class GroupRequests:
         if t == "tok":
             if "cached" in msg and req.info is not None:
                 req.info.setdefault("cached_tokens", int(msg["cached"]))
+            scores = msg.get("lp")
             for tok in msg["ids"]:
                 req.generated.append(int(tok))
-                req.queue.put_nowait(int(tok))
+                req.queue.put_nowait(Token(int(tok), float(scores[0]), tuple((int(i), float(v)) for i, v in scores[1]))
+                                     if scores else int(tok))
         elif t == "done":
             req.done = True
             req.queue.put_nowait(("done", msg.get("reason")))

@@ -67,6 +67,20 @@ class Request:
 class LeadRank(Rank):
     """Rank 0: serves the supervisor's requests and drives the other ranks."""
 
+    _tokenizer: Any = None
+
+    def grammar_tokenizer(self, width: int):
+        """llguidance's tokenizer of this model for logits of ``width`` (the model's
+        tokenizer is loaded on the first request with a grammar)."""
+        from ringlet.daemon.engine.grammar import ll_tokenizer
+
+        if self._tokenizer is None:
+            from ringlet.daemon.engine.model_info import load_tokenizer
+            from ringlet.daemon.engine.sources import resolve
+
+            self._tokenizer = load_tokenizer(resolve(self.args.model))
+        return ll_tokenizer(self._tokenizer._tokenizer, width)
+
     def lead_stage(self) -> None:
         """Stage mode: run each ``stage`` request as it comes (the daemon's engine orders and
         times them) and answer with the stage's output; ``free`` drops a slot's cache; a ``stage``
@@ -144,7 +158,7 @@ class LeadRank(Rank):
     def lead(self) -> None:
         import mlx.core as mx
 
-        from ringlet.daemon.engine.sampling import RequestSampler, SamplingParams
+        from ringlet.daemon.engine.sampling import RequestSampler, sampling_from_dict
 
         reqs: dict[int, Request] = {}
         order: list[int] = []  # round-robin over slots
@@ -197,18 +211,11 @@ class LeadRank(Rank):
                 req.scope = str(msg["prefix"].get("scope", "")) if index.budget_bytes > 0 else None
             if t == "gen":
                 s = msg.get("sampling") or {}
-                req.sampler = RequestSampler(
-                    SamplingParams(
-                        temperature=float(s.get("temperature", 0.0)),
-                        top_p=float(s.get("top_p", 1.0)),
-                        top_k=int(s.get("top_k", 0)),
-                        seed=s.get("seed"),
-                    )
-                )
-                # resumed request: advance the random key past the tokens already drawn
-                for _ in range(int(msg.get("skip", 0))):
-                    if not req.sampler._greedy:
-                        req.sampler._key, _ = mx.random.split(req.sampler._key)
+                try:
+                    req.sampler = RequestSampler(sampling_from_dict(s, int(msg.get("skip", 0))), self.grammar_tokenizer)
+                except Exception as exc:  # noqa: BLE001 - a grammar that does not compile fails this request only
+                    self.ctrl.send({"t": "error", "id": msg["id"], "msg": str(exc)})
+                    return True
                 if req.max_tokens <= 0:
                     self.ctrl.send({"t": "done", "id": req.id, "reason": "length"})
                     return True
@@ -303,11 +310,12 @@ class LeadRank(Rank):
                 )
                 finish(slot, "")
                 continue
-            tok = r.sampler(logits[0, -1])
+            tok = r.sampler(logits[0, -1], r.fed)
             r.produced += 1
-            r.pending = [tok]
-            self.ctrl.send({"t": "tok", "id": r.id, "ids": [tok], "k": r.produced,
-                            **({"cached": r.cached} if r.produced == 1 else {})})
+            r.pending = [int(tok)]
+            self.ctrl.send({"t": "tok", "id": r.id, "ids": [int(tok)], "k": r.produced,
+                            **({"cached": r.cached} if r.produced == 1 else {}),
+                            **({"lp": [tok.logprob, list(tok.top)]} if tok.logprob is not None else {})})
             if tok in r.stop:
                 finish(slot, "stop")
             elif r.produced >= r.max_tokens:

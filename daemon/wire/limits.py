@@ -255,10 +255,12 @@ class ApiGuard:
         await self._with_body_limit(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and check_api_key(token.strip(), self.limits.api_key_digests)
+        headers = dict(scope.get("headers", ()))
+        if b"authorization" in headers:
+            scheme, _, token = headers[b"authorization"].decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and check_api_key(token.strip(), self.limits.api_key_digests)
+        if b"x-api-key" in headers:  # Anthropic's header, as its clients send it
+            return check_api_key(headers[b"x-api-key"].decode("latin-1").strip(), self.limits.api_key_digests)
         return False
 
     async def _with_body_limit(self, scope: Scope, receive: Receive, send: Send) -> None:

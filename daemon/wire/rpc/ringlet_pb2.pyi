@@ -17,23 +17,51 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "steps_done")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "steps_done", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias_ids", "logit_bias_values", "logprobs", "top_logprobs", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     has_seed: bool
     seed: int
     steps_done: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    logprobs: bool
+    top_logprobs: int
+    grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., steps_done: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class TokenScores(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind")
+    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind", "scores")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +81,7 @@ class Activation(_message.Message):
     PREFIX_MISS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HOLDS_FIELD_NUMBER: _ClassVar[int]
     BEHIND_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     step: int
@@ -72,7 +101,8 @@ class Activation(_message.Message):
     prefix_miss: bool
     prefix_holds: int
     behind: bool
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ...) -> None: ...
+    scores: TokenScores
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
 
 class HopAck(_message.Message):
     __slots__ = ("received",)
@@ -101,7 +131,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew")
+    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +139,7 @@ class GenerateEvent(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SKEW_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     token: int
     error: str
     ttft_s: float
@@ -116,7 +147,8 @@ class GenerateEvent(_message.Message):
     cached_tokens: int
     plan_epoch: int
     skew: bool
-    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ...) -> None: ...
+    scores: TokenScores
+    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("node_id", "start", "end", "grpc_address")

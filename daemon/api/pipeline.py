@@ -1,0 +1,243 @@
+"""One path inside: a :class:`GenerationRequest` in, a stream of events out.
+
+:meth:`Pipeline.prepare` checks the request and renders its prompt (a 400 naming the
+field otherwise); :meth:`Pipeline.run` generates on the ring (``Node.generate``) and
+turns token ids into :mod:`ringlet.daemon.api.request` events: visible text (stop
+strings cut it), reasoning (between the model's think tokens, detected by mlx-lm's
+``TokenizerWrapper``), tool calls (parsed by :mod:`ringlet.daemon.api.prompting`'s
+format), log-probabilities, and the finish reason of each of ``n`` choices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from ringlet.daemon.api import prompting
+from ringlet.daemon.api.errors import ApiError
+from ringlet.daemon.api.request import (
+    Event,
+    Finished,
+    GenerationRequest,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
+from ringlet.daemon.api.text import TextSplitter, whole_characters
+from ringlet.daemon.engine.sampling import SamplingParams
+from ringlet.daemon.node import Node
+from ringlet.daemon.wire.limits import ApiLimits
+
+
+@dataclass
+class Prepared:
+    """A checked request: its prompt, budget, sampling and tool format."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    tool_format: prompting.ToolFormat | None
+    thinking: bool  # the prompt leaves a think block open: the output starts as reasoning
+
+
+class Pipeline:
+    """Turns requests into event streams for one node.
+
+    Args:
+        node: the serving node.
+        tokenizer: the model's mlx-lm ``TokenizerWrapper``.
+        model_name: the served model's id (requests naming another get a 404).
+        context_tokens: the model's context length, tokens.
+        limits: the API's limits (prompt and completion caps).
+    """
+
+    def __init__(self, node: Node, tokenizer, model_name: str, context_tokens: int, limits: ApiLimits):
+        self.node, self.tokenizer, self.model_name = node, tokenizer, model_name
+        self.context_tokens, self.limits = context_tokens, limits
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+
+    # --- checking -----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ApiError (404) when ``model`` names a model this cluster does not serve."""
+        if model not in (None, "", self.model_name):
+            raise ApiError(404, f"model {model!r} is not served here; this cluster serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def prompt_ids(self, request: GenerationRequest) -> tuple[list[int], prompting.ToolFormat | None]:
+        """The request's prompt token ids and tool format (no budget check)."""
+        if request.messages is not None:
+            return prompting.chat_prompt(self.tokenizer, request)
+        if isinstance(request.prompt, list):
+            vocab = len(self.tokenizer)
+            if not request.prompt or any(t < 0 or t >= vocab for t in request.prompt):
+                raise ApiError(400, f"prompt token ids must be a non-empty list within [0, {vocab})", param="prompt")
+            return list(request.prompt), None
+        ids = self.tokenizer.encode(request.prompt or "")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids, None
+
+    def budget(self, prompt_len: int, wanted: int | None) -> int:
+        """The completion tokens a prompt of ``prompt_len`` tokens may have.
+
+        Raises:
+            ApiError: the prompt does not fit the context or the node's prompt cap (400).
+        """
+        if prompt_len >= self.context_tokens:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; the model's context is {self.context_tokens}",
+                           param="messages", code="context_length_exceeded")
+        if (too_long := self.limits.prompt_error(prompt_len)) is not None:
+            raise ApiError(400, too_long, param="messages", code="context_length_exceeded")
+        room = self.context_tokens - prompt_len
+        return self.limits.clamp_completion(min(wanted or room, room))
+
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """Check a request and render its prompt.
+
+        Raises:
+            ApiError: a field is out of range or unusable (400 naming it).
+        """
+        vocab = len(self.tokenizer)
+        for token in request.logit_bias:
+            if not 0 <= token < vocab:
+                raise ApiError(400, f"logit_bias names token {token}, outside [0, {vocab})", param="logit_bias")
+        grammar = prompting.output_grammar(request)
+        ids, fmt = self.prompt_ids(request)
+        max_tokens = self.budget(len(ids), request.max_tokens)
+        # top_k >= vocabulary keeps every token (= off); a seed outside uint64 (the wire type) is reduced
+        top_k = request.top_k if request.top_k < vocab else 0
+        sampling = SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=top_k, min_p=request.min_p,
+            seed=None if request.seed is None else request.seed % 2**64,
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty, logit_bias=tuple(sorted(request.logit_bias.items())),
+            logprobs=-1 if request.logprobs is None else request.logprobs, grammar=grammar)
+        thinking = False
+        if getattr(self.tokenizer, "has_thinking", False) and request.messages is not None:
+            thinking = self.tokenizer.rfind_think_start(ids) > self.tokenizer.rfind_think_end(ids)
+        return Prepared(request, ids, max_tokens, sampling, fmt, thinking)
+
+    # --- running ------------------------------------------------------------------------
+
+    async def run(self, prepared: Prepared, scope: str = "") -> AsyncIterator[Event]:
+        """The events of a prepared request: :class:`Started`, then per choice its
+        deltas and :class:`Finished`, then :class:`Usage`.
+
+        Raises:
+            GenerationError: the ring failed the request (after its retries).
+        """
+        req = prepared.request
+        yield Started(len(prepared.prompt_ids), tuple(prepared.prompt_ids),
+                      self.tokenizer.decode(prepared.prompt_ids) if req.echo else "")
+        info: dict = {}
+        total = 0
+        for choice in range(req.n):
+            sampling = prepared.sampling
+            if choice and sampling.seed is not None:  # n seeded choices: n different draws, each reproducible
+                sampling = replace(sampling, seed=(sampling.seed + choice) % 2**64)
+            async for event in self._choice(prepared, choice, sampling, scope, info if choice == 0 else {}):
+                if isinstance(event, Finished):
+                    total += event.completion_tokens
+                yield event
+        yield Usage(len(prepared.prompt_ids), total, int(info.get("cached_tokens", 0)))
+
+    async def _choice(self, prepared: Prepared, choice: int, sampling: SamplingParams, scope: str,
+                      info: dict) -> AsyncIterator[Event]:
+        req, tok = prepared.request, self.tokenizer
+        detok = tok.detokenizer
+        fmt = prepared.tool_format
+        splitter = TextSplitter(req.stop, (fmt.start, fmt.end) if fmt is not None else None)
+        think_ids = ((tok.think_start_id, tok.think_end_id) if getattr(tok, "has_thinking", False)
+                     else (None, None))
+        thinking = prepared.thinking
+        ids: list[int] = []
+        pending: list[TokenLogprob] = []
+        calls = 0
+        finish = "length"
+        generation = self.node.generate(prepared.prompt_ids, prepared.max_tokens, sampling, self.eos_ids,
+                                        cache_scope=scope, info=info)
+        async with contextlib.aclosing(generation) as tokens:
+            async for token in tokens:
+                ids.append(int(token))
+                if token in self.eos_ids:
+                    finish = "stop"
+                    break
+                if req.logprobs is not None and getattr(token, "logprob", None) is not None:
+                    pending.append(self._logprob(token))
+                if token in think_ids and think_ids[0] is not None:
+                    thinking = token == think_ids[0]
+                    continue
+                before = len(detok.text)
+                detok.add_token(int(token))
+                piece = detok.text[before:]
+                if thinking:
+                    if piece:
+                        yield ReasoningDelta(piece, choice)
+                    continue
+                for event in self._split(splitter.feed(piece), prepared, choice, calls, pending):
+                    calls += isinstance(event, ToolCall)
+                    yield event
+                if splitter.stopped:
+                    finish = "stop"
+                    break
+        detok.finalize()
+        if not splitter.stopped and not thinking:
+            tail = whole_characters(detok.text)[len(splitter.seen):] if len(detok.text) > len(splitter.seen) else ""
+            for event in self._split(splitter.feed(tail) + splitter.flush(), prepared, choice, calls, pending):
+                calls += isinstance(event, ToolCall)
+                yield event
+            finish = "stop" if splitter.stopped else finish
+        if pending:
+            yield TextDelta("", choice, tuple(pending))
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        yield Finished(finish, len(ids), choice, tuple(ids))  # type: ignore[arg-type]
+
+    def _split(self, parts: list[tuple[str, str]], prepared: Prepared, choice: int, calls: int,
+               pending: list[TokenLogprob]) -> list[Event]:
+        """Events of a :class:`TextSplitter` result: ``("text", s)`` and ``("call", body)``."""
+        fmt = prepared.tool_format
+        out: list[Event] = []
+        for kind, text in parts:
+            if kind == "call" and fmt is not None:
+                parsed = self._parse_calls(fmt, text, prepared.request.tools)
+                if parsed is not None:
+                    for call in parsed:
+                        out.append(ToolCall(calls, "call_" + uuid.uuid4().hex[:24], call[0], call[1], choice))
+                        calls += 1
+                    continue
+                text = fmt.start + text + fmt.end  # not a call after all: it stays text
+            if text or pending:
+                out.append(TextDelta(text, choice, tuple(pending)))
+                pending.clear()
+        return out
+
+    @staticmethod
+    def _parse_calls(fmt: prompting.ToolFormat, body: str, tools: list) -> list[tuple[str, str]] | None:
+        """``(name, arguments JSON)`` of the calls in a call body, or ``None`` when it is
+        not a call (the parser raises, or names no function)."""
+        try:
+            parsed = fmt.parse(body, [t.as_openai() for t in tools] or None)
+        except Exception:  # noqa: BLE001 - a parser raises on text that is not a call
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        out = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            args = item.get("arguments", {})
+            out.append((item["name"], args if isinstance(args, str) else json.dumps(args)))
+        return out
+
+    def _logprob(self, token) -> TokenLogprob:
+        text = self.tokenizer.decode([int(token)])
+        top = tuple((self.tokenizer.decode([i]), i, v) for i, v in token.top)
+        return TokenLogprob(text, int(token), float(token.logprob), top)
