@@ -175,9 +175,13 @@ async def _stream(kind: str, internal, events: AsyncIterator, head: dict[str, An
                         lp = chat_logprobs(event.logprobs) if kind == "chat" else \
                             completion_logprobs(list(event.logprobs), offsets[event.choice])
                     offsets[event.choice] += len(event.text)
-                    if event.text or lp:
+                    extra = None
+                    if internal.return_token_ids:
+                        extra = {"token_ids": list(event.token_ids)}
+                        sent_ids[event.choice] += len(event.token_ids)
+                    if event.text or lp or extra:
                         yield chunk(event.choice, {"content": event.text} if kind == "chat" else event.text,
-                                    logprobs=lp)
+                                    logprobs=lp, extra=extra)
                 elif isinstance(event, ReasoningDelta) and kind == "chat":
                     yield chunk(event.choice, {"reasoning_content": event.text})
                 elif isinstance(event, ToolCall) and kind == "chat":

@@ -161,6 +161,7 @@ class Pipeline:
         ids: list[int] = []
         pending: list[TokenLogprob] = []
         calls = 0
+        unsent: list[int] = []  # ids of think tokens not yet reported (return_token_ids)
         finish = "length"
         generation = self.node.generate(prepared.prompt_ids, prepared.max_tokens, sampling, self.eos_ids,
                                         cache_scope=scope, info=info)
@@ -174,15 +175,21 @@ class Pipeline:
                     pending.append(self._logprob(token))
                 if token in think_ids and think_ids[0] is not None:
                     thinking = token == think_ids[0]
+                    unsent.append(int(token))
                     continue
                 before = len(detok.text)
                 detok.add_token(int(token))
                 piece = detok.text[before:]
                 if thinking:
+                    unsent.append(int(token))
                     if piece:
                         yield ReasoningDelta(piece, choice)
                     continue
-                for event in self._split(splitter.feed(piece), prepared, choice, calls, pending):
+                events = self._split(splitter.feed(piece), prepared, choice, calls, pending)
+                if req.return_token_ids:  # one delta per token, carrying its id (streamed timing)
+                    events = self._with_ids(events, choice, [*unsent, int(token)], pending)
+                    unsent = []
+                for event in events:
                     calls += isinstance(event, ToolCall)
                     yield event
                 if splitter.stopped:
@@ -219,6 +226,16 @@ class Pipeline:
                 out.append(TextDelta(text, choice, tuple(pending)))
                 pending.clear()
         return out
+
+    @staticmethod
+    def _with_ids(events: list[Event], choice: int, ids: list[int], pending: list[TokenLogprob]) -> list[Event]:
+        """``events`` with ``ids`` on their first text delta (a new empty one when none)."""
+        for k, event in enumerate(events):
+            if isinstance(event, TextDelta):
+                events[k] = replace(event, token_ids=tuple(ids))
+                return events
+        pending_lp, pending[:] = tuple(pending), []
+        return [*events, TextDelta("", choice, pending_lp, tuple(ids))]
 
     @staticmethod
     def _parse_calls(fmt: prompting.ToolFormat, body: str, tools: list) -> list[tuple[str, str]] | None:

@@ -145,11 +145,13 @@ class Started:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """Visible text of choice ``choice``; ``logprobs`` cover the tokens it came from."""
+    """Visible text of choice ``choice``; ``logprobs`` cover the tokens it came from,
+    and ``token_ids`` (with ``return_token_ids``: one delta per token) their ids."""
 
     text: str
     choice: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

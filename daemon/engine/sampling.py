@@ -13,8 +13,8 @@ Per step, in mlx-lm's order (``mlx_lm.generate.generate_step``, ``make_sampler``
    the node is serving; temperature 0 is the argmax.
 
 Log-probabilities (``logprobs``) are those of the model's own distribution, the log
-softmax of the raw logits, before any processor, grammar or filter, as in OpenAI's API
-and vLLM's default.
+softmax of the raw logits (in float64), before any processor, grammar or filter, as in
+OpenAI's API and vLLM's default.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,7 @@ class RequestSampler:
         penalties and, on a resumed request's first step, the grammar's replay of the
         ``steps_done`` tokens drawn before the resume."""
         logits = logits.astype(mx.float32)[None]
-        scores = None
-        if self.params.logprobs >= 0:
-            scores = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        raw = logits[0] if self.params.logprobs >= 0 else None
         if self._processors:
             tokens = mx.array(list(history), dtype=mx.int32)
             for process in self._processors:
@@ -158,22 +157,24 @@ class RequestSampler:
             token = int(mx.random.categorical(logprobs * (1.0 / self.params.temperature), key=draw)[0].item())
         if self._constraint is not None:
             self._constraint.consume(token)
-        if scores is None:
+        if raw is None:
             return Token(token)
-        return Token(token, *top_logprobs(scores[0], token, self.params.logprobs))
+        return Token(token, *top_logprobs(raw, token, self.params.logprobs))
 
 
-def top_logprobs(scores: mx.array, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """``(logprob of token, k most likely (id, logprob), most likely first)`` from
-    log-probabilities ``scores`` of shape ``(vocab,)``."""
-    chosen = float(scores[token].item())
+def top_logprobs(logits: mx.array, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``(logprob of token, k most likely (id, logprob), most likely first)`` from raw
+    logits ``(vocab,)``. The log softmax is taken in float64 with numpy: MLX's float32
+    ``logsumexp`` over a 49k vocabulary is off by ~1e-4 on this CPU."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = float(x.max())
+    scores = x - (top + np.log(np.exp(x - top).sum()))
+    chosen = float(scores[token])
     if k <= 0:
         return chosen, ()
-    ids = mx.argpartition(-scores, kth=k - 1)[:k]
-    values = scores[ids]
-    order = mx.argsort(-values)
-    ids, values = ids[order].tolist(), values[order].tolist()
-    return chosen, tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+    ids = np.argpartition(-scores, k - 1)[:k]
+    ids = ids[np.argsort(-scores[ids], kind="stable")]
+    return chosen, tuple((int(i), float(scores[i])) for i in ids)
 
 
 def sampling_to_dict(params: SamplingParams) -> dict:
