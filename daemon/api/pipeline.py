@@ -162,6 +162,7 @@ class Pipeline:
         pending: list[TokenLogprob] = []
         calls = 0
         unsent: list[int] = []  # ids of think tokens not yet reported (return_token_ids)
+        consumed = 0  # characters of the detokenized text already given out
         finish = "length"
         generation = self.node.generate(prepared.prompt_ids, prepared.max_tokens, sampling, self.eos_ids,
                                         cache_scope=scope, info=info)
@@ -180,6 +181,7 @@ class Pipeline:
                 before = len(detok.text)
                 detok.add_token(int(token))
                 piece = detok.text[before:]
+                consumed = len(detok.text)
                 if thinking:
                     unsent.append(int(token))
                     if piece:
@@ -196,8 +198,10 @@ class Pipeline:
                     finish = "stop"
                     break
         detok.finalize()
-        if not splitter.stopped and not thinking:
-            tail = whole_characters(detok.text)[len(splitter.seen):] if len(detok.text) > len(splitter.seen) else ""
+        tail = whole_characters(detok.text)[consumed:]  # what finalize released (or "")
+        if thinking and tail:
+            yield ReasoningDelta(tail, choice)
+        elif not splitter.stopped and not thinking:
             for event in self._split(splitter.feed(tail) + splitter.flush(), prepared, choice, calls, pending):
                 calls += isinstance(event, ToolCall)
                 yield event
