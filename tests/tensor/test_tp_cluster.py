@@ -170,6 +170,30 @@ def test_three_daemons_serve_tensor_parallel_through_any_node(trio):
     assert (store["ranks"], store["hits"], store["hit_tokens"]) == (3, 1, len(CHAT["prompt_ids"]) - 1), store
 
 
+def test_a_tensor_group_applies_a_grammar_and_reports_logprobs(trio):
+    """Rank 0 samples for the group: a json_schema request's output validates and its
+    logprobs come back through the group's control channel."""
+    import json
+
+    import jsonschema
+
+    c, leader, ranks, ids = trio
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = httpx.post(f"{c.api_urls[ids[ranks[1]]]}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": 40, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    content = choice["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"] - 1  # all but the end token
+    assert all(t["logprob"] <= 0 and len(t["top_logprobs"]) == 2 for t in content)
+
+
 def test_a_rank_is_started_only_for_the_leader_of_the_committed_plan(trio):
     """RunRank refuses whatever does not match the committed tensor plan; nothing is started."""
     c, leader, ranks, ids = trio
