@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 BENCHES = ["bench_spine", "bench_blas", "bench_cluster", "bench_planner", "bench_probes", "bench_shard", "bench_tp",
-           "bench_concurrency", "bench_prefill", "bench_prefix", "bench_hybrid", "bench_migration"]
+           "bench_concurrency", "bench_prefill", "bench_prefix", "bench_hybrid", "bench_migration", "bench_agents"]
 
 
 def main(argv: list[str]) -> int:
