@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from ringlet.daemon.api import openai_api
+from ringlet.daemon.api import openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.node import Node
@@ -117,9 +117,10 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
     pipeline = Pipeline(node, tokenizer, model_name, context_tokens, limits)
     app.state.pipeline = pipeline
     # the API surfaces: each an adapter over the pipeline (one line each)
-    if node.engine is not None:  # the last stage applies grammars with the model's tokenizer
+    if getattr(node, "engine", None) is not None:  # the last stage applies grammars with the model's tokenizer
         from ringlet.daemon.engine.grammar import ll_tokenizer
 
         node.engine.grammar_tokenizer = lambda width: ll_tokenizer(tokenizer._tokenizer, width)
     openai_api.register(app, pipeline)
+    responses_api.register(app, pipeline)
     return app
