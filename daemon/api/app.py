@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from ringlet.daemon.api import openai_api, responses_api
+from ringlet.daemon.api import anthropic_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.node import Node
@@ -39,6 +39,8 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     if path.startswith(ANTHROPIC_PATHS):
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error"}.get(status, "api_error")
+        if param and param not in message:  # Anthropic's errors have no param: the message names it
+            message = f"{param}: {message}"
         return JSONResponse(status_code=status, content={"type": "error", "error": {"type": kind, "message": message}})
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(status_code=status,
@@ -123,4 +125,5 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
         node.engine.grammar_tokenizer = lambda width: ll_tokenizer(tokenizer._tokenizer, width)
     openai_api.register(app, pipeline)
     responses_api.register(app, pipeline)
+    anthropic_api.register(app, pipeline)
     return app

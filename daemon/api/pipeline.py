@@ -210,7 +210,7 @@ class Pipeline:
             yield TextDelta("", choice, tuple(pending))
         if calls and finish == "stop":
             finish = "tool_calls"
-        yield Finished(finish, len(ids), choice, tuple(ids))  # type: ignore[arg-type]
+        yield Finished(finish, len(ids), choice, tuple(ids), splitter.matched)  # type: ignore[arg-type]
 
     def _split(self, parts: list[tuple[str, str]], prepared: Prepared, choice: int, calls: int,
                pending: list[TokenLogprob]) -> list[Event]:

@@ -189,12 +189,14 @@ class Finished:
             cap) or ``"tool_calls"``.
         completion_tokens: tokens generated for this choice.
         token_ids: those tokens' ids.
+        stop_string: the stop string that ended the text (``None``: another reason).
     """
 
     reason: Literal["stop", "length", "tool_calls"]
     completion_tokens: int
     choice: int = 0
     token_ids: tuple[int, ...] = ()
+    stop_string: str | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class TextSplitter:
         self.markers = markers
         self.seen = ""  # all text fed so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self._buf = ""  # text not yet emitted
         self._in_call = False
 
@@ -69,6 +70,7 @@ class TextSplitter:
             if stop >= 0:
                 if stop:
                     out.append(("text", self._buf[:stop]))
+                self.matched = min((s for s in self.stops if self._buf.find(s) == stop), key=len)
                 self._buf = ""
                 self.stopped = True
                 return out

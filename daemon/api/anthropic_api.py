@@ -1,0 +1,181 @@
+"""Anthropic's Messages API, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+(what Claude Code and the ``anthropic`` SDK speak): an adapter from its body
+(:mod:`ringlet.daemon.api.anthropic_schema`) to the internal request, and from the event
+stream back to a ``message`` object or the streamed events ``message_start``,
+``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``.
+
+Content blocks come in the order the model wrote them: ``thinking``, ``text``,
+``tool_use``. ``usage.input_tokens`` counts the prompt tokens the prefix cache did not
+serve and ``cache_read_input_tokens`` those it did, as Anthropic counts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from ringlet.daemon.api.anthropic_schema import CountTokensRequest, MessagesRequest, tool_input
+from ringlet.daemon.api.errors import ApiError
+from ringlet.daemon.api.openai_api import SSE_HEADERS
+from ringlet.daemon.api.pipeline import Pipeline
+from ringlet.daemon.api.request import Finished, ReasoningDelta, Started, TextDelta, ToolCall, Usage
+from ringlet.daemon.errors import GenerationError
+
+
+def stop_reason(finished: Finished) -> str:
+    """Anthropic's ``stop_reason`` of a finished choice."""
+    if finished.reason == "tool_calls":
+        return "tool_use"
+    if finished.reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if finished.stop_string is not None else "end_turn"
+
+
+def usage_json(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
+    """Anthropic's ``usage`` (before the end, ``usage`` ``None``: no output yet)."""
+    cached = usage.cached_tokens if usage is not None else 0
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": usage.completion_tokens if usage else 0,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def frame(event: dict[str, Any]) -> str:
+    """One server-sent event: its ``type`` as the event name, itself as JSON data."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+class _Blocks:
+    """Content blocks built from the events, for the whole message and the stream alike."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.open: str | None = None  # type of the block being written
+
+    def add(self, event) -> list[dict[str, Any]]:
+        """The stream events one pipeline event makes (and the blocks updated)."""
+        out: list[dict[str, Any]] = []
+        if isinstance(event, TextDelta) and event.text:
+            out += self._start("text", {"type": "text", "text": ""})
+            self.blocks[-1]["text"] += event.text
+            out.append(self._delta({"type": "text_delta", "text": event.text}))
+        elif isinstance(event, ReasoningDelta) and event.text:
+            out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.blocks[-1]["thinking"] += event.text
+            out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+        elif isinstance(event, ToolCall):
+            out += self._close()
+            block = {"type": "tool_use", "id": "toolu_" + event.id.removeprefix("call_"), "name": event.name,
+                     "input": {}}
+            out.append({"type": "content_block_start", "index": len(self.blocks), "content_block": dict(block)})
+            block["input"] = tool_input(event.arguments)
+            self.blocks.append(block)
+            self.open = "tool_use"
+            out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+            out += self._close()
+        return out
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.open == kind:
+            return []
+        out = self._close()
+        out.append({"type": "content_block_start", "index": len(self.blocks), "content_block": dict(block)})
+        self.blocks.append(block)
+        self.open = kind
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+        out.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
+        self.open = None
+        return out
+
+
+def register(app: FastAPI, pipeline: Pipeline) -> None:
+    """Add the two endpoints to ``app``."""
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        pipeline.check_model(body.model)
+        scope = app.state.cache_scope(request)
+        internal = body.request()
+        internal.cache_scope = scope
+        try:
+            prepared = pipeline.prepare(internal)
+        except ApiError as exc:  # the internal name of output_config.format
+            if exc.param == "response_format":
+                exc.message, exc.param = exc.message.replace("response_format", "output_config.format"), \
+                    "output_config.format"
+            raise
+        head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                "model": body.model or pipeline.model_name}
+        events = pipeline.run(prepared, scope)
+        if not body.stream:
+            try:
+                return await _whole(events, head)
+            except GenerationError as exc:
+                raise ApiError(503, f"generation failed: {exc}") from None
+        return StreamingResponse(_stream(events, head, request), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        pipeline.check_model(body.model)
+        ids, _ = pipeline.prompt_ids(body.internal())
+        return {"input_tokens": len(ids)}
+
+
+async def _whole(events: AsyncIterator, head: dict[str, Any]) -> dict[str, Any]:
+    blocks, finished, usage, prompt = _Blocks(), None, None, 0
+    async with contextlib.aclosing(events) as stream:
+        async for event in stream:
+            if isinstance(event, Started):
+                prompt = event.prompt_tokens
+            elif isinstance(event, Finished):
+                finished = event
+            elif isinstance(event, Usage):
+                usage = event
+            else:
+                blocks.add(event)
+    return {**head, "content": blocks.blocks, "stop_reason": stop_reason(finished),
+            "stop_sequence": finished.stop_string, "usage": usage_json(usage, prompt)}
+
+
+async def _stream(events: AsyncIterator, head: dict[str, Any], request: Request) -> AsyncIterator[str]:
+    blocks, finished, prompt = _Blocks(), None, 0
+    try:
+        async with contextlib.aclosing(events) as stream:
+            async for event in stream:
+                if isinstance(event, Started):
+                    prompt = event.prompt_tokens
+                    yield frame({"type": "message_start", "message": {
+                        **head, "content": [], "stop_reason": None, "stop_sequence": None,
+                        "usage": usage_json(None, prompt)}})
+                    yield frame({"type": "ping"})
+                elif isinstance(event, Finished):
+                    finished = event
+                elif isinstance(event, Usage):
+                    for out in blocks._close():
+                        yield frame(out)
+                    yield frame({"type": "message_delta",
+                                 "delta": {"stop_reason": stop_reason(finished), "stop_sequence": finished.stop_string},
+                                 "usage": usage_json(event, prompt)})
+                    yield frame({"type": "message_stop"})
+                else:
+                    for out in blocks.add(event):
+                        yield frame(out)
+                if await request.is_disconnected():
+                    return  # closing the generators releases the KV caches on every stage
+    except GenerationError as exc:
+        yield frame({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {exc}"}})
