@@ -107,12 +107,9 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        pipeline.check_model(body.model)
         scope = app.state.cache_scope(request)
-        internal = body.request()
-        internal.cache_scope = scope
         try:
-            prepared = pipeline.prepare(internal)
+            prepared = pipeline.admit(body.model, body.request, scope)
         except ApiError as exc:  # the internal name of output_config.format
             if exc.param == "response_format":
                 exc.message, exc.param = exc.message.replace("response_format", "output_config.format"), \

@@ -70,10 +70,8 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
     """Add the two endpoints to ``app``."""
 
     async def respond(kind: str, body: ChatRequest | CompletionRequest, request: Request, scope: str):
-        pipeline.check_model(body.model)
-        internal = body.internal()
-        internal.cache_scope = scope
-        prepared = pipeline.prepare(internal)
+        prepared = pipeline.admit(body.model, body.internal, scope)
+        internal = prepared.request
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         head = {"id": rid, "created": created, "model": pipeline.model_name}

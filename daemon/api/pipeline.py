@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from ringlet.daemon.api import prompting
@@ -98,6 +98,19 @@ class Pipeline:
             raise ApiError(400, too_long, param="messages", code="context_length_exceeded")
         room = self.context_tokens - prompt_len
         return self.limits.clamp_completion(min(wanted or room, room))
+
+    def admit(self, model: str | None, convert: Callable[[], GenerationRequest], scope: str) -> Prepared:
+        """An adapter's request, checked and prepared: ``model`` must be the one served,
+        ``convert()`` builds the internal request, which runs under the prefix-cache
+        ``scope``.
+
+        Raises:
+            ApiError: another model (404), or a field that cannot be honoured (400).
+        """
+        self.check_model(model)
+        request = convert()
+        request.cache_scope = scope
+        return self.prepare(request)
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Check a request and render its prompt.

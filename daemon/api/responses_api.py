@@ -188,11 +188,8 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        pipeline.check_model(body.model)
-        scope = app.state.cache_scope(request)
-        internal = body.internal()
-        internal.cache_scope = scope
-        prepared = pipeline.prepare(internal)
+        prepared = pipeline.admit(body.model, body.internal, app.state.cache_scope(request))
+        internal, scope = prepared.request, prepared.request.cache_scope
         head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()),
                 "model": pipeline.model_name}
         echo = echo_fields(body, internal)
