@@ -165,10 +165,12 @@ class PrefixStore(TokenIndex):
         if nbytes > self.budget_bytes:
             return False
         self._forget_prefixes_of(scope, tokens)
+        # room first, then the entry: the figures another thread reads (/v1/cluster) never
+        # show more than the budget, even while an evicted entry is written to disk
+        self._evict_to(self.budget_bytes - nbytes)
         entry = Entry(scope, list(tokens), self.start, self.end, layers, nbytes, next(self._ids))
         self._add(entry)
         self.stats.inserted += 1
-        self._evict_to(self.budget_bytes)
         return True
 
     def adopt(self, scope: str, tokens: list[int], start: int, end: int, layers: list[tuple[mx.array, mx.array]],

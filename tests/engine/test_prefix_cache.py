@@ -77,6 +77,16 @@ def prefix_info(cluster: LocalCluster, i: int, key: str | None = None) -> dict:
     return httpx.get(f"{cluster.api_urls[i]}/v1/cluster", timeout=10, headers=headers).json()["prefix_cache"]
 
 
+def settled_info(cluster: LocalCluster, i: int, key: str, done, timeout_s: float = 15.0) -> dict:
+    """Stage ``i``'s prefix-cache figures once ``done(info)`` holds: a request's KV enters
+    the store (and evicts, writing to the disk tier) just after its reply is sent, so
+    figures read at once may show that work half done. The last figures if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not done(info := prefix_info(cluster, i, key)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return info
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_hits_equal_cold_answers_and_scopes_keep_keys_apart(stages, keyed):
     """Three turns of one conversation (key A) against the same requests, each under a key
@@ -251,7 +261,7 @@ def test_an_entry_spilled_to_disk_serves_hits_also_after_every_daemon_restarts(t
         answer, first_a, _ = ask(a, conv_a)
         ask(b, conv_b)  # A's entry is evicted from memory for B's: it goes to disk
         for i in range(2):
-            info = prefix_info(c, i, KEYS[0])
+            info = settled_info(c, i, KEYS[0], lambda f: f["entries"] == 1 and f["disk"]["entries"] >= 1)
             assert info["entries"] == 1 and info["disk"]["entries"] >= 1, info
         conv_a += [{"role": "assistant", "content": answer}, {"role": "user", "content": QUESTIONS[1]}]
         warm, second_a, cached = ask(a, conv_a)
