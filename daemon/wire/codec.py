@@ -77,7 +77,9 @@ def encode(array: mx.array) -> pb.Tensor:
 
 def check(message: pb.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> tuple[mx.Dtype, np.dtype, tuple]:
     """Validate a Tensor message's framing without allocating: known dtype, rank <= 8,
-    non-negative dims, payload == prod(shape) * itemsize <= ``max_bytes``.
+    non-negative dims, payload == prod(shape) * itemsize <= ``max_bytes``, and the
+    product of the non-zero dims within ``max_bytes`` too (a zero-size tensor of an
+    absurd shape is refused rather than reshaped).
 
     Returns ``(mlx dtype, wire numpy dtype, shape)``.
 
@@ -100,6 +102,10 @@ def check(message: pb.Tensor, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> t
         raise TensorDecodeError(
             f"tensor of {max(expected, len(message.data))} bytes exceeds the {max_bytes}-byte limit"
         )
+    if math.prod(d for d in shape if d) * wire_np.itemsize > max_bytes:
+        # e.g. (0, 3, 5174, 17232764, 17240788): zero bytes, but numpy cannot index that shape
+        raise TensorDecodeError(f"tensor shape {shape} exceeds the {max_bytes}-byte limit in its non-zero "
+                                "dimensions")
     if len(message.data) != expected:
         raise TensorDecodeError(
             f"tensor payload is {len(message.data)} bytes, but {message.dtype} x {list(shape)} "

@@ -16,6 +16,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zeroconf import ServiceInfo
@@ -200,3 +201,11 @@ def test_a_huge_top_k_does_not_break_sampling_for_later_requests():
     assert 0 <= hostile(logits) < 1000
     later = RequestSampler(SamplingParams(temperature=1.0))  # an unseeded sampler draws from MLX's state
     assert 0 <= later(logits) < 1000
+
+
+def test_a_zero_size_tensor_of_an_unindexable_shape_is_refused():
+    """Hypothesis found it: a 0 dimension makes the payload 0 bytes, but numpy cannot
+    reshape to the other dimensions' product (over 2**62 bytes)."""
+    message = pb.Tensor(dtype="bfloat16", shape=[0, 3, 5174, 17232764, 17240788], data=b"")
+    with pytest.raises(codec.TensorDecodeError, match="in its non-zero dimensions"):
+        codec.decode(message)
