@@ -22,11 +22,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.tool_parsers import json_tools
+
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.request import GenerationRequest, Tool
 from ringlet.daemon.engine import grammar as grammars
 
-JSON_CALL_START, JSON_CALL_END = "<tool_call>", "</tool_call>"
+JSON_CALL_START, JSON_CALL_END = json_tools.tool_call_start, json_tools.tool_call_end
 #: template variables a request may not set through ``chat_template_kwargs``
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize", "conversation",
                                       "return_dict", "chat_template", "documents"})
@@ -49,11 +51,8 @@ class ToolFormat:
     native: bool
 
 
-def _json_parse(text: str, tools: Any = None) -> dict[str, Any]:
-    return json.loads(text.strip())
-
-
-JSON_FORMAT = ToolFormat(JSON_CALL_START, JSON_CALL_END, _json_parse, native=False)
+#: ringlet's format is mlx-lm's json_tools one; its parser reads the calls
+JSON_FORMAT = ToolFormat(JSON_CALL_START, JSON_CALL_END, json_tools.parse_tool_call, native=False)
 
 
 def native_format(tokenizer) -> ToolFormat | None:
@@ -62,7 +61,6 @@ def native_format(tokenizer) -> ToolFormat | None:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tools" not in template:
         return None
-    name = None
     if getattr(tokenizer, "tool_parser", None) is not None and getattr(tokenizer, "tool_call_start", None):
         return ToolFormat(tokenizer.tool_call_start, tokenizer.tool_call_end or "", tokenizer.tool_parser, True)
     try:  # a tokenizer built from a GGUF file: infer the parser as mlx-lm's loader does
