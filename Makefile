@@ -45,8 +45,12 @@ system-deps:
 	  else echo "note: missing$$missing (the tests that need them will skip)"; fi; \
 	fi
 
+# The parallel phase runs 2 pytest workers: each worker's processes (daemons, in-process
+# MLX) get BLAS threads for half the cores (RINGLET_THREADS), as `--threads` would; left to
+# count the ringlet processes, a lone daemon of one worker would take every core.
+HALF_CORES := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 3 ? n / 2 : 1 )))
 test: install system-deps lint
-	$(PY) -m pytest -q --durations=20 -n 2 --dist loadfile -m "not serial" tests
+	RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q --durations=20 -n 2 --dist loadfile -m "not serial" tests
 	$(PY) -m pytest -q --durations=20 -m serial tests
 
 demo: install

@@ -328,17 +328,40 @@ def stage_weights(
 ):
     """Yield ``(mlx parameter prefix, {"weight"[, "scales", "biases", "_bits"]})`` for every
     tensor of the stage except those named in ``skip``, reading each from disk only
-    when reached."""
-    n_head = model.config["num_attention_heads"]
-    n_kv = model.config["num_key_value_heads"]
+    when reached. Dequantized weights (``dtype`` set) come from the machine's
+    :mod:`~ringlet.daemon.engine.dequant_cache` when it has them, and are added to it
+    when it has not."""
+    from ringlet.daemon.engine.dequant_cache import DequantCache, group_of
+
+    cache = DequantCache.open(model.path, dtype)
+    groups: dict[str, list[str]] = {}
     for name in stage_tensor_names(model, start, end, first, last):
-        if name in skip:
+        if name not in skip:
+            groups.setdefault(group_of(name), []).append(name)
+    for group, names in groups.items():
+        cached = cache.load(group, names) if cache is not None else None
+        if cached is not None:
+            for name in names:
+                yield mlx_name(name), {"weight": cached[name]}
             continue
-        arrays = load_tensor(model, name, dtype)
-        if name.endswith("attn_q.weight") or name.endswith("attn_k.weight"):
-            heads = n_head if "attn_q" in name else n_kv
-            arrays = {k: (_unpermute(v, heads) if k != "_bits" else v) for k, v in arrays.items()}
-        yield mlx_name(name), arrays
+        made: dict[str, mx.array] = {}
+        for name in names:
+            arrays = _stage_tensor(model, name, dtype)
+            if cache is not None:
+                mx.eval(arrays["weight"])
+                made[name] = arrays["weight"]
+            yield mlx_name(name), arrays
+        if cache is not None:
+            cache.store(group, made)
+
+
+def _stage_tensor(model: GGUFModel, name: str, dtype: mx.Dtype | None) -> dict[str, mx.array]:
+    """One tensor as the stage loads it: :func:`load_tensor`, with llama's q/k rows un-permuted."""
+    arrays = load_tensor(model, name, dtype)
+    if name.endswith("attn_q.weight") or name.endswith("attn_k.weight"):
+        heads = model.config["num_attention_heads"] if "attn_q" in name else model.config["num_key_value_heads"]
+        arrays = {k: (_unpermute(v, heads) if k != "_bits" else v) for k, v in arrays.items()}
+    return arrays
 
 
 def tokenizer_dict(model: GGUFModel) -> tuple[dict, dict]:

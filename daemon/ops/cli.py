@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
 
         blas.load(getattr(args, "threads", None))
     try:
+        if getattr(args, "weights_cache_bytes", None) is not None:
+            from ringlet.daemon.engine import dequant_cache
+            from ringlet.daemon.ops.run_options import parse_size
+
+            dequant_cache.configure(parse_size(args.weights_cache_bytes, "--weights-cache-bytes", allow_zero=True))
         if args.command == "run":
             from ringlet.daemon.ops.runner import serve
 

@@ -12,6 +12,7 @@ import argparse
 
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import CHOICES as DTYPE_CHOICES
+from ringlet.daemon.errors import RingletError
 from ringlet.daemon.ops.secret import add_run_arguments, positive_int
 
 DEFAULT_GRPC_PORT = 7100
@@ -22,6 +23,29 @@ DEFAULT_API_PORT = 8000
 DRAIN_TIMEOUT_S = 20.0
 
 
+def parse_size(text: str | None, option: str = "--memory-limit", allow_zero: bool = False) -> int | None:
+    """``"4GB"``, ``"512MiB"``, ``"1e9"`` -> bytes (``None`` for ``None``).
+
+    Raises:
+        RingletError: not a size, or not positive (zero too, unless ``allow_zero``);
+            the message names ``option``.
+    """
+    if text is None:
+        return None
+    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise RingletError(f"{option}: {text!r} is not a size (e.g. 8GB, 512MiB)") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise RingletError(f"{option} must be positive" + (" or 0" if allow_zero else ""))
+    return int(value)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype`` and ``--threads``, shared by ``run``, ``generate`` and ``demo``."""
     p.add_argument("--model", default=None,
@@ -30,7 +54,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights' precision: auto (default: float32 on a CPU when the model fits that way, "
                         "else the model's own), native (the model's own), float32, float16, bfloat16")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="BLAS threads of this process (default: the cores / the ringlet processes on this machine)")
+                   help="BLAS threads of this process (default: $RINGLET_THREADS, else the cores / the ringlet "
+                        "processes on this machine)")
+    p.add_argument("--weights-cache-bytes", default=None, metavar="SIZE",
+                   help="disk budget of the machine's cache of dequantized weights (default 32GB, at most a "
+                        "quarter of the free space; 0 turns it off)")
 
 
 def add_global_options(parser: argparse.ArgumentParser) -> None:

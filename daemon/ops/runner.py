@@ -30,7 +30,7 @@ from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
 from ringlet.daemon.ops.draining import DrainingServer
-from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S
+from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
 from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
@@ -39,29 +39,6 @@ from ringlet.daemon.probes.colocated import ThreadSizer
 log = logging.getLogger(__name__)
 
 LINK_REFRESH_S = 30.0
-
-
-def parse_size(text: str | None, option: str = "--memory-limit", allow_zero: bool = False) -> int | None:
-    """``"4GB"``, ``"512MiB"``, ``"1e9"`` -> bytes (``None`` for ``None``).
-
-    Raises:
-        RingletError: not a size, or not positive (zero too, unless ``allow_zero``);
-            the message names ``option``.
-    """
-    if text is None:
-        return None
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
-             "GIB": 2**30, "TIB": 2**40}
-    t = text.strip().upper().replace(" ", "")
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
-    try:
-        value = float(num) * units[unit]
-    except (ValueError, KeyError):
-        raise RingletError(f"{option}: {text!r} is not a size (e.g. 8GB, 512MiB)") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise RingletError(f"{option} must be positive" + (" or 0" if allow_zero else ""))
-    return int(value)
 
 
 def build_config(args) -> tuple[NodeConfig, int]:

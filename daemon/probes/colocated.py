@@ -3,7 +3,8 @@
 Several daemons (and tensor ranks) on one machine must not oversubscribe its cores:
 each sizes its BLAS threads to ``cores / processes`` (:func:`ringlet.daemon.probes.blas.default_threads`)
 and keeps them so as others come and go (:class:`ThreadSizer`), unless given a fixed
-count (``--threads``; ``RINGLET_THREADS`` for the tensor ranks a daemon starts).
+count (``--threads``, else ``$RINGLET_THREADS``, which also carries it to the tensor ranks a
+daemon starts).
 They find each other through a machine-wide directory (``<machine cache>/procs``): each
 registers a file named by its pid while it runs; a file whose pid is gone is stale and
 removed by the next count. Network namespaces share the file system and the cores, so
@@ -80,7 +81,8 @@ def count(directory: Path) -> int:
 
 class ThreadSizer:
     """Registers this process in ``directory`` and, every ``period_s`` on a daemon thread,
-    sets its BLAS threads to ``fixed`` or to its share of the cores.
+    sets its BLAS threads to ``fixed`` (default: ``$RINGLET_THREADS`` when set) or to its
+    share of the cores.
 
     ``fixed`` is also exported as ``RINGLET_THREADS`` so that the processes this one starts
     (tensor ranks) keep it. :meth:`stop` unregisters. Never raises once started.
@@ -88,7 +90,8 @@ class ThreadSizer:
 
     def __init__(self, directory: Path, fixed: int | None = None, period_s: float = 2.0, kind: str = "daemon"):
         self.directory = Path(directory)
-        self.fixed = fixed
+        env = os.environ.get(blas.THREADS_ENV, "")
+        self.fixed = fixed if fixed is not None else (int(env) if env.isdigit() and int(env) > 0 else None)
         self.period_s = period_s
         self.kind = kind
         self.threads: int | None = None

@@ -146,6 +146,19 @@ def test_co_located_processes_share_the_cores(tmp_path):
     assert list(procs.iterdir()) == []
 
 
+def test_ringlet_threads_fixes_the_count_and_threads_beats_it(tmp_path, monkeypatch):
+    """``$RINGLET_THREADS`` is the count of a process given no ``--threads`` (the test
+    suite's 2 workers on 2 cores run 1 each); ``--threads`` wins over it; without either
+    the count follows the co-located processes."""
+    from ringlet.daemon.probes import colocated
+
+    monkeypatch.setenv("RINGLET_THREADS", "1")
+    assert colocated.ThreadSizer(tmp_path / "procs").fixed == 1
+    assert colocated.ThreadSizer(tmp_path / "procs", fixed=3).fixed == 3
+    monkeypatch.delenv("RINGLET_THREADS")
+    assert colocated.ThreadSizer(tmp_path / "procs").fixed is None
+
+
 @pytest.mark.parametrize("module", ["ringlet.daemon.tensor.worker", "ringlet.daemon.ops.cli"])
 def test_the_entry_points_import_no_mlx_before_they_load_the_blas(module):
     """A process binds MLX's matmuls to a BLAS when ``mlx.core`` is first imported: a

@@ -1,0 +1,155 @@
+"""A machine-wide cache of dequantized GGUF weights, one safetensors file per layer.
+
+On a CPU, ``--dtype auto`` runs a quantized GGUF model dequantized to float32 (MLX's
+CPU quantized matmul uses no BLAS). Dequantizing costs far more than reading: for the
+bundled SmolLM2-135M (Q4_1, 98 MB -> 538 MB of float32) 2.5 s of CPU, against 0.17 s
+to read the same float32 weights back from a safetensors file (measured on this
+machine). Every daemon start, every re-shard that gains layers, and every tensor rank
+pays it. So the result is kept:
+
+- in the machine cache (:func:`ringlet.daemon.paths.machine_cache_dir`), under
+  ``dequant/<key>/<dtype>/``, where ``key`` names the GGUF file by absolute path, size
+  and modification time (an edited or replaced file misses, as for the GGUF index);
+- one file per group of tensors: ``blk.N`` (a layer's tensors) or a global tensor
+  (``token_embd``, ``output_norm``, ``output``), so a stage of any layer range reads
+  only its own groups;
+- in the layout the stage loads (q/k rows un-permuted, cast to the dtype), so a hit is
+  only a read;
+- within a byte budget (``--weights-cache-bytes``, default :data:`DEFAULT_BUDGET_BYTES`,
+  never more than a quarter of the filesystem's free space; ``0`` turns it off). The
+  least recently used files go first; a hit marks its file used.
+
+A file that cannot be read, or whose tensors are not the ones asked for, is ignored
+and written again. Failing to write is never an error: the weights are in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+#: The environment variable the budget is passed in (so tensor ranks, which a daemon
+#: starts, use the daemon's ``--weights-cache-bytes``).
+ENV = "RINGLET_WEIGHTS_CACHE_BYTES"
+#: Default budget, bytes: the float32 weights of a stage of a ~8B-parameter model.
+DEFAULT_BUDGET_BYTES = 32 * 10**9
+FORMAT = 1
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+def configure(budget_bytes: int | None) -> None:
+    """Set this process's budget, bytes (``None``: keep the default), inherited by the
+    processes it starts."""
+    if budget_bytes is not None:
+        os.environ[ENV] = str(int(budget_bytes))
+
+
+def budget_bytes() -> int:
+    """The budget in force, bytes: ``$RINGLET_WEIGHTS_CACHE_BYTES``, else the default."""
+    text = os.environ.get(ENV, "")
+    return int(text) if text.isdigit() else DEFAULT_BUDGET_BYTES
+
+
+def group_of(gguf_name: str) -> str:
+    """The cache file a GGUF tensor belongs to: ``blk.N`` for a layer's, else its own name
+    without ``.weight``."""
+    if gguf_name.startswith("blk."):
+        return ".".join(gguf_name.split(".")[:2])
+    return gguf_name.removesuffix(".weight")
+
+
+class DequantCache:
+    """The cached groups of one GGUF file in one dtype.
+
+    Args:
+        gguf_path: the model file (its path, size and mtime key the cache).
+        dtype: the dtype the weights are dequantized to.
+        root: the cache folder (default: ``<machine cache>/dequant``).
+    """
+
+    def __init__(self, gguf_path: Path, dtype: mx.Dtype, root: Path | None = None):
+        from ringlet.daemon.engine.gguf_index import cache_file
+
+        self.root = root if root is not None else cache_file(gguf_path, "dequant", suffix="").parent
+        key = cache_file(gguf_path, "dequant", suffix="").name
+        self.folder = self.root / key / f"v{FORMAT}-{_DTYPE_NAMES[dtype]}"
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def open(gguf_path: Path, dtype: mx.Dtype | None) -> DequantCache | None:
+        """The cache for this file and dtype, or ``None`` when weights stay quantized
+        (``dtype is None``), the dtype is not a float one, or the budget is 0."""
+        if dtype not in _DTYPE_NAMES or budget_bytes() <= 0:
+            return None
+        return DequantCache(gguf_path, dtype)
+
+    def _file(self, group: str) -> Path:
+        return self.folder / f"{group}.safetensors"
+
+    def load(self, group: str, names: Iterable[str]) -> dict[str, mx.array] | None:
+        """The group's arrays by GGUF tensor name, or ``None`` when it is not cached, cannot
+        be read, or does not hold exactly ``names``."""
+        path = self._file(group)
+        try:
+            arrays = mx.load(str(path))
+        except Exception:  # missing, cut short or corrupt: dequantize again
+            self.misses += 1
+            return None
+        if set(arrays) != set(names):
+            self.misses += 1
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: evicted last
+        self.hits += 1
+        return arrays
+
+    def store(self, group: str, arrays: dict[str, mx.array]) -> None:
+        """Save a group (atomically), then evict the least recently used files beyond the
+        budget. Never raises: a cache that cannot be written is only slower."""
+        from ringlet.daemon.paths import write_atomically
+
+        size = sum(a.nbytes for a in arrays.values())
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            limit = min(budget_bytes(), shutil.disk_usage(self.folder).free // 4)
+        except OSError:
+            return
+        if size > limit:
+            return
+
+        def write(tmp: str) -> None:
+            mx.save_safetensors(tmp, arrays, metadata={"format": str(FORMAT)})
+            # mx.save_safetensors appends the suffix when it is missing
+            if not tmp.endswith(".safetensors") and os.path.exists(tmp + ".safetensors"):
+                os.replace(tmp + ".safetensors", tmp)
+
+        error = write_atomically(self._file(group), write)
+        if error is not None:
+            log.debug("cannot cache dequantized weights %s: %s", group, error)
+            return
+        self._evict(limit)
+
+    def _evict(self, limit: int) -> None:
+        """Delete the least recently used files of every cached model until the cache
+        holds at most ``limit`` bytes."""
+        files = []
+        for path in self.root.glob("*/*/*.safetensors"):
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                files.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= limit:
+                break
+            with contextlib.suppress(OSError):
+                path.unlink()
+                total -= size
