@@ -88,14 +88,15 @@ def _extensions() -> list:
 
 def _generate(args) -> int:
     from ringlet.daemon.engine.model_info import load_tokenizer, model_info
-    from ringlet.daemon.engine.sampling import SamplingParams
     from ringlet.daemon.engine.sources import resolve
+
+    location = resolve(args.model)  # before the engine's imports (seconds): a bad model fails at once
+    info = model_info(location)
+    from ringlet.daemon.engine.sampling import SamplingParams
     from ringlet.daemon.node import Node, NodeConfig
     from ringlet.daemon.ops.runner import node_dtype
     from ringlet.daemon.wire.serving_plan import StageSpec
 
-    location = resolve(args.model)
-    info = model_info(location)
     choice = node_dtype(args, location)
     tokenizer = load_tokenizer(location)
     if args.chat:

@@ -17,9 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import uvicorn
-
-from ringlet.daemon.api.app import create_app
 from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
@@ -29,7 +26,6 @@ from ringlet.daemon.engine.model_info import load_tokenizer, model_info
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
-from ringlet.daemon.ops.draining import DrainingServer
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
@@ -405,9 +401,15 @@ async def serve(args) -> int:
     threads = ThreadSizer(machine_cache_dir() / PROCS_DIR, getattr(args, "threads", None)).start()
     stop_cluster = None
     # Import what the worker threads import, here, once: two threads importing
-    # mlx_lm at the same time can deadlock on the import lock.
+    # mlx_lm at the same time can deadlock on the import lock. The API stack (mlx-lm,
+    # transformers, FastAPI: seconds) is imported only now, once the options, the plan
+    # and the model have been checked, so a bad command line fails at once.
     import mlx_lm.models.cache  # noqa: F401
     import mlx_lm.tokenizer_utils  # noqa: F401
+    import uvicorn
+
+    from ringlet.daemon.api.app import create_app
+    from ringlet.daemon.ops.draining import DrainingServer
     if config.plan is not None:
         # The tokenizer first, so the memory figure taken before the stage loads
         # (node.memory["first_load"]["rss_before_bytes"]) is that of a daemon holding no weights.
