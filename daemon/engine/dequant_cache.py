@@ -72,17 +72,14 @@ class DequantCache:
     Args:
         gguf_path: the model file (its path, size and mtime key the cache).
         dtype: the dtype the weights are dequantized to.
-        root: the cache folder (default: ``<machine cache>/dequant``).
     """
 
-    def __init__(self, gguf_path: Path, dtype: mx.Dtype, root: Path | None = None):
+    def __init__(self, gguf_path: Path, dtype: mx.Dtype):
         from ringlet.daemon.engine.gguf_index import cache_file
 
-        self.root = root if root is not None else cache_file(gguf_path, "dequant", suffix="").parent
-        key = cache_file(gguf_path, "dequant", suffix="").name
-        self.folder = self.root / key / f"v{FORMAT}-{_DTYPE_NAMES[dtype]}"
-        self.hits = 0
-        self.misses = 0
+        entry = cache_file(gguf_path, "dequant", suffix="")
+        self.root = entry.parent
+        self.folder = entry / f"v{FORMAT}-{_DTYPE_NAMES[dtype]}"
 
     @staticmethod
     def open(gguf_path: Path, dtype: mx.Dtype | None) -> DequantCache | None:
@@ -96,24 +93,22 @@ class DequantCache:
         return self.folder / f"{group}.safetensors"
 
     def load(self, group: str, names: Iterable[str]) -> dict[str, mx.array] | None:
-        """The group's arrays by GGUF tensor name, or ``None`` when it is not cached, cannot
-        be read, or does not hold exactly ``names``."""
+        """The arrays of ``names`` (GGUF tensor names) from the group's file, or ``None``
+        when it is not cached, cannot be read, or lacks one of them."""
         path = self._file(group)
         try:
             arrays = mx.load(str(path))
         except Exception:  # missing, cut short or corrupt: dequantize again
-            self.misses += 1
             return None
-        if set(arrays) != set(names):
-            self.misses += 1
+        wanted = list(names)
+        if not set(wanted) <= set(arrays):
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: evicted last
-        self.hits += 1
-        return arrays
+        return {name: arrays[name] for name in wanted}
 
     def store(self, group: str, arrays: dict[str, mx.array]) -> None:
-        """Save a group (atomically), then evict the least recently used files beyond the
+        """Save a whole group (atomically), then evict the least recently used files beyond the
         budget. Never raises: a cache that cannot be written is only slower."""
         from ringlet.daemon.paths import write_atomically
 

@@ -335,23 +335,30 @@ def stage_weights(
 
     cache = DequantCache.open(model.path, dtype)
     groups: dict[str, list[str]] = {}
+    whole: dict[str, bool] = {}  # no tensor of the group skipped: it may be written to the cache
     for name in stage_tensor_names(model, start, end, first, last):
+        group = group_of(name)
+        groups.setdefault(group, [])
+        whole[group] = whole.get(group, True) and name not in skip
         if name not in skip:
-            groups.setdefault(group_of(name), []).append(name)
+            groups[group].append(name)
     for group, names in groups.items():
+        if not names:
+            continue
         cached = cache.load(group, names) if cache is not None else None
         if cached is not None:
             for name in names:
                 yield mlx_name(name), {"weight": cached[name]}
             continue
+        keep = cache is not None and whole[group]
         made: dict[str, mx.array] = {}
         for name in names:
             arrays = _stage_tensor(model, name, dtype)
-            if cache is not None:
+            if keep:
                 mx.eval(arrays["weight"])
                 made[name] = arrays["weight"]
             yield mlx_name(name), arrays
-        if cache is not None:
+        if keep:
             cache.store(group, made)
 
 
