@@ -89,6 +89,14 @@ class DequantCache:
             return None
         return DequantCache(gguf_path, dtype)
 
+    def held(self) -> dict[str, int]:
+        """The groups cached for this file and dtype, with their files' sizes, bytes."""
+        held = {}
+        for path in self.folder.glob("*.safetensors"):
+            with contextlib.suppress(OSError):
+                held[path.name.removesuffix(".safetensors")] = path.stat().st_size
+        return held
+
     def _file(self, group: str) -> Path:
         return self.folder / f"{group}.safetensors"
 

@@ -233,15 +233,28 @@ def test_options_default_to_the_service_configuration(tmp_path, monkeypatch):
 def test_blas_and_dtype_are_reported_with_the_fix_on_the_slow_path(tmp_path):
     """The BLAS and dtype checks on this machine: the system OpenBLAS (installed by make
     install) is OK; RINGLET_BLAS pointing at a missing file is the slow path, a WARN whose
-    fix names the package. --dtype auto on this CPU loads the bundled Q4 model as float32."""
+    fix names the package. --dtype auto on this CPU loads the bundled Q4 model as float32,
+    and after one ``ringlet generate`` the dequantized-weights cache holds all of its layer
+    files: 30 layers + the embedding + the final norm (the head is tied) = 32."""
     import ctypes.util
 
     env = dict(os.environ, HOME=str(tmp_path))
+    env.pop("XDG_CACHE_HOME", None)  # this HOME's machine cache: empty before the generate
+    env.pop("RINGLET_WEIGHTS_CACHE_BYTES", None)
+    gen = subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "generate", "--max-tokens", "1", "Hi"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert gen.returncode == 0, gen.stderr
     good = json.loads(subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "doctor", "--json"],
                                      capture_output=True, text=True, timeout=180, env=env).stdout)
     checks = {c["name"]: c for c in good["checks"]}
     dtype = checks["dtype"]
     assert dtype["status"] == OK and dtype["details"]["loaded"] == "float32" and "auto" in dtype["summary"]
+    cache = dtype["details"]["weights_cache"]
+    assert (cache["files"], cache["of"]) == (32, 32), cache
+    assert cache["path"].startswith(str(tmp_path / ".cache" / "ringlet" / "dequant")) and cache["path"] in \
+        dtype["summary"].replace("\n", "")
+    # by hand: 30 x 3,540,096 + 49,152 x 576 + 576 = 134,515,008 float32 weights, plus 32 small headers
+    assert 538_060_032 <= cache["bytes"] < 538_060_032 + 32 * 64 * 1024, cache
     if ctypes.util.find_library("openblas"):
         assert checks["blas"]["status"] == OK and "openblas" in checks["blas"]["summary"].lower()
         assert checks["blas"]["details"]["library"] in checks["blas"]["details"]["mapped"]

@@ -39,5 +39,30 @@ def check_dtype(ctx: Context) -> Check:
         return Check("dtype", WARN, f"--dtype auto keeps {location.name} quantized: {choice.reason}",
                      "give this node more memory (or fewer layers: more nodes), or run on Metal",
                      details=choice.to_dict())
-    return Check("dtype", OK, f"--dtype auto loads {location.name} as {choice.loaded}: {choice.reason}",
-                 details=choice.to_dict())
+    details = choice.to_dict()
+    summary = f"--dtype auto loads {location.name} as {choice.loaded}: {choice.reason}"
+    cache = _weights_cache(location, choice.dtype)
+    if cache is not None:
+        details["weights_cache"] = cache
+        summary += (f"; {cache['files']} of its {cache['of']} layer files are in the dequantized-weights cache "
+                    f"({cache['path']})")
+    return Check("dtype", OK, summary, details=details)
+
+
+def _weights_cache(location, dtype: str | None) -> dict | None:
+    """What the machine's dequantized-weights cache holds of a GGUF model in ``dtype``:
+    files held, of how many, bytes, the budget; ``None`` when nothing would be cached."""
+    import mlx.core as mx
+
+    from ringlet.daemon.engine import dequant_cache
+    from ringlet.daemon.engine.gguf import open_gguf
+
+    if location.kind != "gguf" or dtype is None:
+        return None
+    cache = dequant_cache.DequantCache.open(location.path, getattr(mx, dtype))
+    if cache is None:
+        return None
+    held = cache.held()
+    groups = {dequant_cache.group_of(name) for name in open_gguf(location.path).tensors}
+    return {"path": str(cache.folder), "files": len(held.keys() & groups), "of": len(groups),
+            "bytes": sum(held.values()), "budget_bytes": dequant_cache.budget_bytes()}
