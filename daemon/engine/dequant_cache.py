@@ -2,9 +2,9 @@
 
 On a CPU, ``--dtype auto`` runs a quantized GGUF model dequantized to float32 (MLX's
 CPU quantized matmul uses no BLAS). Dequantizing costs far more than reading: for the
-bundled SmolLM2-135M (Q4_1, 98 MB -> 538 MB of float32) 2.5 s of CPU, against 0.17 s
-to read the same float32 weights back from a safetensors file (measured on this
-machine). Every daemon start, every re-shard that gains layers, and every tensor rank
+bundled SmolLM2-135M (Q4_1, 98 MB -> 538 MB of float32) a whole stage loads in 1.77 s of
+CPU, against 0.66 s with the float32 weights read back from safetensors files
+(``bench/bench_load.py`` on this machine). Every daemon start, every re-shard that gains layers, and every tensor rank
 pays it. So the result is kept:
 
 - in the machine cache (:func:`ringlet.daemon.paths.machine_cache_dir`), under
@@ -19,8 +19,8 @@ pays it. So the result is kept:
   never more than a quarter of the filesystem's free space; ``0`` turns it off). The
   least recently used files go first; a hit marks its file used.
 
-A file that cannot be read, or whose tensors are not the ones asked for, is ignored
-and written again. Failing to write is never an error: the weights are in memory.
+A file that cannot be read, or that lacks a tensor asked for, is ignored and written
+again. Failing to write is never an error: the weights are in memory.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ ENV = "RINGLET_WEIGHTS_CACHE_BYTES"
 #: Default budget, bytes: the float32 weights of a stage of a ~8B-parameter model.
 DEFAULT_BUDGET_BYTES = 32 * 10**9
 FORMAT = 1
+#: Folder names of the float dtypes (the inverse of :data:`ringlet.daemon.engine.stage.DTYPES`,
+#: which this module, imported by the GGUF reader that ``stage`` imports, cannot import).
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 

@@ -52,14 +52,13 @@ def check_dtype(ctx: Context) -> Check:
 def _weights_cache(location, dtype: str | None) -> dict | None:
     """What the machine's dequantized-weights cache holds of a GGUF model in ``dtype``:
     files held, of how many, bytes, the budget; ``None`` when nothing would be cached."""
-    import mlx.core as mx
-
     from ringlet.daemon.engine import dequant_cache
     from ringlet.daemon.engine.gguf import open_gguf
+    from ringlet.daemon.engine.stage import DTYPES
 
     if location.kind != "gguf" or dtype is None:
         return None
-    cache = dequant_cache.DequantCache.open(location.path, getattr(mx, dtype))
+    cache = dequant_cache.DequantCache.open(location.path, DTYPES[dtype])
     if cache is None:
         return None
     held = cache.held()
