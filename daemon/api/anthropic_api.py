@@ -109,7 +109,7 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
     async def messages(body: MessagesRequest, request: Request):
         scope = app.state.cache_scope(request)
         try:
-            prepared = pipeline.admit(body.model, body.request, scope)
+            prepared = await pipeline.admit(body.model, body.request, scope)
         except ApiError as exc:  # the internal name of output_config.format
             if exc.param == "response_format":
                 exc.message, exc.param = exc.message.replace("response_format", "output_config.format"), \
@@ -129,7 +129,9 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         pipeline.check_model(body.model)
-        ids, _ = pipeline.prompt_ids(body.internal())
+        request = body.internal()
+        await pipeline.ready()
+        ids, _ = pipeline.prompt_ids(request)
         return {"input_tokens": len(ids)}
 
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from ringlet.daemon.api import anthropic_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.pipeline import Pipeline
+from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire.limits import ApiLimits, install
 
@@ -58,13 +59,13 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
     return f"invalid request: {loc or 'body'}: {first.get('msg', 'malformed body')}", loc
 
 
-def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
+def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_tokens: int,
                limits: ApiLimits | None = None) -> FastAPI:
     """Build the FastAPI app for a node.
 
     Args:
         node: the serving node.
-        tokenizer: the model's mlx-lm ``TokenizerWrapper``.
+        tokenizer: the model's mlx-lm ``TokenizerWrapper``, built on first use.
         model_name: the id reported by ``/v1/models`` and in responses.
         context_tokens: the model's context length; prompts longer than it are rejected
             and ``max_tokens`` is clamped to what remains.
@@ -122,7 +123,8 @@ def create_app(node: Node, tokenizer, model_name: str, context_tokens: int,
     if getattr(node, "engine", None) is not None:  # the last stage applies grammars with the model's tokenizer
         from ringlet.daemon.engine.grammar import ll_tokenizer
 
-        node.engine.grammar_tokenizer = lambda width: ll_tokenizer(tokenizer._tokenizer, width)
+        # on the MLX worker thread: the first grammar on a node that took no request yet builds it
+        node.engine.grammar_tokenizer = lambda width: ll_tokenizer(tokenizer.get_blocking()._tokenizer, width)
     openai_api.register(app, pipeline)
     responses_api.register(app, pipeline)
     anthropic_api.register(app, pipeline)

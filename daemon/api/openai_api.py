@@ -70,7 +70,7 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
     """Add the two endpoints to ``app``."""
 
     async def respond(kind: str, body: ChatRequest | CompletionRequest, request: Request, scope: str):
-        prepared = pipeline.admit(body.model, body.internal, scope)
+        prepared = await pipeline.admit(body.model, body.internal, scope)
         internal = prepared.request
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())

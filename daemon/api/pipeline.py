@@ -30,6 +30,7 @@ from ringlet.daemon.api.request import (
     Usage,
 )
 from ringlet.daemon.api.text import TextSplitter, whole_characters
+from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire.limits import ApiLimits
@@ -52,16 +53,31 @@ class Pipeline:
 
     Args:
         node: the serving node.
-        tokenizer: the model's mlx-lm ``TokenizerWrapper``.
+        tokenizer: the model's mlx-lm ``TokenizerWrapper``, built on first use
+            (:meth:`admit` and :meth:`ready` wait for it; the other methods need it built).
         model_name: the served model's id (requests naming another get a 404).
         context_tokens: the model's context length, tokens.
         limits: the API's limits (prompt and completion caps).
     """
 
-    def __init__(self, node: Node, tokenizer, model_name: str, context_tokens: int, limits: ApiLimits):
-        self.node, self.tokenizer, self.model_name = node, tokenizer, model_name
+    def __init__(self, node: Node, tokenizer: LazyTokenizer, model_name: str, context_tokens: int,
+                 limits: ApiLimits):
+        self.node, self.tokens, self.model_name = node, tokenizer, model_name
         self.context_tokens, self.limits = context_tokens, limits
-        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+
+    async def ready(self) -> None:
+        """Wait until the tokenizer is built (at once after the first request)."""
+        await self.tokens.get()
+
+    @property
+    def tokenizer(self):
+        """The model's mlx-lm ``TokenizerWrapper`` (built: see :meth:`ready`)."""
+        return self.tokens.value
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a completion."""
+        return frozenset(self.tokenizer.eos_token_ids)
 
     # --- checking -----------------------------------------------------------------------
 
@@ -99,10 +115,10 @@ class Pipeline:
         room = self.context_tokens - prompt_len
         return self.limits.clamp_completion(min(wanted or room, room))
 
-    def admit(self, model: str | None, convert: Callable[[], GenerationRequest], scope: str) -> Prepared:
+    async def admit(self, model: str | None, convert: Callable[[], GenerationRequest], scope: str) -> Prepared:
         """An adapter's request, checked and prepared: ``model`` must be the one served,
         ``convert()`` builds the internal request, which runs under the prefix-cache
-        ``scope``.
+        ``scope``. The node's first request waits here for the tokenizer.
 
         Raises:
             ApiError: another model (404), or a field that cannot be honoured (400).
@@ -110,6 +126,7 @@ class Pipeline:
         self.check_model(model)
         request = convert()
         request.cache_scope = scope
+        await self.ready()
         return self.prepare(request)
 
     def prepare(self, request: GenerationRequest) -> Prepared:

@@ -188,7 +188,7 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        prepared = pipeline.admit(body.model, body.internal, app.state.cache_scope(request))
+        prepared = await pipeline.admit(body.model, body.internal, app.state.cache_scope(request))
         internal, scope = prepared.request, prepared.request.cache_scope
         head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()),
                 "model": pipeline.model_name}

@@ -31,6 +31,7 @@ bit for bit the weights that transformers' GGUF loader produces.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import re
 from dataclasses import dataclass, field
@@ -152,6 +153,19 @@ def open_gguf(path: Path) -> GGUFModel:
     }
     model = GGUFModel(path=path, config=config, metadata=meta, tensors=tensors)
     return model
+
+
+def model_classes(config: dict) -> tuple[type, type]:
+    """mlx-lm's ``(Model, ModelArgs)`` classes for a config :func:`open_gguf` derived.
+
+    Its ``model_type`` is always the name of an mlx-lm model module (``llama``; see
+    :data:`SUPPORTED_ARCHITECTURES`), which mlx-lm does not remap, so the module is
+    imported directly rather than through ``mlx_lm.utils._get_classes``: importing
+    ``mlx_lm.utils`` imports transformers (about 1 s of CPU), which a process that
+    never tokenizes (a tensor rank, a stage serving no API call) need not pay.
+    """
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return module.Model, module.ModelArgs
 
 
 def _parse(path: Path) -> tuple[dict, dict[str, TensorInfo]]:

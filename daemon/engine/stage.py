@@ -287,7 +287,7 @@ def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple
     if location.kind == "gguf":
         g = gguf_source.open_gguf(location.path)
         config = dict(g.config)
-        model_class, args_class = _model_classes(config)
+        model_class, args_class = gguf_source.model_classes(config)
         model = model_class(args_class.from_dict(config))
         bits = {}
         for name, tensor in g.tensors.items():
@@ -380,7 +380,7 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stag
                      progress: Callable[[int, int], None] | None = None) -> Stage:
     g = gguf_source.open_gguf(path)
     config = dict(g.config)
-    model_class, args_class = _model_classes(config)
+    model_class, args_class = gguf_source.model_classes(config)
     model = model_class(args_class.from_dict(config))
     num_layers = len(model.layers)
     end = num_layers if end is None else end

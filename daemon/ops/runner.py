@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import socket
@@ -397,31 +398,25 @@ async def serve(args) -> int:
         await _bootstrap_fetch(args)
     config, context = build_config(args)
     node = Node(config)
-    loop = asyncio.get_running_loop()
     threads = ThreadSizer(machine_cache_dir() / PROCS_DIR, getattr(args, "threads", None)).start()
     stop_cluster = None
     # Import what the worker threads import, here, once: two threads importing
-    # mlx_lm at the same time can deadlock on the import lock. The API stack (mlx-lm,
-    # transformers, FastAPI: seconds) is imported only now, once the options, the plan
-    # and the model have been checked, so a bad command line fails at once.
+    # mlx_lm at the same time can deadlock on the import lock. The API stack (FastAPI,
+    # uvicorn) is imported only now, once the options, the plan and the model have been
+    # checked, so a bad command line fails at once. The tokenizer (transformers) is built
+    # on the first API request that needs it (api/tokenizer.py).
     import mlx_lm.models.cache  # noqa: F401
-    import mlx_lm.tokenizer_utils  # noqa: F401
+    if config.model.kind != "gguf":  # its stage loads import mlx_lm.utils (and with it transformers)
+        import mlx_lm.utils  # noqa: F401
     import uvicorn
 
     from ringlet.daemon.api.app import create_app
+    from ringlet.daemon.api.tokenizer import LazyTokenizer
     from ringlet.daemon.ops.draining import DrainingServer
-    if config.plan is not None:
-        # The tokenizer first, so the memory figure taken before the stage loads
-        # (node.memory["first_load"]["rss_before_bytes"]) is that of a daemon holding no weights.
-        tokenizer = await loop.run_in_executor(None, load_tokenizer, config.model)
-        await node.start()
-    else:
-        # Join the cluster first (peers see this node within a second) and build the
-        # tokenizer (seconds, for a large vocabulary) meanwhile.
-        tokenizing = loop.run_in_executor(None, load_tokenizer, config.model)
-        await node.start()
+    await node.start()
+    if config.plan is None:
         stop_cluster = await _start_cluster(args, node, context)
-        tokenizer = await tokenizing
+    tokenizer = LazyTokenizer(functools.partial(load_tokenizer, config.model))
     app = create_app(node, tokenizer, config.model.name, context, limits=api_limits(args))
     drain_s = float(getattr(args, "drain_timeout_s", DRAIN_TIMEOUT_S))
     server = DrainingServer(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",

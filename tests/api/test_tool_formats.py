@@ -17,6 +17,7 @@ from ringlet.daemon.api import prompting
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.request import GenerationRequest, ReasoningDelta, TextDelta, Tool, ToolCall
 from ringlet.daemon.api.text import TextSplitter
+from ringlet.daemon.api.tokenizer import LazyTokenizer
 
 WEATHER = Tool("get_weather", "weather of a city", {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]})
@@ -176,12 +177,12 @@ def test_reasoning_is_split_from_the_answer_by_the_think_tokens():
     answer = "The capital is Paris."
     ids = tok.encode("\nParis is the capital of France.\n", add_special_tokens=False) + [tok.think_end_id] \
         + tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
-    pipeline = Pipeline(ScriptedRing(ids), tok, "m", 4096, ApiLimits())
-    prepared = pipeline.prepare(GenerationRequest(messages=[{"role": "user", "content": "Capital of France?"}],
-                                                  temperature=0))
-    assert prepared.thinking  # the template left a think block open
+    pipeline = Pipeline(ScriptedRing(ids), LazyTokenizer(lambda: tok), "m", 4096, ApiLimits())
 
     async def run():
+        request = GenerationRequest(messages=[{"role": "user", "content": "Capital of France?"}], temperature=0)
+        prepared = await pipeline.admit(None, lambda: request, "")
+        assert prepared.thinking  # the template left a think block open
         return [e async for e in pipeline.run(prepared)]
 
     events = asyncio.run(run())

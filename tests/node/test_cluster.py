@@ -68,6 +68,26 @@ def test_the_quantized_path_across_daemons_equals_one_process():
     assert body["choices"][0]["token_ids"] == one_process["completion_ids"]
 
 
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_a_node_builds_its_tokenizer_on_its_first_api_request():
+    """A node that took no API request has not built its tokenizer: the ``tokenizers``
+    extension (which transformers and the tokenizer load) is not mapped in the process,
+    also after /healthz, /v1/models and /v1/cluster. Its first completion builds it and
+    equals the reference."""
+    with LocalCluster(1, dtype="float32") as c:
+        pid = c.procs[0].pid
+        for path in ("/healthz", "/v1/models", "/v1/cluster"):
+            assert httpx.get(c.api_urls[0] + path, timeout=10).status_code == 200
+        assert "tokenizers.abi3" not in _maps(pid)
+        body = complete(c.api_urls[0], RAW["raw"], 8)
+        assert body["choices"][0]["token_ids"] == RAW["completion_ids"][:8]
+        assert "tokenizers.abi3" in _maps(pid)
+
+
 def test_any_node_takes_requests(cluster):
     for url in cluster.api_urls[1:]:
         body = complete(url, RAW["prompt_ids"], 8)

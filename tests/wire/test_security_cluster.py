@@ -308,9 +308,10 @@ def local_openapi() -> dict:
     from types import SimpleNamespace
 
     from ringlet.daemon.api.app import create_app
+    from ringlet.daemon.api.tokenizer import LazyTokenizer
     from ringlet.daemon.wire.limits import ApiLimits
 
-    tokenizer = SimpleNamespace(eos_token_ids=[2])
+    tokenizer = LazyTokenizer(lambda: SimpleNamespace(eos_token_ids=[2]))
     app = create_app(None, tokenizer, "smollm2-135m", 8192, limits=ApiLimits(api_key_digests=(b"k" * 32,)))
     return app.openapi()
 
