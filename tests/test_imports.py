@@ -42,7 +42,8 @@ def test_the_first_lookups_from_several_threads_all_resolve():
                 got.append(getattr(mlx_lm, name).__name__)
             except Exception as exc:
                 errors.append(repr(exc))
-        threads = [threading.Thread(target=ask, args=(n,)) for n in ["load", "generate", "convert", "stream_generate"] * 2]
+        names = ["load", "generate", "convert", "stream_generate"] * 2
+        threads = [threading.Thread(target=ask, args=(n,)) for n in names]
         for t in threads: t.start()
         for t in threads: t.join()
         print(sorted(got), errors)
