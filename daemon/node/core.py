@@ -46,7 +46,13 @@ from ringlet.daemon.engine.stage import Stage, load_stage
 from ringlet.daemon.errors import GenerationError, first_line
 from ringlet.daemon.node.config import COMMIT_WAIT_S, PREFIX_CACHE_FRACTION, NodeConfig
 from ringlet.daemon.node.head import Generation, Head
-from ringlet.daemon.node.memory import mlx_active_bytes, mlx_memory_bytes, peak_rss_bytes, warm_up_mlx
+from ringlet.daemon.node.memory import (
+    mlx_active_bytes,
+    mlx_memory_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+    warm_up_mlx,
+)
 from ringlet.daemon.node.migration import Migration
 from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
@@ -138,6 +144,7 @@ class Node(ResumingClient, Head, Relay, Migration):
         # baseline the memory figures in info() are read against.
         await asyncio.get_running_loop().run_in_executor(executor, warm_up_mlx)
         self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
+        reset_peak_rss()  # the first load's peak, not that of reading the model's metadata before it
         disk = await asyncio.get_running_loop().run_in_executor(executor, self._prefix_disk)
         self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
                                   max_batch=self.config.max_batch, prefix=PrefixStore(0, disk=disk))

@@ -7,9 +7,31 @@ import sys
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process, bytes (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process, bytes: since :func:`reset_peak_rss` where it
+    could reset it, else since the process started. Linux: ``VmHWM`` of ``/proc/self/status``
+    (kB, proc(5)); elsewhere ``ru_maxrss`` (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Make the peak RSS this process's RSS now, so that :func:`peak_rss_bytes` measures what
+    follows (a load) and not what came before (parsing a model's metadata, say). Linux 4.0
+    and later: writing ``5`` to ``/proc/self/clear_refs`` (proc(5)). Returns whether it
+    was reset (never on macOS)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def warm_up_mlx() -> None:
