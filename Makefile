@@ -51,7 +51,12 @@ system-deps:
 HALF_CORES := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 3 ? n / 2 : 1 )))
 test: install system-deps lint
 	RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q --durations=20 -n 2 --dist loadfile -m "not serial" tests
-	$(PY) -m pytest -q --durations=20 -m serial tests
+	@# the serial files: the tensor ones in one process, the others beside it (their log follows)
+	@log=$$(mktemp); $(PY) -m pytest -q -p no:cacheprovider --durations=20 -m serial --ignore=tests/tensor tests \
+	  >$$log 2>&1 & other=$$!; \
+	$(PY) -m pytest -q --durations=20 -m serial tests/tensor; tensor=$$?; \
+	wait $$other; links=$$?; echo "--- serial tests beside the tensor ones ---"; cat $$log; rm -f $$log; \
+	exit $$((tensor || links))
 
 demo: install
 	$(VENV)/bin/ringlet demo --nodes 3

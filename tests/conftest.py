@@ -53,7 +53,8 @@ def pytest_collection_modifyitems(config, items):
     """Mark the files in :data:`SERIAL` ``serial``. ``make test`` runs the unmarked files
     on 2 pytest-xdist workers (``-n 2 --dist loadfile``: each file whole on one worker,
     so its module fixtures start once and its tests run in order), then the ``serial``
-    ones alone, one after the other."""
+    ones in two pytest processes side by side: the tensor files one after the other in
+    one, the rest (which mostly wait on links, heartbeats and tmux) in the other."""
     for item in items:
         rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if rel.startswith(SERIAL):
