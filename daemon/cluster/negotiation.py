@@ -48,6 +48,7 @@ from typing import Protocol
 
 import grpc
 
+from ringlet.daemon.cluster.kv_sources import mark_rebuilds
 from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -214,7 +215,7 @@ class Negotiator:
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
-        previous = await self._serving_stages()
+        previous = mark_rebuilds(await self._serving_stages(), set(ids), self.membership.departed)
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
                                tp_json=json.dumps(mode, sort_keys=True) if mode else "", previous=previous)
@@ -398,8 +399,8 @@ class Negotiator:
                 else:
                     serving = replace(serving, tp=mode)
             reason = None
-            previous = tuple(StageSpec(address=r.grpc_address, start=r.start, end=r.end, node_id=r.node_id)
-                             for r in p.previous)
+            previous = tuple(StageSpec(address=r.grpc_address, start=r.start, end=r.end, node_id=r.node_id,
+                                       rebuild=r.rebuild, why=r.why) for r in p.previous)
             if not previous and self.node.plan is not None:  # a proposer that could not say
                 previous = self.node.plan.stages
             serving = replace(serving, previous=previous)

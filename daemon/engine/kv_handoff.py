@@ -15,8 +15,10 @@ and they are unpinned when the resumed request takes them (or at the next re-pla
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from ringlet.daemon.engine.boundary import Boundary, BoundaryStore
 from ringlet.daemon.engine.kv_pieces import Piece, assemble
 from ringlet.daemon.engine.prefix_store import PrefixStore, snapshot, storable
 
@@ -62,6 +64,25 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
     if clear:
         store.clear()
     return pieces
+
+
+def park_boundaries(requests: dict, boundaries: BoundaryStore, new_end: int | None) -> list[Boundary]:
+    """The boundary activations a stage being replaced holds (its requests in flight's,
+    then its store's), all entering its old end; the store then keeps those that still
+    enter the new stage's end ``new_end`` (``None``: none), the requests in flight's
+    among them, so that a resumed request starts recording from them."""
+    parked = [b for state in requests.values()
+              if (b := boundaries.end(state.boundary, state.scope, state.tokens, inflight=True)) is not None]
+    for state in requests.values():
+        state.boundary = None
+    parked += boundaries.entries()
+    same_end = boundaries.layer == new_end
+    boundaries.retain(new_end if new_end is not None else -1)
+    if same_end:
+        for b in parked:
+            if b.inflight:
+                boundaries.add(Boundary(b.scope, b.tokens, b.layer, b.hidden, released_at=time.monotonic()))
+    return parked
 
 
 def install(store: PrefixStore, pieces: list[Piece], start: int, end: int) -> Installed:

@@ -132,7 +132,8 @@ def assemble(pieces: list[Piece], start: int, end: int) -> list[Piece]:
             continue
         done.add(key)
         layers = [layer for p in chosen for layer in p.truncated(n).layers]
-        out.append(Piece(anchor.scope, anchor.tokens[:n], start, end, layers, anchor.inflight))
+        # a sequence in flight on any stage is a request in flight (pinned until it resumes)
+        out.append(Piece(anchor.scope, anchor.tokens[:n], start, end, layers, any(p.inflight for p in chosen)))
     return out
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 
 from ringlet.daemon.engine import kv_handoff
+from ringlet.daemon.engine.boundary import Boundary, BoundaryStore, Recording
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.sampling import GrammarTokenizer, RequestSampler, SamplingParams
@@ -103,6 +104,8 @@ class _RequestState:
     #: the ids of the tokens in ``cache`` (``None``: unknown, a sender that did not say),
     #: so that its KV can move with its layers on a re-plan
     tokens: list[int] | None = None
+    #: the hidden states this stage sent on for it (``None``: not all of them are kept)
+    boundary: Recording | None = None
 
 
 class StageEngine:
@@ -118,11 +121,13 @@ class StageEngine:
         max_batch: the most decode steps run as one forward (1 = no batching: one
             request per forward, each bit-identical to running it alone).
         prefix: the stage's prefix store (default: one with no budget, holding nothing).
+        boundaries: the hidden states a stage that is not last sent on, kept to rebuild
+            the next layers' KV if their node is lost (default: a store with no budget).
     """
 
     def __init__(self, stage: StageRange | None, executor: concurrent.futures.ThreadPoolExecutor,
                  max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefix: PrefixStore | None = None):
+                 prefix: PrefixStore | None = None, boundaries: BoundaryStore | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.stage = stage
@@ -131,6 +136,9 @@ class StageEngine:
         self.max_batch = max_batch
         # the prefix store of a layer stage (finished requests' KV, by token ids)
         self._prefix = prefix if prefix is not None else PrefixStore(0)
+        self.boundaries = boundaries if boundaries is not None else BoundaryStore(0)
+        if isinstance(stage, Stage):
+            self.boundaries.retain(stage.end)
         self._requests: dict[str, _RequestState] = {}
         self._queue: deque[_Work] = deque()
         self._wakeup: asyncio.Event | None = None
@@ -224,10 +232,11 @@ class StageEngine:
         self._enqueue(work)
         return work.future
 
-    async def swap_stage(self, stage: Stage | None, keep: bool = False) -> list:
+    async def swap_stage(self, stage: Stage | None, keep: bool = False) -> tuple[list, list[Boundary]]:
         """Serve ``stage`` from now on: waiting steps are dropped (their requests belong
         to the old plan) and every KV cache goes (see :meth:`swap`); with ``keep``, it
-        comes back as :class:`~ringlet.daemon.engine.kv_pieces.Piece` s first."""
+        comes back as :class:`~ringlet.daemon.engine.kv_pieces.Piece` s first, with the
+        boundary activations the old stage held."""
         self._drop(lambda w: True, "the plan changed")
         return await self.run(self.swap, stage, keep)
 
@@ -305,12 +314,14 @@ class StageEngine:
 
     # --- worker-thread functions ---------------------------------------------------------
 
-    def swap(self, stage: Stage | None, keep: bool = False) -> list:
+    def swap(self, stage: Stage | None, keep: bool = False) -> tuple[list, list[Boundary]]:
         """Serve ``stage`` from now on (worker thread); every KV cache of the old stage goes.
         With ``keep``, its requests in flight and prefix entries come back first as pieces
-        (:func:`ringlet.daemon.engine.kv_handoff.park`); without, the store keeps what covers
-        the new range."""
+        (:func:`ringlet.daemon.engine.kv_handoff.park`), with its boundary activations;
+        without, the store keeps what covers the new range."""
         parked = kv_handoff.park(self.stage, self._requests, self._prefix) if keep else []
+        boundaries = kv_handoff.park_boundaries(self._requests, self.boundaries,
+                                                stage.end if isinstance(stage, Stage) else None)
         self.stage = stage
         self._requests.clear()
         if isinstance(stage, Stage):
@@ -318,7 +329,7 @@ class StageEngine:
         else:
             self._prefix.clear()  # no layers here (a tensor plan), or a tensor group's stage (its own store)
         mx.clear_cache()
-        return parked
+        return parked, boundaries if keep else []
 
     def kv_pieces(self) -> list:
         """The KV held now, as pieces (worker thread); nothing is dropped."""
@@ -340,6 +351,8 @@ class StageEngine:
             sampler = RequestSampler(sampling or SamplingParams(), self.grammar_tokenizer) if self.stage.last else None
             state = _RequestState(cache=cache, sampler=sampler, offset=offset, scope=work.scope,
                                   tokens=list(work.prefix_ids or ()))
+            if isinstance(self.stage, Stage) and not self.stage.last:
+                state.boundary = self.boundaries.begin(work.scope, work.prefix_ids or [])
             self._requests[request_id] = state
             return state
         state = self._requests.get(request_id)
@@ -374,6 +387,7 @@ class StageEngine:
     def _finish_one(self, state: _RequestState, out: mx.array, tokens: int, more: bool) -> pb.Tensor | int | None:
         state.offset += tokens
         if not self.stage.last:
+            state.boundary = self.boundaries.record(state.boundary, out)
             return codec.encode(out)
         if more:
             self.stage.settle(state.cache)  # fill the cache; the logits are never computed
@@ -438,7 +452,9 @@ class StageEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
-        if token_ids and len(token_ids) >= state.offset > 0:
+        kept = bool(token_ids) and len(token_ids) >= state.offset > 0
+        self.boundaries.end(state.boundary, state.scope, token_ids[:state.offset] if kept else None)
+        if kept:
             try:
                 self.prefix.insert(state.scope, token_ids[: state.offset], state.cache)
             except Exception:  # a store failure must not fail the release

@@ -18,8 +18,9 @@ unsplit model, a split model's logits equal the single-process logits exactly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def _inner(model: nn.Module) -> nn.Module:
     raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
 
 
+def _reindex(inner: nn.Module) -> None:
+    """Some models index the cache list by a layer position computed for the full model
+    (``fa_idx``, ``swa_idx``): point them into ``inner.layers`` as it is now."""
+    if hasattr(inner, "fa_idx") and all(hasattr(layer, "use_sliding") for layer in inner.layers):
+        kinds = [layer.use_sliding for layer in inner.layers]
+        inner.fa_idx = kinds.index(False) if False in kinds else 0
+        if getattr(inner, "swa_idx", None) is not None:
+            inner.swa_idx = kinds.index(True) if True in kinds else 0
+
+
 def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool]:
     """Prune an (unevaluated) mlx-lm model in place to the stage ``[start, end)``.
 
@@ -99,12 +110,7 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     if not (first and last) and model_type in NO_SPLIT_MODEL_TYPES:
         raise PlanError(f"architecture {model_type!r} cannot be split into stages yet; run it on one node")
     inner.layers = inner.layers[start:end]
-    # Some models index the cache list by a layer position computed for the full model.
-    if hasattr(inner, "fa_idx") and all(hasattr(layer, "use_sliding") for layer in inner.layers):
-        kinds = [layer.use_sliding for layer in inner.layers]
-        inner.fa_idx = kinds.index(False) if False in kinds else 0
-        if getattr(inner, "swa_idx", None) is not None:
-            inner.swa_idx = kinds.index(True) if True in kinds else 0
+    _reindex(inner)
     tied = not hasattr(model, "lm_head")
     real = inner.embed_tokens
     keep_embedding = first or (last and tied)
@@ -214,6 +220,39 @@ class Stage(StageRange):
             ``(batch, tokens, vocab)`` on the last stage. Lazy: evaluate it.
         """
         return self.model(x, cache=cache)
+
+    @contextlib.contextmanager
+    def span(self, lo: int, hi: int) -> Iterator[None]:
+        """Within the block, this stage computes only its layers ``[lo, hi)``: ``self(x,
+        cache)`` maps the hidden states entering layer ``lo`` (token ids when ``lo`` is 0)
+        to those entering ``hi``, with no final norm or head, and :meth:`make_cache` gives
+        ``hi - lo`` layers. The same layer objects run, so the KV they compute is the KV
+        the whole stage computes for those layers. The model is restored on leaving (the
+        engine's worker thread runs one thing at a time).
+
+        Raises:
+            PlanError: ``[lo, hi)`` is not a non-empty part of the stage's range.
+        """
+        if not self.start <= lo < hi <= self.end:
+            raise PlanError(f"layers [{lo}, {hi}) are not within this stage's [{self.start}, {self.end})")
+        inner = _inner(self.model)
+        saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", "fa_idx", "swa_idx")
+                 if hasattr(inner, name)}
+        head = self.model.get("lm_head")
+        try:
+            inner.layers = saved["layers"][lo - self.start:hi - self.start]
+            _reindex(inner)
+            real = getattr(saved["embed_tokens"], "real", None) if lo == 0 else None
+            inner.embed_tokens = _StageEmbedding(real, embed_input=lo == 0, head_output=False)
+            inner.norm = _Identity()
+            if head is not None:
+                self.model.lm_head = _Identity()
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(inner, name, value)
+            if head is not None:
+                self.model.lm_head = head
 
     def settle(self, cache: list) -> None:
         """Evaluate a request's KV cache after a forward whose output is not needed."""

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.wire.serving_plan import StageSpec
 from ringlet.daemon.wire.transport import TransportConfig
@@ -67,6 +67,9 @@ class NodeConfig:
             ``prefix-cache``).
         kv_migration: on a re-plan, move KV caches with their layers
             (:mod:`ringlet.daemon.node.migration`); off: drop them, requests re-prefill.
+        boundary_cache_bytes: the most bytes of boundary activations (the hidden states
+            this stage sent on) kept to rebuild a lost next stage's layers (0: none);
+            default :data:`~ringlet.daemon.engine.defaults.DEFAULT_BOUNDARY_CACHE_BYTES`.
     """
 
     host: str
@@ -91,6 +94,7 @@ class NodeConfig:
     prefix_cache_disk_bytes: int = 0
     prefix_cache_dir: Path | None = None
     kv_migration: bool = True
+    boundary_cache_bytes: int = DEFAULT_BOUNDARY_CACHE_BYTES
 
     @property
     def address(self) -> str:

@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import psutil
 
+from ringlet.daemon.engine.boundary import BoundaryStore
 from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
@@ -54,6 +55,7 @@ from ringlet.daemon.node.memory import (
     warm_up_mlx,
 )
 from ringlet.daemon.node.migration import Migration
+from ringlet.daemon.node.rebuild import Rebuilding
 from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.node.servicer import RingServicer
@@ -68,7 +70,7 @@ from ringlet.daemon.wire.transport import make_server
 log = logging.getLogger("ringlet.daemon.node")
 
 
-class Node(ResumingClient, Head, Relay, Migration):
+class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
     """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api.app`).
 
     ``cluster`` (set by the runner in negotiated mode) handles membership and
@@ -102,6 +104,7 @@ class Node(ResumingClient, Head, Relay, Migration):
         self._tasks: set[asyncio.Task] = set()
         self._token_times: deque[float] = deque(maxlen=4096)  # monotonic time of each token headed here
         self._init_migration()
+        self._init_rebuilding()
 
     # --- plan views ------------------------------------------------------------------
 
@@ -147,7 +150,8 @@ class Node(ResumingClient, Head, Relay, Migration):
         reset_peak_rss()  # the first load's peak, not that of reading the model's metadata before it
         disk = await asyncio.get_running_loop().run_in_executor(executor, self._prefix_disk)
         self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
-                                  max_batch=self.config.max_batch, prefix=PrefixStore(0, disk=disk))
+                                  max_batch=self.config.max_batch, prefix=PrefixStore(0, disk=disk),
+                                  boundaries=BoundaryStore(self.config.boundary_cache_bytes))
         if self.config.plan is not None:
             stages = tuple(self.config.plan)
             digest = ",".join(f"{s.address}={s.start}:{s.end}" for s in stages)
@@ -340,6 +344,7 @@ class Node(ResumingClient, Head, Relay, Migration):
             "weights_bytes": stage.nbytes() if stage else 0,
             "kv_cache_bytes": engine.kv_cache_bytes() if engine else 0,
             "prefix_cache_bytes": engine.prefix.nbytes if engine else 0,
+            "boundary_cache_bytes": engine.boundaries.nbytes + engine.boundaries.inflight_bytes if engine else 0,
             "mlx_active_bytes": active, "mlx_peak_bytes": peak,
             "rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak_rss_bytes(),
             "first_load": self.memory.get("first_load"),
@@ -384,6 +389,7 @@ class Node(ResumingClient, Head, Relay, Migration):
                               and self.plan.is_tensor else None)
                              or (self.engine.prefix.info() if self.engine else None)),
             "kv_migration": self.kv_migration,
+            "boundary_cache": self.engine.boundaries.figures() if self.engine else None,
             "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "hop_latency_median_s": statistics.median(lat) if lat else None,

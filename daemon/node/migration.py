@@ -51,7 +51,11 @@ HANDOFF_WAIT_S = 10.0
 #: fails at once; this bounds one that stops answering mid-stream).
 FETCH_TIMEOUT_S = 30.0
 #: The counters of ``kv_migration`` (totals) and of each re-plan's figures.
-COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")
+#: ``rebuilt_tokens``: tokens of KV rebuilt from boundary activations, weighted by the share
+#: of the model's layers rebuilt (a sequence of n tokens whose lost 10 of 30 layers were
+#: rebuilt counts n / 3: the prefill it cost).
+COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills",
+            "rebuilt_tokens")
 
 
 class Migration:
@@ -71,7 +75,7 @@ class Migration:
         when the last ones are of another epoch)."""
         last = self.kv_migration["last"]
         if last is None or last.get("epoch") != epoch:
-            last = {"epoch": epoch, **dict.fromkeys(COUNTERS, 0), "from": {}, "failed": {}}
+            last = {"epoch": epoch, **dict.fromkeys(COUNTERS, 0), "from": {}, "rebuilt": {}, "failed": {}}
             self.kv_migration["last"] = last
         return last
 
@@ -95,19 +99,22 @@ class Migration:
         new_range = (stage.start, stage.end) if isinstance(stage, Stage) else None
         pipeline = self.config.kv_migration and not plan.infeasible and not plan.is_tensor and not plan.is_hybrid
         keep = pipeline and old_range is not None
-        pieces = await self.engine.swap_stage(stage, keep=keep)
+        pieces, boundaries = await self.engine.swap_stage(stage, keep=keep)
         own = [q for p in pieces if new_range and (q := p.within(*new_range)) is not None]
         given = [q for p in pieces for q in (p.outside(*new_range) if new_range else [p])]
         self._handoff = (plan.epoch, given)
+        self.park_states(plan.epoch, boundaries, pieces)
         self._served = []
         if not pipeline or new_range is None:
             return
+        gained = range_minus(new_range, old_range)
+        jobs = self.rebuild_jobs(plan, gained)
         sources, lost = [], {}
         departed = self.cluster.membership.departed if self.cluster is not None else {}
-        for a, b in range_minus(new_range, old_range):
+        for a, b in gained:
             for s in plan.previous:
                 lo, hi = max(a, s.start), min(b, s.end)
-                if lo >= hi or s.node_id == self.node_id:
+                if lo >= hi or s.node_id == self.node_id or s.rebuild:  # a rebuilt range: one of the jobs
                     continue
                 if departed.get(s.node_id, "stopped") != "stopped" and s.node_id not in self.cluster.membership.members:
                     lost[f"{s.node_id[:8]} [{lo}, {hi})"] = f"lost ({departed[s.node_id]})"  # its KV went with it
@@ -115,22 +122,23 @@ class Migration:
                     sources.append((s, lo, hi))
         if lost:
             self.replan_figures(plan.epoch)["failed"].update(lost)
-        if not own and not sources:
+        if not own and not sources and not jobs:
             return
         if lost:
             log.info("epoch %d: no KV to fetch from %s: requests that needed it prefill again", plan.epoch,
                      ", ".join(lost))
         self._installed = asyncio.Event()
-        self._spawn(self._gather_kv(plan, own, sources, new_range, self._installed))
+        self._spawn(self._gather_kv(plan, own, sources, jobs, new_range, self._installed))
 
-    async def _gather_kv(self, plan: ServingPlan, own: list[Piece], sources: list, new_range: tuple[int, int],
-                         done: asyncio.Event) -> None:
+    async def _gather_kv(self, plan: ServingPlan, own: list[Piece], sources: list, jobs: list,
+                         new_range: tuple[int, int], done: asyncio.Event) -> None:
         t0 = time.perf_counter()
         report = self.replan_figures(plan.epoch)
         try:
+            rebuilding = asyncio.gather(*(self.rebuild_range(plan, *job, report) for job in jobs))
             fetched = await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b) for s, a, b in sources),
                                            return_exceptions=True)
-            pieces = list(own)
+            pieces = list(own) + [p for made in await rebuilding for p in made]
             for (spec, a, b), result in zip(sources, fetched, strict=True):
                 name = f"{spec.node_id[:8]} [{a}, {b})"
                 if isinstance(result, BaseException):
@@ -150,9 +158,11 @@ class Migration:
                      installed.inflight, installed.tokens, *new_range, report["kv_bytes_received"] / 1e6,
                      len(report["from"]), "; failed: " + "; ".join(f"{k}: {v}" for k, v in report["failed"].items())
                      if report["failed"] else "", report["seconds"])
+            rebuilt = "".join(f"; rebuilt layers {k} of {v['sequences']} sequence(s) ({v['tokens']} tokens)"
+                              for k, v in report["rebuilt"].items())
             self.event("kv", f"epoch {plan.epoch}: KV of {installed.inflight} request(s) in flight and "
                              f"{installed.sequences - installed.inflight} cached prefix(es) kept; received "
-                             f"{report['kv_bytes_received'] / 1e6:.1f} MB")
+                             f"{report['kv_bytes_received'] / 1e6:.1f} MB{rebuilt}")
         except Exception:  # the requests fall back to a full prefill; the node keeps serving
             log.exception("epoch %d: KV migration failed", plan.epoch)
         finally:
@@ -173,11 +183,15 @@ class Migration:
         return await self.engine.run(reader.pieces), reader.nbytes
 
     async def await_installed(self) -> None:
-        """Wait (up to :data:`INSTALL_WAIT_S`) until the KV fetched on the last re-plan is
-        in this node's prefix store."""
-        if not self._installed.is_set():
+        """Wait until the KV fetched or rebuilt on the last re-plan is in this node's prefix
+        store: up to :data:`INSTALL_WAIT_S`, or as long as a rebuild makes progress."""
+        deadline = time.monotonic() + INSTALL_WAIT_S
+        while not self._installed.is_set():
+            left = max(deadline, self.rebuild_progress_at + INSTALL_WAIT_S) - time.monotonic()
+            if left <= 0:
+                return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._installed.wait(), timeout=INSTALL_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(self._installed.wait()), timeout=min(left, 1.0))
 
     # --- the old holder's side -------------------------------------------------------------
 

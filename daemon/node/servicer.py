@@ -105,6 +105,10 @@ class RingServicer(pb_grpc.RingServicer):
         async for chunk in self.node.serve_kv(request):
             yield chunk
 
+    async def FetchBoundary(self, request, context):  # noqa: N802
+        async for chunk in self.node.serve_boundary(request):
+            yield chunk
+
     async def Beat(self, request, context):  # noqa: N802
         if self.node.cluster is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node runs a static plan")

@@ -123,6 +123,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--kv-migration", choices=["on", "off"], default="on",
                      help="on a re-plan, move the KV caches of requests in flight and of cached prefixes with "
                           "their layers (on, default), or drop them and re-prefill (off)")
+    run.add_argument("--boundary-cache-bytes", default=None, metavar="SIZE",
+                     help="hidden states each stage keeps of what it sent on, so that a lost next stage's layers "
+                          "are rebuilt from them instead of re-prefilling every request, e.g. 4GB (default 1GB; "
+                          "0: off)")
     run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
     add_run_arguments(run)  # --secret-file, --api-key-file, limits
     return run

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
-from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
 from ringlet.daemon.engine.memory_tuning import tune_allocator
 from ringlet.daemon.engine.model_info import load_tokenizer, model_info
@@ -56,12 +56,14 @@ def build_config(args) -> tuple[NodeConfig, int]:
         if address not in {s.address for s in plan}:
             raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
     choice = node_dtype(args, location)
+    boundary = parse_size(getattr(args, "boundary_cache_bytes", None), "--boundary-cache-bytes", allow_zero=True)
     return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=choice.dtype,
                       dtype_choice=choice.to_dict(),
                       prefix_cache_bytes=parse_size(getattr(args, "prefix_cache_bytes", None), "--prefix-cache-bytes",
                                                     allow_zero=True),
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "key"),
                       kv_migration=getattr(args, "kv_migration", "on") == "on",
+                      boundary_cache_bytes=DEFAULT_BOUNDARY_CACHE_BYTES if boundary is None else boundary,
                       prefix_cache_disk_bytes=parse_size(getattr(args, "prefix_cache_disk_bytes", "0"),
                                                          "--prefix-cache-disk-bytes", allow_zero=True) or 0,
                       prefix_cache_dir=prefix_cache_dir(getattr(args, "data_dir", None), address, plan is not None),

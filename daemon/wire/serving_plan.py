@@ -13,12 +13,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One stage: the node's gRPC address (``host:port``) and its layer range ``[start, end)``."""
+    """One stage: the node's gRPC address (``host:port``) and its layer range ``[start, end)``.
+
+    In a plan's ``previous`` stages, ``rebuild`` says that this range's KV is rebuilt by
+    its new holders from the boundary activations entering ``start`` instead of being
+    fetched from this node (it is lost, or recomputing is predicted faster), and ``why``.
+    """
 
     address: str
     start: int
     end: int
     node_id: str = ""
+    rebuild: bool = False
+    why: str = ""
 
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from dataclasses import replace
 
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.node import Node, NodeConfig
@@ -19,12 +20,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def plan(epoch: int, *stages: tuple[Node, int, int], previous: ServingPlan | None = None) -> ServingPlan:
+def plan(epoch: int, *stages: tuple[Node, int, int], previous: ServingPlan | None = None,
+         lost: tuple[Node, ...] = ()) -> ServingPlan:
     """A pipeline plan of ``(node, start, end)`` stages in ring order; ``previous``: the plan
-    it replaces (where gained layers' KV is fetched from)."""
+    it replaces (where gained layers' KV is fetched from), its stages held by ``lost``
+    nodes marked to be rebuilt (as a proposer marks a member that is gone)."""
     specs = tuple(StageSpec(address=n.config.address, start=a, end=b, node_id=n.node_id) for n, a, b in stages)
+    gone = {n.node_id for n in lost}
+    before = tuple(replace(s, rebuild=True, why="lost (test)") if s.node_id in gone else s
+                   for s in (previous.stages if previous is not None else ()))
     return ServingPlan(epoch=epoch, stages=specs, plan_id=f"test:{epoch}:{[(n.node_id, a, b) for n, a, b in stages]}",
-                       previous=previous.stages if previous is not None else ())
+                       previous=before)
+
+
+async def crash(node: Node) -> None:
+    """``node`` stops answering at once, as a killed process does (its gRPC server and its
+    hop stream close with no goodbye)."""
+    if node._next is not None:
+        await node._next.close()
+    await node._server.stop(grace=None)
 
 
 @contextlib.asynccontextmanager

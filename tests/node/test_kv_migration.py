@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from inproc import greedy_with_a_change, plan, started, switch
+from inproc import crash, greedy_with_a_change, plan, started, switch
 
 KV_BYTES_PER_TOKEN_LAYER = 2 * 3 * 64 * 4
 TOKENS = 36
@@ -47,3 +47,52 @@ def test_a_join_moves_the_kv_of_the_request_in_flight(default_location, referenc
     assert c["kv_bytes_received"] == cached * 10 * KV_BYTES_PER_TOKEN_LAYER, c
     assert list(c["from"]) == [f"{'b' * 8} [20, 30)"] and not c["failed"], c
     assert b["from"] and list(b["from"]) == [f"{'a' * 8} [10, 18)"], b
+
+
+async def lose_the_middle_stage(location, prompt: list[int], boundary_bytes: int | None = None) -> dict:
+    """``a [0, 10) -> b [10, 20) -> c [20, 30)``; after 12 tokens ``b`` crashes and the plan
+    becomes ``a [0, 15) -> c [15, 30)``, ``b``'s range marked lost. Returns the ids and the
+    figures of ``a`` and ``c``."""
+    extra = {} if boundary_bytes is None else {"boundary_cache_bytes": boundary_bytes}
+    async with started(location, 3, **extra) as (a, b, c):
+        first = plan(1, (a, 0, 10), (b, 10, 20), (c, 20, 30))
+        await switch(first, [a, b, c])
+        second = plan(2, (a, 0, 15), (c, 15, 30), previous=first, lost=(b,))
+
+        async def kill_then_replan() -> None:
+            await crash(b)
+            await switch(second, [a, c])
+
+        got = await greedy_with_a_change(a, prompt, TOKENS, 12, kill_then_replan)
+        return {"ids": got, "a": a.kv_migration, "c": c.kv_migration,
+                "states": a.engine.boundaries.figures()}
+
+
+def test_a_lost_middle_stage_is_rebuilt_from_the_states_its_previous_stage_kept(default_location, reference):
+    """a rebuilds [10, 15) from the states it sent on at layer 10, c rebuilds [15, 20) from
+    what a's rebuild sent on at 15; c keeps [20, 30) and a [0, 10). The request resumes
+    with nothing prefilled again, and the tokens rebuilt are the sequence's tokens times
+    the 10 lost layers of 30 (a share of 5 layers each)."""
+    ref = reference[0]
+    prompt = ref["prompt_ids"]
+    out = asyncio.run(lose_the_middle_stage(default_location, prompt))
+    assert out["ids"] == ref["completion_ids"][:TOKENS]
+    head, c = out["a"], out["c"]
+    assert head["resumed"] == 1 and head["reprefilled_tokens"] == 0 and head["full_reprefills"] == 0, head
+    for figures, layers in ((head, "[10, 15)"), (c, "[15, 20)")):
+        last = figures["last"]
+        assert list(last["rebuilt"]) == [layers] and not last["failed"], last
+        n = last["rebuilt"][layers]["tokens"]
+        assert len(prompt) + 12 - 1 <= n <= len(prompt) + TOKENS, last
+        assert last["rebuilt_tokens"] == round(n * 5 / 30), last
+    assert c["last"]["from"] == {} and c["last"]["kv_bytes_received"] == 0  # nothing moved: c kept [20, 30)
+    assert out["states"]["layer"] == 15 and out["states"]["entries"] >= 1  # a records on at its new end
+
+
+def test_without_kept_states_a_loss_falls_back_to_a_full_prefill(default_location, reference):
+    ref = reference[0]
+    out = asyncio.run(lose_the_middle_stage(default_location, ref["prompt_ids"], boundary_bytes=0))
+    assert out["ids"] == ref["completion_ids"][:TOKENS]
+    head = out["a"]
+    assert head["resumed"] == 1 and head["full_reprefills"] == 1, head
+    assert head["rebuilt_tokens"] == 0 and out["c"]["rebuilt_tokens"] == 0

@@ -71,8 +71,9 @@ def format_status(snap: dict) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
     if (kv := c.get("kv_migration")) is not None:
         lines.append(f"re-plan to epoch {kv['epoch']}: KV moved {fmt_bytes(kv['kv_bytes_received'])} · "
-                     f"{kv['resumed']} request(s) resumed · {kv['reprefilled_tokens']} token(s) prefilled again"
-                     f" ({kv['full_reprefills']} full re-prefill(s))")
+                     f"{kv['resumed']} request(s) resumed · {kv['rebuilt_tokens']} token(s) of lost layers rebuilt · "
+                     f"{kv['reprefilled_tokens']} token(s) prefilled again ({kv['full_reprefills']} full "
+                     "re-prefill(s))")
     for n in snap["nodes"]:
         if n.get("compute_fix"):
             lines.append(f"slow path on {n['name']}: {n['compute_fix']}")

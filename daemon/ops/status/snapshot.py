@@ -364,13 +364,14 @@ def prefix_fields(info: dict) -> dict:
 
 #: The counters of a re-plan's ``kv_migration`` figures (``ringlet.daemon.node.migration.COUNTERS``;
 #: named here so that ``status`` does not import the node, and MLX with it).
-KV_COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills")
+KV_COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills",
+               "rebuilt_tokens")
 
 
 def migration_fields(info: dict) -> dict:
     """One node's KV migration figures at its last re-plan (``/v1/cluster``'s
     ``kv_migration.last``): epoch, bytes received and sent, requests resumed, tokens
-    prefilled again and full re-prefills."""
+    prefilled again, full re-prefills and tokens rebuilt from boundary activations."""
     last = info.get("kv_migration", {}).get("last") if isinstance(info.get("kv_migration"), dict) else None
     last = last if isinstance(last, dict) else {}
     return {"kv_epoch": as_int(last.get("epoch")), **{f"kv_{k}": as_int(last.get(k)) for k in KV_COUNTERS}}

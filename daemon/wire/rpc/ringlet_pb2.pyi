@@ -151,16 +151,20 @@ class GenerateEvent(_message.Message):
     def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
 
 class LayerRange(_message.Message):
-    __slots__ = ("node_id", "start", "end", "grpc_address")
+    __slots__ = ("node_id", "start", "end", "grpc_address", "rebuild", "why")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     start: int
     end: int
     grpc_address: str
-    def __init__(self, node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., grpc_address: _Optional[str] = ...) -> None: ...
+    rebuild: bool
+    why: str
+    def __init__(self, node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., grpc_address: _Optional[str] = ..., rebuild: _Optional[bool] = ..., why: _Optional[str] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ("caller_id", "caller_address")
@@ -439,6 +443,38 @@ class KVRequest(_message.Message):
     end: int
     node_id: str
     def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class BoundaryRequest(_message.Message):
+    __slots__ = ("epoch", "layer", "node_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    layer: int
+    node_id: str
+    def __init__(self, epoch: _Optional[int] = ..., layer: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class BoundaryChunk(_message.Message):
+    __slots__ = ("sequence", "first", "scope", "tokens", "inflight", "layer", "token_start", "hidden", "error")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    first: bool
+    scope: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    inflight: bool
+    layer: int
+    token_start: int
+    hidden: Tensor
+    error: str
+    def __init__(self, sequence: _Optional[int] = ..., first: _Optional[bool] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("piece", "scope", "tokens", "inflight", "layer", "token_start", "keys", "values", "error")

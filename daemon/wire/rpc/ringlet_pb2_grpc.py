@@ -84,6 +84,11 @@ class RingStub:
                 request_serializer=ringlet__pb2.KVRequest.SerializeToString,
                 response_deserializer=ringlet__pb2.KVChunk.FromString,
                 _registered_method=True)
+        self.FetchBoundary = channel.unary_stream(
+                '/ringlet.v1.Ring/FetchBoundary',
+                request_serializer=ringlet__pb2.BoundaryRequest.SerializeToString,
+                response_deserializer=ringlet__pb2.BoundaryChunk.FromString,
+                _registered_method=True)
         self.RunRank = channel.unary_stream(
                 '/ringlet.v1.Ring/RunRank',
                 request_serializer=ringlet__pb2.RankStart.SerializeToString,
@@ -160,6 +165,14 @@ class RingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBoundary(self, request, context):
+        """Rebuilding lost layers: the hidden states entering `layer` (the boundary activations)
+        that this node sent on before the caller's epoch, or rebuilt for it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RunRank(self, request, context):
         """Tensor parallelism: run one rank of the leader's group on this machine.
         """
@@ -219,6 +232,11 @@ def add_RingServicer_to_server(servicer, server):
                     servicer.FetchKV,
                     request_deserializer=ringlet__pb2.KVRequest.FromString,
                     response_serializer=ringlet__pb2.KVChunk.SerializeToString,
+            ),
+            'FetchBoundary': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBoundary,
+                    request_deserializer=ringlet__pb2.BoundaryRequest.FromString,
+                    response_serializer=ringlet__pb2.BoundaryChunk.SerializeToString,
             ),
             'RunRank': grpc.unary_stream_rpc_method_handler(
                     servicer.RunRank,
@@ -496,6 +514,33 @@ class Ring:
             '/ringlet.v1.Ring/FetchKV',
             ringlet__pb2.KVRequest.SerializeToString,
             ringlet__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBoundary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ringlet.v1.Ring/FetchBoundary',
+            ringlet__pb2.BoundaryRequest.SerializeToString,
+            ringlet__pb2.BoundaryChunk.FromString,
             options,
             channel_credentials,
             insecure,
