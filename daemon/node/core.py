@@ -201,7 +201,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
     # --- plans: prepare, commit ----------------------------------------------------------
 
     async def prepare(self, plan: ServingPlan) -> int:
-        """Load this node's stage of ``plan`` while the current plan keeps serving.
+        """Load this node's stage of ``plan`` while the current plan keeps serving, and pull
+        a snapshot of the KV of the layers it gains (:meth:`precopy`).
 
         Layers this node already holds are reused; only the others are read.
         Returns the bytes read from disk.
@@ -246,6 +247,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                 "weights_bytes": stage.nbytes(), "rss_before_bytes": self.memory.pop("rss_before_load_bytes", 0),
                 "mlx_active_after_bytes": await self.engine.run(mlx_active_bytes),
                 "peak_rss_after_bytes": peak_rss_bytes()}
+        await self.precopy(plan, spec.start, spec.end)  # the KV of the layers gained, while the old plan serves
         return loaded
 
     async def commit(self, plan: ServingPlan) -> None:

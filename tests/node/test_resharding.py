@@ -45,7 +45,9 @@ KV_BYTES_PER_TOKEN_LAYER = 2 * 3 * 64 * 4  # float32 keys and values of SmolLM2-
 def assert_kv_moved(infos: list[dict], epoch: int) -> None:
     """The request resumed on epoch ``epoch`` prefilled nothing again: every stage took its
     tokens' KV from its prefix store, the gained layers' KV having come from their old
-    holders (bytes: tokens x layers x the model's KV size per token and layer)."""
+    holders, in two parts: a snapshot while the new plan was prepared, and at the commit
+    the tokens decoded since (bytes: tokens x layers x the model's KV size per token and
+    layer, whole tokens each)."""
     resumed = sum(i["kv_migration"]["resumed"] for i in infos)
     assert resumed >= 1, [i["kv_migration"] for i in infos]
     assert sum(i["kv_migration"]["reprefilled_tokens"] for i in infos) == 0, [i["kv_migration"] for i in infos]
@@ -58,11 +60,14 @@ def assert_kv_moved(infos: list[dict], epoch: int) -> None:
         assert not last["failed"] and last["inflight"] == 1, last
         for source, nbytes in last["from"].items():  # "<node> [a, b)": that holder's layers
             a, b = map(int, re.search(r"\[(\d+), (\d+)\)", source).groups())
-            tokens, rest = divmod(nbytes, (b - a) * KV_BYTES_PER_TOKEN_LAYER)
+            per_token = (b - a) * KV_BYTES_PER_TOKEN_LAYER
+            snapshot, rest = divmod(last["precopied"].get(source, 0), per_token)
+            assert rest == 0, (source, last)
+            delta, rest = divmod(nbytes, per_token)
             # whole tokens, at least as many as the joined sequence kept (a holder may have
             # parked the request a step ahead, a leaving one later still)
-            assert rest == 0 and tokens >= last["tokens"] > 0, (source, nbytes, last)
-            moved += nbytes
+            assert rest == 0 and snapshot + delta >= last["tokens"] > 0, (source, nbytes, last)
+            moved += nbytes + snapshot * per_token
     assert moved > 0, [i["kv_migration"] for i in infos]
 
 

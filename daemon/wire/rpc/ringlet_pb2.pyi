@@ -433,16 +433,30 @@ class RankEvent(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVRequest(_message.Message):
-    __slots__ = ("epoch", "start", "end", "node_id")
+    __slots__ = ("epoch", "start", "end", "node_id", "snapshot", "have")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     start: int
     end: int
     node_id: str
-    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    have: _containers.RepeatedCompositeFieldContainer[KVHave]
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., have: _Optional[_Iterable[_Union[KVHave, _Mapping]]] = ...) -> None: ...
+
+class KVHave(_message.Message):
+    __slots__ = ("scope", "tokens", "digest")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    scope: str
+    tokens: int
+    digest: bytes
+    def __init__(self, scope: _Optional[str] = ..., tokens: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class BoundaryRequest(_message.Message):
     __slots__ = ("epoch", "layer", "node_id")
@@ -477,7 +491,7 @@ class BoundaryChunk(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., first: _Optional[bool] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("piece", "scope", "tokens", "inflight", "layer", "token_start", "keys", "values", "error")
+    __slots__ = ("piece", "scope", "tokens", "inflight", "layer", "token_start", "keys", "values", "error", "from_token")
     PIECE_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +501,7 @@ class KVChunk(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     piece: int
     scope: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -496,4 +511,5 @@ class KVChunk(_message.Message):
     keys: Tensor
     values: Tensor
     error: str
-    def __init__(self, piece: _Optional[int] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    from_token: int
+    def __init__(self, piece: _Optional[int] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., from_token: _Optional[int] = ...) -> None: ...
