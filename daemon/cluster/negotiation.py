@@ -215,7 +215,13 @@ class Negotiator:
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
-        previous = mark_rebuilds(await self._serving_stages(), set(ids), self.membership.departed)
+        previous = await self._serving_stages()
+        if plan is not None and not (mode and mode.get("mode") in ("tensor", "hybrid")):
+            records = {i: self.membership.record_of(i) or {} for i in ids}
+            nodes, links = planner_inputs(build_graph(records))
+            stages = [(s.node_id, s.start, s.end) for s in plan.stages]
+            mark_rebuilds(previous, stages, self.model_spec, nodes, links, self.policy, set(ids),
+                          self.membership.departed)
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
                                tp_json=json.dumps(mode, sort_keys=True) if mode else "", previous=previous)
