@@ -18,6 +18,7 @@ import logging
 
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.partitioning import LinkSpec, ModelSpec, NodeSpec, Policy
+from ringlet.partitioning.costs import CostModel
 from ringlet.partitioning.kv_moves import kv_sources
 
 log = logging.getLogger(__name__)
@@ -75,3 +76,16 @@ def boundary_source(lo: int, span: tuple[int, int], previous, stages):
         return found, True
     holder = next((s for s in stages if s.start <= lo - 1 < s.end), None)
     return holder, False
+
+
+def room_refusal(model: ModelSpec, start: int, end: int, tokens: int, usable: int) -> str | None:
+    """Why a node cannot take layers ``[start, end)`` with the KV of ``tokens`` tokens in
+    flight (they arrive with the layers; at least the planner's context is counted, as
+    it plans), or ``None``: it can. ``usable`` is the memory the node offers the planner,
+    bytes (its boundary-activation budget already taken off)."""
+    context = max(model.context_tokens, tokens)
+    need = CostModel(model, context_tokens=context).stage_memory(start, end)
+    if need <= usable:
+        return None
+    return (f"no room for layers [{start}, {end}) with the KV of {tokens} token(s) in flight: they need "
+            f"{need / 1e9:.2f} GB with a {context}-token KV cache, this node offers {usable / 1e9:.2f} GB")

@@ -34,6 +34,7 @@ class Host:
         self.node_id = node_id
         self.plan: ServingPlan | None = None
         self.prepared: list[int] = []
+        self.tokens_in_flight = 0
 
     @property
     def epoch(self) -> int:
@@ -48,6 +49,9 @@ class Host:
 
     def event(self, kind: str, message: str) -> None:
         pass
+
+    def kv_tokens_in_flight(self) -> int:
+        return self.tokens_in_flight
 
 
 class Ring(pb_grpc.RingServicer):
@@ -71,18 +75,20 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def trio():
-    """Three members ``a`` < ``b`` < ``c`` that all see each other: ``{id: (host, membership, negotiator)}``."""
+async def trio(records: dict[str, dict] | None = None):
+    """Three members ``a`` < ``b`` < ``c`` that all see each other: ``{id: (host, membership, negotiator)}``;
+    ``records``: their records by id (default :data:`RECORD` each)."""
     ids = ["a" * 16, "b" * 16, "c" * 16]
+    records = records or {}
     addresses = {i: f"127.0.0.1:{free_port()}" for i in ids}
     parts, servers = {}, []
     try:
         for i in ids:
             membership = Membership(i, addresses[i], "cluster", "inc", TransportConfig(node_id=i))
-            membership.set_record(RECORD)
+            membership.set_record(records.get(i, RECORD))
             for j in ids:
                 if j != i:
-                    membership.members[j] = Member(node_id=j, address=addresses[j], record=RECORD)
+                    membership.members[j] = Member(node_id=j, address=addresses[j], record=records.get(j, RECORD))
             host = Host(i)
             negotiator = Negotiator(host, membership, SPEC, "tiny-model", LAYERS, settle_s=0.05)
             server = make_server(TransportConfig(node_id=i), addresses[i])
@@ -201,5 +207,27 @@ def test_a_commit_that_misses_a_member_is_proposed_again():
             assert {parts[i][0].epoch for i in parts} == {2}, {i: parts[i][0].epoch for i in parts}
             assert await neg_a._propose_round() is False  # healed: nothing more to propose
             assert {parts[i][0].epoch for i in parts} == {2}
+
+    asyncio.run(scenario())
+
+
+def test_a_member_without_room_for_the_kv_in_flight_refuses_and_the_next_plan_is_sized_for_it():
+    """The KV of the requests in flight moves with the layers. b holds 600 tokens of it
+    (1 byte per token and layer here, so 600 bytes a layer) that a does not count: a's
+    first plan gives b two layers (2 x 10 B of weights + 2 x 600 B of KV = 1,220 B > its
+    1,000 B), which b refuses, saying so. a's next plan is sized for 600 tokens: b and c
+    can hold one layer each (10 + 600 B), a (5,000 B) the other four."""
+    async def scenario():
+        ids = ["a" * 16, "b" * 16, "c" * 16]
+        async with trio({ids[0]: {"usable_memory_bytes": 5000}}) as parts:
+            a, b, c = sorted(parts)
+            parts[b][0].tokens_in_flight = 600
+            neg_a = parts[a][2]
+            assert await neg_a._propose_round() is True
+            assert f"{b}: no room for layers [2, 4) with the KV of 600 token(s) in flight" in neg_a.last_result
+            assert parts[b][0].prepared == []
+            assert await neg_a._propose_round() is False, neg_a.last_result
+            ranges = {s.node_id: s.end - s.start for s in parts[a][0].plan.stages}
+            assert ranges == {a: 4, b: 1, c: 1}, ranges
 
     asyncio.run(scenario())

@@ -256,6 +256,10 @@ def test_model_that_no_longer_fits_gets_503_until_a_node_rejoins():
     args = ["--memory-limit", "80MB", "--context", "512"]
     with LocalCluster(2, dynamic=True, extra_args=args) as c:
         c.wait_plan(stages=2)
+        # a sixteenth of the 80 MB is kept for boundary activations: the planner is offered the rest
+        info = c.cluster_info(0)
+        assert info["boundary_cache"]["budget_bytes"] == 5_000_000
+        assert {m["memory_usable_bytes"] for m in info["members"]} == {75_000_000}, info["members"]
         c.kill(1)
         deadline = time.monotonic() + 20
         while True:
