@@ -68,7 +68,8 @@ def figures(cluster: LocalCluster) -> dict:
     return {"reprefilled_tokens": sum(m["reprefilled_tokens"] for m in migration),
             "full_reprefills": sum(m["full_reprefills"] for m in migration),
             "rebuilt_tokens": sum(m.get("rebuilt_tokens", 0) for m in migration),
-            "kv_bytes_moved": sum(m["kv_bytes_received"] for m in migration)}
+            "kv_bytes_moved": sum(m["kv_bytes_received"] + m.get("precopied_bytes", 0) for m in migration),
+            "kv_bytes_at_commit": sum(m["kv_bytes_received"] for m in migration)}
 
 
 def one(event: str, context: int, mode: str) -> dict:
@@ -94,7 +95,8 @@ def one(event: str, context: int, mode: str) -> dict:
                **figures(c)}
     print(f"{event:<6} ctx {context:>5} migration {mode:<3}: longest gap {out['max_gap_s']:7.2f} s, "
           f"re-prefilled {out['reprefilled_tokens']:>5} tokens, rebuilt {out['rebuilt_tokens']:>5}, "
-          f"KV moved {out['kv_bytes_moved'] / 1e6:6.1f} MB" + (f"  ERROR {out['error']}" if out["error"] else ""))
+          f"KV moved {out['kv_bytes_moved'] / 1e6:6.1f} MB ({out['kv_bytes_at_commit'] / 1e6:.1f} at the commit)"
+          + (f"  ERROR {out['error']}" if out["error"] else ""))
     return out
 
 

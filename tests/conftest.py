@@ -25,6 +25,14 @@ def ringlet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def index_of(cluster, node_id: str) -> int:
+    """The index in ``cluster`` (a ``LocalCluster``) of the running node with ``node_id``."""
+    for i in cluster.alive():
+        if cluster.cluster_info(i)["node_id"] == node_id:
+            return i
+    raise AssertionError(f"no running node has id {node_id}")
+
+
 @pytest.fixture(scope="session")
 def reference() -> list[dict]:
     """Greedy continuations of SmolLM2-135M-Instruct computed by transformers (fp32)."""

@@ -87,6 +87,22 @@ class StatesLog:
             await self._more.wait()
 
 
+def covering(boundaries: list[Boundary]) -> list[Boundary]:
+    """The sequences to rebuild so that each of ``boundaries`` is covered once: one whose
+    token ids start another's of the same scope and layer is left out (the KV of a prefix
+    is the prefix of the KV), and the longer one counts as in flight if either did."""
+    kept: list[Boundary] = []
+    for b in sorted(boundaries, key=lambda b: -len(b.tokens)):
+        longer = next((k for k in kept if (k.scope, k.layer) == (b.scope, b.layer)
+                       and k.tokens[:len(b.tokens)] == b.tokens), None)
+        if longer is None:
+            kept.append(b)
+        elif b.inflight and not longer.inflight:
+            kept[kept.index(longer)] = Boundary(longer.scope, longer.tokens, longer.layer, longer.hidden, True,
+                                                longer.released_at)
+    return kept
+
+
 class Rebuilding:
     """Boundary rebuilds of :class:`ringlet.daemon.node.Node`."""
 
@@ -103,7 +119,7 @@ class Rebuilding:
         its old stage sent on, and at layer 0 the sequences its pieces held in flight (their
         token ids are that layer's input); only those worth rebuilding."""
         now = time.monotonic()
-        worth = [b for b in boundaries if b.inflight or now - b.released_at <= RECENT_S]
+        worth = covering([b for b in boundaries if b.inflight or now - b.released_at <= RECENT_S])
         self._states_epoch = epoch
         self._states = {layer: StatesLog.of([b for b in worth if b.layer == layer])
                         for layer in {b.layer for b in worth}}
