@@ -50,6 +50,7 @@ import grpc
 
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds
 from ringlet.daemon.cluster.membership import Membership
+from ringlet.daemon.cluster.model_agreement import ModelAgreement
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
@@ -139,6 +140,7 @@ class Negotiator:
         self._started = time.monotonic()
         self.last_result = ""
         self.bytes_loaded_last = 0
+        self.agreement = ModelAgreement(model_name, node.event)  # members of another model: kept out
 
     # --- wiring --------------------------------------------------------------------------
 
@@ -160,8 +162,8 @@ class Negotiator:
     # --- the proposer side ---------------------------------------------------------------
 
     def is_proposer(self) -> bool:
-        """This node has the lowest id among the members it sees."""
-        return self.membership.alive_ids()[0] == self.node.node_id
+        """This node has the lowest id among the members it sees that hold the cluster's model."""
+        return self.agreement.view(self.membership).eligible[:1] == [self.node.node_id]
 
     async def _loop(self) -> None:
         while True:
@@ -174,6 +176,7 @@ class Negotiator:
                     break
                 await asyncio.sleep(settle - quiet)
             self._changed.clear()
+            self.agreement.report(self.membership)
             if not self.is_proposer():
                 continue
             try:
@@ -187,7 +190,7 @@ class Negotiator:
 
     def compute_plan(self) -> tuple[Plan | None, str | None]:
         """The plan for the current view, or ``(None, reason)`` when the model does not fit."""
-        ids = self.membership.alive_ids()
+        ids = self.agreement.view(self.membership).eligible
         records = {i: self.membership.record_of(i) or {} for i in ids}
         nodes, links = planner_inputs(build_graph(records))
         try:
@@ -202,7 +205,7 @@ class Negotiator:
         """One proposal. Returns True to retry later (views differ, a vote failed)."""
         digest = self.membership.digest()
         plan, reason = self.compute_plan()
-        ids = self.membership.alive_ids()
+        ids = self.agreement.view(self.membership).eligible
         mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
         if self.node.plan is not None and digest == self.committed_digest and not self._split:
             same = (plan is not None and self.committed_plan is not None
@@ -464,7 +467,7 @@ class Negotiator:
 
     def info(self) -> dict:
         """Members, topology and negotiation state for ``/v1/cluster``."""
-        ids = self.membership.alive_ids()
+        ids, agreed = self.membership.alive_ids(), self.agreement.view(self.membership)
         records = {i: self.membership.record_of(i) or {} for i in ids}
         graph = to_json(build_graph(records))
         members = []
@@ -484,6 +487,7 @@ class Negotiator:
             "policy": self.policy.name,
             "members": members,
             "links": graph["links"],
-            "negotiation": {"state": self.state, "proposer": ids[0], "is_proposer": self.is_proposer(),
+            "negotiation": {"state": self.state, "proposer": agreed.eligible[0], "is_proposer": self.is_proposer(),
+                            "kept_out": agreed.kept_out, "kept_out_reason": self.agreement.kept_out_reason,
                             "membership_digest": self.membership.digest(), "last_result": self.last_result},
         }
