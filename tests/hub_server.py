@@ -16,7 +16,8 @@ get_hf_file_metadata`` / ``http_get``, ``hf_api.parse_safetensors_file_metadata`
 
 Each client may use its own endpoint ``<url>/n/<tag>``: the tag is stripped and logged
 with every request (:attr:`FakeHub.log`), so a test tells which node asked for what.
-``rate_bytes_per_s`` throttles response bodies (to interrupt a download half way).
+``rate_bytes_per_s`` throttles response bodies (to interrupt a download half way);
+``fail_downloads`` makes every whole-file GET of a weight file fail with 503.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.log: list[Logged] = []
         self.rate_bytes_per_s: float | None = None
+        #: answer 503 to every whole-file GET of a ``*.safetensors`` file (a Hub failing mid-way)
+        self.fail_downloads = False
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -210,6 +213,8 @@ class FakeHub:
         data = files.get(entry.file)
         if data is None:
             return self._error(h, entry, 404, "EntryNotFound", f"{entry.file} does not exist", sha)
+        if self.fail_downloads and not head and entry.file.endswith(".safetensors") and not entry.range:
+            return self._error(h, entry, 503, "ServiceUnavailable", "the Hub is down", sha)
         etag = hashlib.sha256(data).hexdigest() if entry.file.endswith(".safetensors") else git_blob_sha1(data)
         start, end, status = 0, len(data), 200
         if entry.range and not head:

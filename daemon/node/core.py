@@ -101,6 +101,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
+        self.download = None  # a DownloadProgress (shards.hub_fetch) while the stage's files download
         self._tasks: set[asyncio.Task] = set()
         self._token_times: deque[float] = deque(maxlen=4096)  # monotonic time of each token headed here
         self._init_migration()
@@ -395,6 +396,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,
+            "download": self.download.to_dict() if self.download is not None else None,
             "requests_served": self.requests_served,
             "memory": self.memory_info(stage),
             "recent_requests": list(self.recent),
