@@ -68,7 +68,7 @@ MLX_COMMANDS = frozenset({"run", "generate", "demo", "doctor"})
 
 #: Modules that contribute subcommands. Each exposes ``COMMANDS`` (names),
 #: ``add_parsers(subparsers)`` and ``run(args) -> int``.
-EXTENSIONS = ("plan", "commands", "secret")
+EXTENSIONS = ("plan", "commands", "secret", "models")
 
 
 def _extensions() -> list:
