@@ -167,6 +167,22 @@ class HubModel:
                              headers=self.headers_path)
 
 
+def locate(model: str | None) -> ModelLocation:
+    """``--model`` as a location: a Hub name (``ORG/NAME[@REVISION]``) resolved to its
+    snapshot in the cache (config, tokenizer, headers; the weights only as far as they
+    are cached: enough to size and plan it), else
+    :func:`ringlet.daemon.engine.sources.resolve` (a path or a short name).
+
+    Raises:
+        ModelNotFound, HubUnavailable, ModelFormatError: as :func:`resolve_hub` and
+            ``resolve`` say.
+    """
+    from ringlet.daemon.engine.sources import resolve
+
+    ref = parse_ref(model)
+    return resolve(model) if ref is None else resolve_hub(ref).location()
+
+
 def unavailable_message(ref: HubRef, why: str, cache_dir: Path | None = None) -> str:
     """The one line said when the Hub cannot be reached and the cache lacks ``ref``."""
     storage = repo_storage(ref.repo, cache_dir)

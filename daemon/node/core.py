@@ -378,6 +378,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "plan_id": self.plan.plan_id if self.plan else None,
             "infeasible": self.plan.infeasible if self.plan else None,
             "model": self.config.model.name,
+            "model_revision": self.config.model.revision,  # a Hub model: the commit the cluster agrees on
             "num_layers": stage.num_layers if stage else None,
             "stage": self.index,
             "layer_range": [spec.start, spec.end] if spec else None,

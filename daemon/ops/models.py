@@ -154,7 +154,7 @@ def _list(as_json: bool) -> int:
 
 def _pull(text: str, layers: str | None) -> int:
     from ringlet.daemon.engine.hub import resolve_hub
-    from ringlet.daemon.shards.hub_fetch import DownloadProgress, download, stage_weight_files, total_bytes
+    from ringlet.daemon.shards.hub_fetch import stage_weight_files
 
     ref, span = _ref(text), _layer_range(layers)
     hub = resolve_hub(ref)
@@ -165,24 +165,8 @@ def _pull(text: str, layers: str | None) -> int:
     names = stage_weight_files(hub, *span) if span else hub.weight_files
     todo = [n for n in names if not hub.cached(n)]
     what = f"{hub.repo}" + (f" layers [{span[0]}, {span[1]})" if span else "")
-    progress = DownloadProgress(what, total_bytes(hub, todo), len(todo))
     t0 = time.monotonic()
-    done = threading.Event()
-    failure: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            download(hub, todo, progress)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
-            failure.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=work, name="pull", daemon=True).start()
-    _show(progress, done)
-    if failure:
-        raise failure[0]
-    got = progress.to_dict()
+    got = _download_showing(hub, todo, what).to_dict()
     have = [n for n in hub.weight_files if hub.cached(n)]
     print(f"{hub.repo}@{hub.revision[:12]}: {len(todo)} file(s), {got['bytes_done'] / 1e6:.1f} MB downloaded in "
           f"{time.monotonic() - t0:.1f} s; {len(have)} of {len(hub.weight_files)} weight files in {hub.snapshot}")
@@ -203,6 +187,50 @@ def _show(progress, done: threading.Event) -> None:
         while not done.wait(0.2):
             d = progress.to_dict()
             bar.update(task, completed=d["bytes_done"], description=f"{progress.what} {d['file']}")
+
+
+def whole_model(model: str | None):
+    """``--model`` of a one-process command (``generate``): a Hub name resolved, with every
+    weight file downloaded into the cache (a progress bar on a terminal); else the path or
+    short name resolved.
+
+    Raises:
+        ModelNotFound, HubUnavailable, ModelFormatError, RingletError: see
+            :func:`ringlet.daemon.engine.hub.resolve_hub` and
+            :func:`ringlet.daemon.shards.hub_fetch.download`.
+    """
+    from ringlet.daemon.engine.hub import parse_ref, resolve_hub
+    from ringlet.daemon.engine.sources import resolve
+
+    ref = parse_ref(model)
+    if ref is None:
+        return resolve(model)
+    hub = resolve_hub(ref)
+    _download_showing(hub, [n for n in hub.weight_files if not hub.cached(n)], hub.repo)
+    return hub.location()
+
+
+def _download_showing(hub, todo: list[str], what: str):
+    """Download ``todo`` of ``hub`` with a progress bar on a terminal; returns the progress."""
+    from ringlet.daemon.shards.hub_fetch import DownloadProgress, download, total_bytes
+
+    progress = DownloadProgress(what, total_bytes(hub, todo), len(todo))
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            download(hub, todo, progress)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="pull", daemon=True).start()
+    _show(progress, done)
+    if failure:
+        raise failure[0]
+    return progress
 
 
 def _rm(text: str) -> int:

@@ -69,6 +69,8 @@ def test_three_empty_nodes_fetch_only_their_files_and_serve_mlx_lms_output(tmp_p
         with LocalCluster(3, model=REPO, dynamic=True, per_node_env=envs) as c:
             c.wait_plan(stages=3)
             ranges = {i: tuple(c.cluster_info(i)["layer_range"]) for i in range(3)}
+            infos = [c.cluster_info(i) for i in range(3)]
+            assert {(info["model"], info["model_revision"]) for info in infos} == {(REPO, sha)}
             for i, (start, end) in ranges.items():
                 # every file of its range once, nothing else; the small files once each
                 assert sorted(weight_gets(hub, f"n{i}")) == sorted(stage_file_names(start, end)), (i, ranges)

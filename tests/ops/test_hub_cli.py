@@ -120,3 +120,33 @@ def test_run_without_hub_or_cache_is_one_clear_error(hub, tmp_path, why):
     assert ("HF_HUB_OFFLINE" in lines[0]) == (why == "offline")
     assert "Traceback" not in proc.stderr
     assert hub.requests("off") == []
+
+
+def test_generate_and_plan_take_a_hub_name(hub, tmp_path):
+    """``generate`` downloads the whole model and answers as mlx-lm does on a local copy;
+    ``plan`` reads the config and headers only (no weight is downloaded)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    local = tmp_path / "local"
+    hub.add_commit("test-org/tiny", sharded_model_files(directory=local))
+    env = {"HF_ENDPOINT": hub.endpoint("plan"), "HF_HUB_CACHE": str(tmp_path / "hf-plan")}
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text(json.dumps({"nodes": [{"node_id": n, "memory": "8 GiB", "bandwidth": "100 GB/s",
+                                            "flops": "1 TFLOPS"} for n in ("a", "b")]}))
+    planned = ringlet(env, "plan", "--nodes", str(nodes), "--model", "test-org/tiny", "--json")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert (plan["model"]["name"], plan["model"]["num_layers"]) == ("test-org/tiny", 4)
+    assert [(s["start"], s["end"]) for s in plan["stages"]][0][0] == 0 and plan["stages"][-1]["end"] == 4
+    assert [e.file for e in hub.downloads("plan") if e.file.endswith(".safetensors")] == []
+
+    env = {"HF_ENDPOINT": hub.endpoint("gen"), "HF_HUB_CACHE": str(tmp_path / "hf-gen")}
+    out = ringlet(env, "generate", "--json", "--max-tokens", "12", "--model", "test-org/tiny", "Hello")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    model, _ = load_model(local)
+    want = [int(t) for t, _ in generate_step(mx.array(got["prompt_ids"]), model, max_tokens=12,
+                                             sampler=lambda x: mx.argmax(x, axis=-1))]
+    assert got["completion_ids"] == want[:len(got["completion_ids"])] and got["completion_ids"]
