@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 
 from ringlet.daemon.engine.hub import RINGLET_DIR, HubModel
 from ringlet.daemon.errors import RingletError
 from ringlet.daemon.shards.fetch import FetchResult, fetch_file
 from ringlet.daemon.shards.layout import HEADER
+from ringlet.daemon.shards.local import safe_rel
 from ringlet.daemon.shards.plan import describe_file, plan_file
 from ringlet.daemon.shards.receiver import TransferProgress
 
@@ -37,6 +39,7 @@ def _sha256(path: Path) -> str:
 def _adopt(hub: HubModel, name: str, copy: Path, sha256: str) -> None:
     """Move a verified whole copy into the cache: ``blobs/<sha256>`` and the snapshot's
     relative link to it (how ``huggingface_hub`` lays out an LFS file)."""
+    safe_rel(name)  # a name from the index: never a path outside the snapshot
     blob = hub.storage / "blobs" / sha256
     blob.parent.mkdir(parents=True, exist_ok=True)
     os.replace(copy, blob)
@@ -79,7 +82,8 @@ async def fetch_from_members(node, hub: HubModel, names: list[str], hub_error: s
     staging = hub.storage / RINGLET_DIR / "peer"
     served: set[str] = set()
     for name in names:
-        if not (hub.files.get(name) and hub.files[name].sha256):
+        sha = hub.files[name].sha256 if name in hub.files else None
+        if not (sha and re.fullmatch(r"[0-9a-f]{64}", sha)):
             raise RingletError(f"the Hub failed ({hub_error}) and {name} has no sha256 from it to check a "
                                "member's copy against")
         errors = []

@@ -216,8 +216,8 @@ def _download_one(hub: HubModel, name: str, progress: DownloadProgress) -> int:
     url = hf_hub_url(hub.repo, name, revision=hub.revision, endpoint=hub.endpoint)
     meta = get_hf_file_metadata(url)
     etag, size = meta.etag, meta.size
-    if not etag:
-        raise ShardError(f"{hub.repo}/{name}: the Hub gave no ETag; cannot verify the download")
+    if not etag or not re.fullmatch(r"[0-9A-Za-z_.-]{1,128}", etag) or etag.startswith("."):
+        raise ShardError(f"{hub.repo}/{name}: the Hub gave no usable ETag ({etag!r}); cannot verify the download")
     expected = hub.files[name].sha256 if name in hub.files else None
     if expected and etag != expected:
         raise ShardError(f"{hub.repo}/{name}: the Hub's ETag {etag[:16]}… is not the sha256 it listed "
