@@ -231,7 +231,7 @@ def resolve_hub(ref: HubRef) -> HubModel:
 
     disable_progress_bars()  # its tqdm bars on stderr; ringlet shows its own progress
     cache_dir, endpoint = hub_cache_dir(), constants.ENDPOINT
-    if constants.is_offline_mode():
+    if constants.HF_HUB_OFFLINE:
         return _resolve_cached(ref, "HF_HUB_OFFLINE is set", cache_dir, endpoint)
     try:
         return _resolve_online(ref, cache_dir, endpoint)
