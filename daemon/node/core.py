@@ -171,6 +171,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             return None
         path = cfg.model.path
         files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+        if cfg.model.revision and cfg.model.headers:  # a Hub commit, whose files arrive per stage
+            files = [cfg.model.headers]
         try:
             key = model_key(files, cfg.dtype or "native")
             disk = PrefixDisk(cfg.prefix_cache_dir, cfg.prefix_cache_disk_bytes, key)
