@@ -595,3 +595,10 @@ def test_a_download_in_progress_is_shown_with_bytes_rate_and_eta():
     # 250 MB of 1 GB, 50 MB/s = 400 Mb/s, 15 s left
     assert "downloading on 127.0.0.1:7101: model-00002-of-00004.safetensors · 238 MiB of 954 MiB · 400 Mb/s · " \
            "ETA 15.00 s" in text, text
+
+
+def test_a_member_kept_out_for_its_revision_is_named():
+    infos = {f"http://a{i}": today_info(i) for i in range(2)}
+    infos["http://a0"]["negotiation"] = {"state": "idle", "kept_out": {"c" * 16: "org/m@" + "1" * 40}}
+    text = format_status(build_snapshot("http://a0", infos, {}))
+    assert f"kept out of the plan: {'c' * 16} serves org/m@{'1' * 40}, not the cluster's model" in text, text

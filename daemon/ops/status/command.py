@@ -82,6 +82,9 @@ def format_status(snap: dict) -> str:
                      f"{kv['resumed']} request(s) resumed · {kv['rebuilt_tokens']} token(s) of lost layers rebuilt · "
                      f"{kv['reprefilled_tokens']} token(s) prefilled again ({kv['full_reprefills']} full "
                      "re-prefill(s))")
+    negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
+    for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
+        lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")
     for n in snap["nodes"]:
         if d := n.get("download"):
             lines.append(f"downloading on {n['name']}: {d['file'] or 'files'} · {fmt_bytes(d['bytes_done'])} of "
