@@ -22,6 +22,7 @@ from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
+from ringlet.daemon.engine.hub import parse_ref
 from ringlet.daemon.engine.memory_tuning import tune_allocator
 from ringlet.daemon.engine.model_info import load_tokenizer, model_info
 from ringlet.daemon.engine.sources import resolve
@@ -409,10 +410,10 @@ async def serve(args) -> int:
     mode = getattr(args, "mode", "auto")
     if args.plan and mode in ("tensor", "hybrid"):
         raise RingletError(f"--mode {mode} needs negotiated plans; drop --plan (a static plan is a pipeline)")
-    if getattr(args, "fetch_model", False):
+    if getattr(args, "fetch_model", False) and parse_ref(args.model) is None:
         await _bootstrap_fetch(args)
-    else:
-        await resolve_run_model(args, _bootstrap_fetch)  # --model ORG/NAME[@REVISION]: the Hub
+    else:  # --model ORG/NAME[@REVISION]: the Hub (with --fetch-model or not), else members
+        await resolve_run_model(args, _bootstrap_fetch)
     config, context = build_config(args)
     node = Node(config)
     if getattr(args, "hub", None) is not None:  # each stage's files come from the Hub at prepare
