@@ -7,27 +7,46 @@ one: the new holders of a rebuilt range compute it in chain, each starting from 
 one before it computed, and need each other to agree.
 
 A holder that is gone took its KV with it: its range is rebuilt. A holder that stopped
-(``SIGTERM``, a graceful leave) hands its KV over, so its range moves.
+(``SIGTERM``, a graceful leave) hands its KV over, so its range moves, unless recomputing
+it is predicted to be faster (:mod:`ringlet.partitioning.kv_moves`: the KV bytes over the
+measured link against the new holders' FLOP/s).
 """
 
 from __future__ import annotations
 
+import logging
+
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
+from ringlet.partitioning import LinkSpec, ModelSpec, NodeSpec, Policy
+from ringlet.partitioning.costs import CostModel
+from ringlet.partitioning.kv_moves import kv_sources
+
+log = logging.getLogger(__name__)
 
 
-def mark_rebuilds(previous: list[pb.LayerRange], alive: set[str], departed: dict[str, str]) -> list[pb.LayerRange]:
-    """``previous`` (the stages the cluster serves now) with ``rebuild`` and ``why`` set on
-    the stages whose node is no longer a member and did not leave gracefully.
+def mark_rebuilds(previous: list[pb.LayerRange], stages: list[tuple[str, int, int]], model: ModelSpec,
+                  nodes: list[NodeSpec], links: list[LinkSpec], policy: Policy, alive: set[str],
+                  departed: dict[str, str]) -> list[pb.LayerRange]:
+    """``previous`` (the stages the cluster serves now) with ``rebuild`` and ``why`` set by
+    :func:`ringlet.partitioning.kv_moves.kv_sources`: a stage whose node is no longer a
+    member and did not leave gracefully is lost and rebuilt; any other is rebuilt when
+    recomputing its layers is predicted to beat moving their KV over the measured link.
 
     Args:
         previous: the serving plan's stages (modified in place and returned).
+        stages: the new plan's stages, ``(node id, start, end)``.
+        model, nodes, links, policy: the planner's inputs for the new plan.
         alive: the members the new plan is made for.
         departed: node id -> why it left (``"stopped"``: a graceful leave, its KV moves).
     """
-    for stage in previous:
-        if stage.node_id and stage.node_id not in alive and departed.get(stage.node_id, "") != "stopped":
-            stage.rebuild = True
-            stage.why = f"lost ({departed.get(stage.node_id, 'not a member')}): its KV went with it"
+    lost = {s.node_id: departed.get(s.node_id, "not a member") for s in previous
+            if s.node_id and s.node_id not in alive and departed.get(s.node_id, "") != "stopped"}
+    decided = kv_sources([(s.node_id, s.start, s.end) for s in previous], stages, model,
+                         {n.node_id: n for n in nodes}, links, policy, lost)
+    for stage, choice in zip(previous, decided, strict=True):
+        stage.rebuild, stage.why = choice.rebuild, choice.why
+        if choice.rebuild or choice.recompute_s_per_token is not None:
+            log.info("KV of layers [%d, %d) held by %s: %s", stage.start, stage.end, stage.node_id[:8], choice.why)
     return previous
 
 
@@ -57,3 +76,16 @@ def boundary_source(lo: int, span: tuple[int, int], previous, stages):
         return found, True
     holder = next((s for s in stages if s.start <= lo - 1 < s.end), None)
     return holder, False
+
+
+def room_refusal(model: ModelSpec, start: int, end: int, tokens: int, usable: int) -> str | None:
+    """Why a node cannot take layers ``[start, end)`` with the KV of ``tokens`` tokens in
+    flight (they arrive with the layers; at least the planner's context is counted, as
+    it plans), or ``None``: it can. ``usable`` is the memory the node offers the planner,
+    bytes (its boundary-activation budget already taken off)."""
+    context = max(model.context_tokens, tokens)
+    need = CostModel(model, context_tokens=context).stage_memory(start, end)
+    if need <= usable:
+        return None
+    return (f"no room for layers [{start}, {end}) with the KV of {tokens} token(s) in flight: they need "
+            f"{need / 1e9:.2f} GB with a {context}-token KV cache, this node offers {usable / 1e9:.2f} GB")

@@ -69,6 +69,14 @@ class ModelAgreement:
 
         return agree(ids, model_of, self.own_model)
 
+    def info(self, membership) -> dict:
+        """For ``/v1/cluster``'s ``negotiation``: the ``proposer`` (lowest id holding the
+        cluster's model), ``is_proposer`` (this node is it), ``kept_out`` ``{id: model}`` and
+        this node's ``kept_out_reason``."""
+        a = self.view(membership)
+        return {"proposer": a.eligible[0], "is_proposer": a.eligible[0] == membership.node_id,
+                "kept_out": a.kept_out, "kept_out_reason": self.kept_out_reason}
+
     def report(self, membership) -> Agreement:
         """:meth:`view`, recording an event for each member newly kept out (and, on a node
         kept out, why and what to run instead)."""

@@ -48,20 +48,16 @@ from typing import Protocol
 
 import grpc
 
-from ringlet.daemon.cluster.kv_sources import mark_rebuilds
+from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.model_agreement import ModelAgreement
+from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
 
 log = logging.getLogger(__name__)
-
-
-#: Seconds a member waits for stage 0 or its next stage to answer an ``Echo`` before
-#: refusing a proposal as unreachable (a loopback or LAN round trip takes milliseconds).
-REACH_TIMEOUT_S = 3.0
 
 
 def _gb(n: float) -> str:
@@ -93,6 +89,10 @@ class PlanHost(Protocol):
 
     def event(self, kind: str, message: str) -> None:
         """Record a one-line event for status and the dashboard."""
+
+    def kv_tokens_in_flight(self) -> int:
+        """Tokens in the KV caches of the requests in flight on this node (every stage of a
+        pipeline holds them all: they move with the layers at a re-plan)."""
 
 
 class Negotiator:
@@ -132,6 +132,7 @@ class Negotiator:
         self.committed_reason: str | None = None
         self._prepared_key: tuple[int, str] | None = None
         self._epoch_floor = 0  # newest epoch a refusing member reported (Vote.newest_epoch)
+        self._kv_reserve = 0  # most KV tokens in flight a member refused for (Vote.kv_tokens)
         self._split = False  # this node's last commit did not reach every member
         self._prepared: dict[tuple[int, str], tuple[ServingPlan, Plan | None, str]] = {}
         self._changed = asyncio.Event()
@@ -188,13 +189,18 @@ class Negotiator:
                 await asyncio.sleep(self.settle_s)
                 self._changed.set()
 
-    def compute_plan(self) -> tuple[Plan | None, str | None]:
-        """The plan for the current view, or ``(None, reason)`` when the model does not fit."""
+    def compute_plan(self, kv_tokens: int = 0) -> tuple[Plan | None, str | None]:
+        """The plan for the current view, or ``(None, reason)`` when the model does not fit;
+        with ``kv_tokens`` (the KV in flight, which moves with the layers) above the model's
+        planning context, every stage is sized for that many tokens of KV."""
         ids = self.agreement.view(self.membership).eligible
         records = {i: self.membership.record_of(i) or {} for i in ids}
         nodes, links = planner_inputs(build_graph(records))
+        spec = self.model_spec
+        if kv_tokens > spec.context_tokens:
+            spec = replace(spec, context_tokens=kv_tokens)
         try:
-            return make_plan(nodes, links, self.model_spec, previous=self.committed_plan, policy=self.policy), None
+            return make_plan(nodes, links, spec, previous=self.committed_plan, policy=self.policy), None
         except Infeasible as exc:
             have = sum(n.memory_bytes for n in nodes)
             need = have + exc.shortfall_bytes
@@ -214,11 +220,22 @@ class Negotiator:
             committed_mode = (self.node.plan.tp or {}).get("mode", "pipeline")
             if same and committed_mode == (mode or {}).get("mode", "pipeline"):
                 return False
+        # a re-plan is due: the KV in flight moves with the layers, so the new stages must hold it
+        reserve = max(self.node.kv_tokens_in_flight(), self._kv_reserve)
+        if reserve > self.model_spec.context_tokens:
+            plan, reason = self.compute_plan(reserve)
+            log.info("planning with room for %d token(s) of KV in flight", reserve)
         epoch = max([self.node.epoch, self._epoch_floor,
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
-        previous = mark_rebuilds(await self._serving_stages(), set(ids), self.membership.departed)
+        previous = await self._serving_stages()
+        if plan is not None and not (mode and mode.get("mode") in ("tensor", "hybrid")):
+            records = {i: self.membership.record_of(i) or {} for i in ids}
+            nodes, links = planner_inputs(build_graph(records))
+            stages = [(s.node_id, s.start, s.end) for s in plan.stages]
+            mark_rebuilds(previous, stages, self.model_spec, nodes, links, self.policy, set(ids),
+                          self.membership.departed)
         proposal = pb.Proposal(epoch=epoch, proposer_id=self.node.node_id, membership_digest=digest,
                                plan_json=body, model=self.model_name, addresses=addresses,
                                tp_json=json.dumps(mode, sort_keys=True) if mode else "", previous=previous)
@@ -247,6 +264,7 @@ class Negotiator:
         if refused:
             self.state = "idle"
             self._epoch_floor = max([self._epoch_floor, *(v.newest_epoch for v in refused)])
+            self._kv_reserve = max([self._kv_reserve, *(v.kv_tokens for v in refused)])
             self._abandon((epoch, self.node.node_id))
             self.last_result = "; ".join(f"{v.node_id}: {v.reason}" for v in refused)
             log.info("epoch %d not accepted: %s", epoch, self.last_result)
@@ -296,32 +314,20 @@ class Negotiator:
         newest = max(self.node.epoch, self._prepared_key[0] if self._prepared_key is not None else 0)
         return pb.Vote(ok=False, reason=why, node_id=self.node.node_id, newest_epoch=newest)
 
-    async def _unreachable(self, serving: ServingPlan) -> str | None:
-        """Why this node cannot serve ``serving``'s hops (``None``: it can): it must dial
-        stage 0 (where its API requests go) and the stage after its own, at the plan's
-        addresses. A node that advertised an address its peers cannot reach (a container
-        bridge every host has, a stale route) is caught here, before any commit."""
-        me = self.node.node_id
-        index = next((i for i, s in enumerate(serving.stages) if s.node_id == me), None)
-        wanted = {0} if index != 0 else set()
-        if index is not None and index + 1 < len(serving.stages):
-            wanted.add(index + 1)
-
-        async def dial(i: int) -> str | None:
-            stage = serving.stages[i]
-            try:
-                await self.membership.stub(stage.address).Echo(pb.Ping(), timeout=REACH_TIMEOUT_S)
-                return None
-            except grpc.aio.AioRpcError as exc:
-                role = "stage 0" if i == 0 else f"the next stage ({i})"
-                host = stage.address.rsplit(":", 1)[0]
-                return (f"cannot reach {role}, {stage.node_id[:8]} at {stage.address}, from this node "
-                        f"({self.membership.address}): {exc.code().name}; if {host} is not an address its peers "
-                        "can reach (a container or VM bridge such as docker0), start that node with "
-                        "--advertise-host ADDRESS or --interface NAME")
-
-        problems = [p for p in await asyncio.gather(*(dial(i) for i in sorted(wanted))) if p]
-        return "; ".join(problems) or None
+    def _no_room(self, serving: ServingPlan) -> pb.Vote | None:
+        """A refusal when this node's stage of ``serving`` cannot hold its weights with the
+        KV in flight, which arrives with the layers (``None``: it can)."""
+        mine = next((s for s in serving.stages if s.node_id == self.node.node_id), None)
+        usable = int((self.membership.own_record or {}).get("usable_memory_bytes") or 0)
+        if mine is None or usable <= 0:
+            return None
+        tokens = self.node.kv_tokens_in_flight()
+        why = room_refusal(self.model_spec, mine.start, mine.end, tokens, usable)
+        if why is None:
+            return None
+        vote = self._refuse(why)
+        vote.kv_tokens = max(tokens, self.model_spec.context_tokens)
+        return vote
 
     def _abandon(self, key: tuple[int, str]) -> None:
         """Forget this node's own proposal ``key`` after a member refused it.
@@ -407,8 +413,10 @@ class Negotiator:
             if not previous and self.node.plan is not None:  # a proposer that could not say
                 previous = self.node.plan.stages
             serving = replace(serving, previous=previous)
-            if not serving.is_tensor and (why := await self._unreachable(serving)):
+            if not serving.is_tensor and (why := await unreachable(self.membership, self.node.node_id, serving)):
                 return self._refuse(why)
+            if not serving.is_tensor and not serving.is_hybrid and (vote := self._no_room(serving)) is not None:
+                return vote
         self._prepared_key = key
         self.state = f"preparing epoch {p.epoch}"
         try:
@@ -467,7 +475,7 @@ class Negotiator:
 
     def info(self) -> dict:
         """Members, topology and negotiation state for ``/v1/cluster``."""
-        ids, agreed = self.membership.alive_ids(), self.agreement.view(self.membership)
+        ids = self.membership.alive_ids()
         records = {i: self.membership.record_of(i) or {} for i in ids}
         graph = to_json(build_graph(records))
         members = []
@@ -487,7 +495,6 @@ class Negotiator:
             "policy": self.policy.name,
             "members": members,
             "links": graph["links"],
-            "negotiation": {"state": self.state, "proposer": agreed.eligible[0], "is_proposer": self.is_proposer(),
-                            "kept_out": agreed.kept_out, "kept_out_reason": self.agreement.kept_out_reason,
+            "negotiation": {"state": self.state, **self.agreement.info(self.membership),
                             "membership_digest": self.membership.digest(), "last_result": self.last_result},
         }

@@ -211,18 +211,28 @@ def to_chunks(boundaries: list[Boundary], max_bytes: int) -> Iterator[pb.Boundar
     tokens so that no chunk's tensor exceeds ``max_bytes``; a sequence's first chunk
     carries its scope and token ids (at layer 0, that chunk is all there is)."""
     for index, b in enumerate(boundaries):
-        head = pb.BoundaryChunk(sequence=index, scope=b.scope, inflight=b.inflight, layer=b.layer, first=True)
-        head.tokens.extend(b.tokens)
-        if b.hidden is None:
-            yield head
-            continue
-        n = len(b.tokens)
-        step = max(1, max_bytes // max(1, b.hidden.nbytes // max(1, n)))
-        for t in range(0, n, step):
-            chunk = head if t == 0 else pb.BoundaryChunk(sequence=index, layer=b.layer)
-            chunk.token_start = t
-            chunk.hidden.CopyFrom(codec.encode(b.hidden[:, t:t + step]))
-            yield chunk
+        yield head_chunk(index, b)
+        if b.hidden is not None:
+            yield from part_chunks(index, b.layer, 0, b.hidden, max_bytes)
+
+
+def head_chunk(index: int, b: Boundary) -> pb.BoundaryChunk:
+    """The first chunk of sequence ``index``: its scope and token ids, no states."""
+    head = pb.BoundaryChunk(sequence=index, scope=b.scope, inflight=b.inflight, layer=b.layer, first=True)
+    head.tokens.extend(b.tokens)
+    return head
+
+
+def part_chunks(index: int, layer: int, token_start: int, hidden: mx.array,
+                max_bytes: int) -> Iterator[pb.BoundaryChunk]:
+    """States ``(1, t, hidden_size)`` of tokens from ``token_start`` of sequence ``index``,
+    in chunks of at most ``max_bytes``."""
+    n = hidden.shape[1]
+    step = max(1, max_bytes // max(1, hidden.nbytes // max(1, n)))
+    for t in range(0, n, step):
+        chunk = pb.BoundaryChunk(sequence=index, layer=layer, token_start=token_start + t)
+        chunk.hidden.CopyFrom(codec.encode(hidden[:, t:t + step]))
+        yield chunk
 
 
 class BoundaryReader:
@@ -241,20 +251,24 @@ class BoundaryReader:
         self._parts: dict[int, list[tuple[int, mx.array]]] = {}
         self.nbytes = 0
 
-    def add(self, chunk: pb.BoundaryChunk) -> None:
-        """Take one chunk.
+    def add(self, chunk: pb.BoundaryChunk) -> tuple[int, Boundary | None, int, mx.array | None]:
+        """Take one chunk. Returns what it brought: ``(sequence, its scope and token ids
+        as a Boundary without states on its first chunk else None, token_start, states
+        (1, t, hidden_size) or None)``.
 
         Raises:
             BoundaryError: another layer, a malformed tensor, or one of another width or dtype.
         """
         if chunk.layer != self.layer:
             raise BoundaryError(f"a boundary at layer {chunk.layer}, asked for layer {self.layer}")
+        meta = None
         if chunk.first:
             self._meta[chunk.sequence] = (chunk.scope, list(chunk.tokens), chunk.inflight)
+            meta = Boundary(chunk.scope, list(chunk.tokens), self.layer, None, chunk.inflight)
         elif chunk.sequence not in self._meta:
             raise BoundaryError(f"sequence {chunk.sequence}: states before its first chunk")
         if not chunk.HasField("hidden"):
-            return
+            return chunk.sequence, meta, chunk.token_start, None
         try:
             h = codec.decode(chunk.hidden, max_bytes=self.max_bytes, require_finite=True)
         except codec.TensorDecodeError as exc:
@@ -266,6 +280,7 @@ class BoundaryReader:
             raise BoundaryError(f"sequence {chunk.sequence}: dtype {h.dtype}, this stage computes in {self.dtype}")
         self._parts.setdefault(chunk.sequence, []).append((chunk.token_start, h))
         self.nbytes += h.nbytes
+        return chunk.sequence, meta, chunk.token_start, h
 
     def boundaries(self) -> list[Boundary]:
         """The sequences received, each whole.

@@ -18,10 +18,12 @@ Pure MLX array handling, run on the engine's worker thread; no I/O.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -140,24 +142,52 @@ def assemble(pieces: list[Piece], start: int, end: int) -> list[Piece]:
 # --- wire form -----------------------------------------------------------------------------
 
 
-def to_chunks(pieces: list[Piece], max_bytes: int) -> Iterator[pb.KVChunk]:
+def token_digest(tokens: list[int]) -> bytes:
+    """sha256 of token ids as little-endian int32: names a sequence's prefix on the wire
+    (``KVHave``) without sending its ids back."""
+    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).digest()
+
+
+def held_prefix(piece: Piece, have: list[pb.KVHave]) -> int:
+    """How many of ``piece``'s leading tokens the caller says it holds (0: none)."""
+    best = 0
+    for h in have:
+        if h.scope == piece.scope and best < h.tokens <= len(piece.tokens) and \
+                token_digest(piece.tokens[:h.tokens]) == h.digest:
+            best = h.tokens
+    return best
+
+
+def to_chunks(pieces: list[Piece], max_bytes: int, held: list[int] | None = None) -> Iterator[pb.KVChunk]:
     """The wire form of ``pieces``: per piece and layer, one chunk of keys and values,
-    split along the tokens so that no chunk's tensors exceed ``max_bytes`` together."""
+    split along the tokens so that no chunk's tensors exceed ``max_bytes`` together.
+    ``held[i]``: the caller holds piece ``i``'s first tokens already; only the others are
+    sent (a piece it holds whole is one chunk with its ids and no tensors)."""
     for index, piece in enumerate(pieces):
         first = True
+        skip = held[index] if held else 0
+        n = len(piece.tokens)
+        if skip >= n:
+            yield _head(pb.KVChunk(piece=index, layer=piece.start), piece, skip)
+            continue
         for layer, (k, v) in enumerate(piece.layers, start=piece.start):
-            n = len(piece.tokens)
             per_token = max(1, (k.nbytes + v.nbytes) // max(1, n))
             step = max(1, max_bytes // per_token)
-            for t in range(0, n, step):
+            for t in range(skip, n, step):
                 chunk = pb.KVChunk(piece=index, layer=layer, token_start=t,
                                    keys=codec.encode(k[..., t:t + step, :]),
                                    values=codec.encode(v[..., t:t + step, :]))
                 if first:
-                    chunk.scope, chunk.inflight = piece.scope, piece.inflight
-                    chunk.tokens.extend(piece.tokens)
+                    _head(chunk, piece, skip)
                     first = False
                 yield chunk
+
+
+def _head(chunk: pb.KVChunk, piece: Piece, held: int) -> pb.KVChunk:
+    """``chunk`` as the first of ``piece``: its scope, ids, in-flight flag and held tokens."""
+    chunk.scope, chunk.inflight, chunk.from_token = piece.scope, piece.inflight, held
+    chunk.tokens.extend(piece.tokens)
+    return chunk
 
 
 class PieceReader:
@@ -167,13 +197,33 @@ class PieceReader:
         start, end: the layer range asked for: every piece must hold all of it.
         dtype: the cache dtype of the receiving stage (``None``: any float dtype).
         max_bytes: the largest tensor a chunk may carry.
+        held: pieces of ``[start, end)`` the caller already holds (a snapshot taken while
+            it prepared): a piece that comes ``from_token`` n takes its first n tokens'
+            KV from the held piece with its scope and those n token ids.
     """
 
-    def __init__(self, start: int, end: int, dtype: mx.Dtype | None, max_bytes: int):
+    def __init__(self, start: int, end: int, dtype: mx.Dtype | None, max_bytes: int,
+                 held: list[Piece] | None = None):
         self.start, self.end, self.dtype, self.max_bytes = start, end, dtype, max_bytes
         self._meta: dict[int, tuple[str, list[int], bool]] = {}
         self._parts: dict[tuple[int, int], list[tuple[int, mx.array, mx.array]]] = {}
+        self._held = list(held or [])
         self.nbytes = 0
+
+    def _seed(self, chunk: pb.KVChunk) -> None:
+        """Take a sequence's first ``from_token`` tokens from the held pieces.
+
+        Raises:
+            KVPieceError: no held piece has them.
+        """
+        n, tokens = chunk.from_token, list(chunk.tokens)
+        for p in self._held:
+            if p.scope == chunk.scope and p.start <= self.start and p.end >= self.end and \
+                    p.tokens[:n] == tokens[:n] and len(p.tokens) >= n:
+                for layer, (k, v) in enumerate(p.within(self.start, self.end).layers, start=self.start):
+                    self._parts.setdefault((chunk.piece, layer), []).append((0, k[..., :n, :], v[..., :n, :]))
+                return
+        raise KVPieceError(f"piece {chunk.piece}: from token {n}, but no piece held here has those tokens")
 
     def add(self, chunk: pb.KVChunk) -> None:
         """Take one chunk.
@@ -184,8 +234,12 @@ class PieceReader:
         """
         if chunk.tokens or chunk.piece not in self._meta:
             self._meta[chunk.piece] = (chunk.scope, list(chunk.tokens), chunk.inflight)
+            if chunk.from_token:
+                self._seed(chunk)
         if not self.start <= chunk.layer < self.end:
             raise KVPieceError(f"layer {chunk.layer} is outside the range [{self.start}, {self.end}) asked for")
+        if not chunk.HasField("keys") and not chunk.HasField("values") and chunk.from_token:
+            return  # the caller holds the whole sequence
         try:
             k = codec.decode(chunk.keys, max_bytes=self.max_bytes, require_finite=True)
             v = codec.decode(chunk.values, max_bytes=self.max_bytes, require_finite=True)

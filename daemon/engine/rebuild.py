@@ -22,14 +22,17 @@ from ringlet.daemon.engine.stage import Stage
 
 
 class Rebuild:
-    """The rebuild of one sequence's layers ``[lo, hi)``, a chunk of ``chunk`` tokens per
-    :meth:`step` (each a call on the worker thread, so that other requests' steps run
-    between chunks of a long context).
+    """The rebuild of one sequence's layers ``[lo, hi)``, a chunk of at most ``chunk``
+    tokens per :meth:`step` (each a call on the worker thread, so that other requests'
+    steps run between chunks of a long context). The states entering ``lo`` may come in
+    parts (:meth:`feed`), as the holder of the layers before rebuilds them: a chain of
+    holders then works as a pipeline, each on the chunk after its predecessor's.
 
     Args:
         stage: a stage holding ``[lo, hi)`` (its other layers are not run).
         lo, hi: the layers to rebuild.
-        given: the states entering ``lo`` (at layer 0, the token ids).
+        given: the sequence (scope, token ids, in flight or not) and the states entering
+            ``lo`` received so far (``None``: none yet; at layer 0 the token ids are the input).
         chunk: tokens per forward (the prefill chunk: bounds the attention's memory).
 
     Raises:
@@ -41,40 +44,63 @@ class Rebuild:
         self.chunk = max(1, chunk)
         self.done_tokens = 0
         self._cache: list | None = None
+        self._inputs: list[mx.array] = [given.hidden] if given.hidden is not None else []
         self._parts: list[mx.array] = []
 
     @property
-    def usable(self) -> bool:
-        """Whether the input can be rebuilt from: some tokens, and at a layer above 0 their
-        states, one per token."""
-        n = len(self.given.tokens)
-        return n > 0 and (self.lo == 0 or (self.given.hidden is not None and self.given.hidden.shape[1] == n))
+    def total(self) -> int:
+        """Tokens of the sequence."""
+        return len(self.given.tokens)
 
-    def step(self) -> bool:
-        """Run the next chunk (worker thread). Returns whether every token is done (also
-        when the stage caches anything but plain ``KVCache`` layers: nothing to rebuild)."""
-        n = len(self.given.tokens)
+    @property
+    def fed(self) -> int:
+        """Tokens whose input is here (all of them at layer 0)."""
+        return self.total if self.lo == 0 else sum(x.shape[1] for x in self._inputs)
+
+    def feed(self, part: mx.array) -> None:
+        """More states entering ``lo``: ``(1, t, hidden_size)``, the next ``t`` tokens."""
+        self._inputs.append(part)
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`step` has a chunk to run: a whole one, or the rest of the sequence."""
+        left = self.total - self.done_tokens
+        return left > 0 and self.fed - self.done_tokens >= min(self.chunk, left)
+
+    @property
+    def finished(self) -> bool:
+        return self.done_tokens >= self.total
+
+    def step(self) -> mx.array | None:
+        """Run the next chunk of what was fed (worker thread). Returns the states it sends
+        on to ``hi``, ``(1, t, hidden_size)`` (``None``: nothing to run, or the stage
+        caches anything but plain ``KVCache`` layers, which ends the rebuild)."""
         with self.stage.span(self.lo, self.hi):
             if self._cache is None:
                 self._cache = self.stage.make_cache()
                 if not storable(self._cache):
-                    self.done_tokens = n
                     self._cache = []
-            if self.done_tokens >= n:
-                return True
+                    self.done_tokens = self.total
             t = self.done_tokens
-            x = (mx.array([self.given.tokens[t:t + self.chunk]], dtype=mx.int32) if self.lo == 0
-                 else self.given.hidden[:, t:t + self.chunk])
+            n = min(self.chunk, self.fed - t)
+            if self.finished or n <= 0:
+                return None
+            if self.lo == 0:
+                x = mx.array([self.given.tokens[t:t + n]], dtype=mx.int32)
+            else:
+                if len(self._inputs) > 1:
+                    self._inputs = [mx.concatenate(self._inputs, axis=1)]
+                x = self._inputs[0][:, t:t + n]
             y = self.stage(x, self._cache)
             mx.eval(y, [c.state for c in self._cache])
         self._parts.append(y)
-        self.done_tokens = min(n, t + self.chunk)
-        return self.done_tokens >= n
+        self.done_tokens = t + n
+        return y
 
     def result(self) -> tuple[Piece, Boundary] | None:
-        """Its KV of ``[lo, hi)`` and the states entering ``hi``, once :meth:`step` said
-        done (``None`` when nothing could be rebuilt)."""
-        n = len(self.given.tokens)
+        """Its KV of ``[lo, hi)`` and the states entering ``hi``, once :attr:`finished`
+        (``None`` when nothing could be rebuilt)."""
+        n = self.total
         if not self._cache or not self._parts or self.done_tokens < n:
             return None
         hidden = self._parts[0] if len(self._parts) == 1 else mx.concatenate(self._parts, axis=1)
@@ -90,9 +116,9 @@ def rebuild(stage: Stage, lo: int, hi: int, inputs: list[Boundary], chunk: int) 
     outputs: list[Boundary] = []
     for given in inputs:
         job = Rebuild(stage, lo, hi, given, chunk)
-        if not job.usable:
+        if job.fed != job.total or job.total == 0:  # states of another length than the tokens
             continue
-        while not job.step():
+        while job.step() is not None:
             pass
         if (made := job.result()) is not None:
             pieces.append(made[0])

@@ -169,6 +169,10 @@ class StageEngine:
         """Ids of the requests holding a KV cache on this stage."""
         return list(self._requests)
 
+    def tokens_in_flight(self) -> int:
+        """Tokens in the KV caches of the requests in flight here (read from any thread)."""
+        return sum(state.offset for state in list(self._requests.values()))
+
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV caches of the requests in flight on this stage (not the
         prefix store's entries)."""

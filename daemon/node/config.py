@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.wire.serving_plan import StageSpec
 from ringlet.daemon.wire.transport import TransportConfig
@@ -68,8 +68,9 @@ class NodeConfig:
         kv_migration: on a re-plan, move KV caches with their layers
             (:mod:`ringlet.daemon.node.migration`); off: drop them, requests re-prefill.
         boundary_cache_bytes: the most bytes of boundary activations (the hidden states
-            this stage sent on) kept to rebuild a lost next stage's layers (0: none);
-            default :data:`~ringlet.daemon.engine.defaults.DEFAULT_BOUNDARY_CACHE_BYTES`.
+            this stage sent on) kept to rebuild a lost next stage's layers (0: none;
+            ``None``: a sixteenth of the usable memory, at most
+            :data:`~ringlet.daemon.engine.defaults.DEFAULT_BOUNDARY_CACHE_BYTES`).
     """
 
     host: str
@@ -94,7 +95,7 @@ class NodeConfig:
     prefix_cache_disk_bytes: int = 0
     prefix_cache_dir: Path | None = None
     kv_migration: bool = True
-    boundary_cache_bytes: int = DEFAULT_BOUNDARY_CACHE_BYTES
+    boundary_cache_bytes: int | None = None
 
     @property
     def address(self) -> str:

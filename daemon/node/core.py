@@ -40,6 +40,7 @@ import grpc
 import psutil
 
 from ringlet.daemon.engine.boundary import BoundaryStore
+from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
 from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
@@ -152,7 +153,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         disk = await asyncio.get_running_loop().run_in_executor(executor, self._prefix_disk)
         self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
                                   max_batch=self.config.max_batch, prefix=PrefixStore(0, disk=disk),
-                                  boundaries=BoundaryStore(self.config.boundary_cache_bytes))
+                                  boundaries=BoundaryStore(self.boundary_budget()))
         if self.config.plan is not None:
             stages = tuple(self.config.plan)
             digest = ",".join(f"{s.address}={s.start}:{s.end}" for s in stages)
@@ -204,7 +205,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
     # --- plans: prepare, commit ----------------------------------------------------------
 
     async def prepare(self, plan: ServingPlan) -> int:
-        """Load this node's stage of ``plan`` while the current plan keeps serving.
+        """Load this node's stage of ``plan`` while the current plan keeps serving, and pull
+        a snapshot of the KV of the layers it gains (:meth:`precopy`).
 
         Layers this node already holds are reused; only the others are read.
         Returns the bytes read from disk.
@@ -249,6 +251,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                 "weights_bytes": stage.nbytes(), "rss_before_bytes": self.memory.pop("rss_before_load_bytes", 0),
                 "mlx_active_after_bytes": await self.engine.run(mlx_active_bytes),
                 "peak_rss_after_bytes": peak_rss_bytes()}
+        await self.precopy(plan, spec.start, spec.end)  # the KV of the layers gained, while the old plan serves
         return loaded
 
     async def commit(self, plan: ServingPlan) -> None:
@@ -312,6 +315,11 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
 
     # --- introspection -------------------------------------------------------------------
 
+    def kv_tokens_in_flight(self) -> int:
+        """Tokens in the KV caches of the requests in flight on this node's stage (each stage
+        of a pipeline holds them all; they move with the layers at a re-plan)."""
+        return self.engine.tokens_in_flight() if self.engine is not None else 0
+
     def prefix_budget(self, stage) -> int:
         """Bytes this node's prefix store may hold under ``stage``: ``--prefix-cache-bytes``,
         else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION` of the usable memory
@@ -324,16 +332,28 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             return 0
         return self.prefix_budget_for(stage.nbytes())
 
+    def _usable_memory(self) -> int:
+        """``--memory-limit``, else the machine's memory shared by the ringlet processes on it, bytes."""
+        if self.config.usable_memory_bytes is not None:
+            return self.config.usable_memory_bytes
+        return psutil.virtual_memory().total // colocated.count(machine_cache_dir() / colocated.DIR_NAME)
+
+    def boundary_budget(self) -> int:
+        """Bytes of boundary activations this node keeps: ``--boundary-cache-bytes``, else a
+        sixteenth of its usable memory, at most
+        :data:`~ringlet.daemon.engine.defaults.DEFAULT_BOUNDARY_CACHE_BYTES`. The planner
+        is offered the memory without it."""
+        if self.config.boundary_cache_bytes is not None:
+            return max(0, self.config.boundary_cache_bytes)
+        return min(DEFAULT_BOUNDARY_CACHE_BYTES, self._usable_memory() // 16)
+
     def prefix_budget_for(self, weights_bytes: int) -> int:
         """Bytes of prefix cache this node may hold next to ``weights_bytes`` of weights:
         ``--prefix-cache-bytes``, else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION`
         of the usable memory they leave free."""
         if self.config.prefix_cache_bytes is not None:
             return max(0, self.config.prefix_cache_bytes)
-        usable = self.config.usable_memory_bytes
-        if usable is None:  # the machine's memory, shared with the other ringlet processes on it
-            usable = psutil.virtual_memory().total // colocated.count(machine_cache_dir() / colocated.DIR_NAME)
-        return int(PREFIX_CACHE_FRACTION * max(0, usable - weights_bytes))
+        return int(PREFIX_CACHE_FRACTION * max(0, self._usable_memory() - weights_bytes - self.boundary_budget()))
 
     def memory_info(self, stage) -> dict:
         """What this node holds now, bytes (``/v1/cluster``'s ``memory``): the weights of

@@ -4,13 +4,18 @@ Without this, a re-plan drops every KV cache and each request in flight resumes 
 prefilling its prompt and tokens so far again: minutes for a 100k-token agent context.
 With it, at each commit of a pipeline plan:
 
+0. while it prepares the new plan (the old one serving on), a node that gains layers pulls
+   a snapshot of their KV from their holders (:meth:`Migration.precopy`), so that at the
+   commit only what changed since (the tokens decoded meanwhile) is left to move;
 1. the node parks the KV it holds (requests in flight, prefix-cache entries) as pieces of
    its old layer range (:func:`ringlet.daemon.engine.kv_handoff.park`);
 2. it keeps the layers it still holds, and keeps the others for their new holders, who
    pull them with ``FetchKV`` (:meth:`Migration.serve_kv`);
 3. it pulls the layers it gained from their old holders (the plan's ``previous``
-   stages), joins everything into sequences over its new range and puts them in its
-   prefix store (requests in flight pinned);
+   stages), naming the snapshot it holds so that only the rest comes, joins everything
+   into sequences over its new range and puts them in its prefix store (requests in
+   flight pinned); a range whose holder is lost is rebuilt instead
+   (:mod:`ringlet.daemon.node.rebuild`);
 4. the API node resumes each request as before; every stage now finds its tokens in
    its prefix store, so the request prefills one token: the one its next decode step
    would have computed anyway.
@@ -33,7 +38,15 @@ from collections.abc import AsyncIterator
 import mlx.core as mx
 
 from ringlet.daemon.engine import kv_handoff
-from ringlet.daemon.engine.kv_pieces import KVPieceError, Piece, PieceReader, range_minus, to_chunks
+from ringlet.daemon.engine.kv_pieces import (
+    KVPieceError,
+    Piece,
+    PieceReader,
+    held_prefix,
+    range_minus,
+    to_chunks,
+    token_digest,
+)
 from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.errors import one_line
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -50,12 +63,15 @@ HANDOFF_WAIT_S = 10.0
 #: Seconds one KV fetch from one old holder may take (a holder that cannot be reached
 #: fails at once; this bounds one that stops answering mid-stream).
 FETCH_TIMEOUT_S = 30.0
+#: Seconds the snapshot pulled while preparing may take in all (what is not pulled by then
+#: moves at the commit).
+PRECOPY_TIMEOUT_S = 120.0
 #: The counters of ``kv_migration`` (totals) and of each re-plan's figures.
 #: ``rebuilt_tokens``: tokens of KV rebuilt from boundary activations, weighted by the share
 #: of the model's layers rebuilt (a sequence of n tokens whose lost 10 of 30 layers were
 #: rebuilt counts n / 3: the prefill it cost).
 COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills",
-            "rebuilt_tokens")
+            "rebuilt_tokens", "precopied_bytes")
 
 
 class Migration:
@@ -67,6 +83,8 @@ class Migration:
         self._installed = asyncio.Event()
         self._installed.set()
         self._served: list[tuple[int, int]] = []  # layer ranges fetched from this node
+        #: the snapshot pulled while preparing: (epoch, (holder id, start, end) -> pieces)
+        self._precopied: tuple[int, dict[tuple[str, int, int], list[Piece]]] = (0, {})
         #: figures for /v1/cluster: the last re-plan's, and totals since start
         self.kv_migration: dict = {"last": None, **dict.fromkeys(COUNTERS, 0)}
 
@@ -75,7 +93,8 @@ class Migration:
         when the last ones are of another epoch)."""
         last = self.kv_migration["last"]
         if last is None or last.get("epoch") != epoch:
-            last = {"epoch": epoch, **dict.fromkeys(COUNTERS, 0), "from": {}, "rebuilt": {}, "failed": {}}
+            last = {"epoch": epoch, **dict.fromkeys(COUNTERS, 0), "from": {}, "precopied": {}, "rebuilt": {},
+                    "failed": {}}
             self.kv_migration["last"] = last
         return last
 
@@ -88,6 +107,58 @@ class Migration:
             figures["resumed"] += 1
             figures["reprefilled_tokens"] += max(0, tokens - 1 - cached)
             figures["full_reprefills"] += int(cached == 0 and tokens > 1)
+
+    # --- while preparing -------------------------------------------------------------------
+
+    def _kv_sources(self, plan: ServingPlan, gained: list[tuple[int, int]]) -> tuple[list, dict[str, str]]:
+        """The holders of the plan's previous stages to pull gained layers from:
+        ``[(stage, start, end)]``, and those that are gone (``name -> why``): their KV went
+        with them. Ranges marked to be rebuilt are not among them."""
+        sources, lost = [], {}
+        departed = self.cluster.membership.departed if self.cluster is not None else {}
+        members = self.cluster.membership.members if self.cluster is not None else {}
+        for a, b in gained:
+            for s in plan.previous:
+                lo, hi = max(a, s.start), min(b, s.end)
+                if lo >= hi or s.node_id == self.node_id or s.rebuild:  # a rebuilt range: one of the jobs
+                    continue
+                if departed.get(s.node_id, "stopped") != "stopped" and s.node_id not in members:
+                    lost[f"{s.node_id[:8]} [{lo}, {hi})"] = f"lost ({departed[s.node_id]})"  # its KV went with it
+                else:
+                    sources.append((s, lo, hi))
+        return sources, lost
+
+    async def precopy(self, plan: ServingPlan, start: int, end: int) -> None:
+        """Pull, while the old plan serves, a snapshot of the KV of the layers this node
+        gains in ``plan`` (its new stage is ``[start, end)``) from their holders; at the
+        commit they send only what changed since. Never raises: whatever is not pulled
+        moves at the commit."""
+        old = self.engine.stage
+        old_range = (old.start, old.end) if isinstance(old, Stage) else None
+        if not self.config.kv_migration or plan.infeasible or plan.is_tensor or plan.is_hybrid:
+            return
+        sources, _ = self._kv_sources(plan, range_minus((start, end), old_range))
+        if not sources:
+            return
+        t0 = time.perf_counter()
+        got: dict[tuple[str, int, int], list[Piece]] = {}
+
+        async def pull(spec, a: int, b: int) -> None:
+            with contextlib.suppress(Exception):  # moves at the commit instead
+                got[(spec.node_id, a, b)], _ = await self._fetch_kv(plan.epoch, spec, a, b, snapshot=True)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(pull(*s) for s in sources)), timeout=PRECOPY_TIMEOUT_S)
+        self._precopied = (plan.epoch, got)
+        nbytes = sum(p.nbytes for pieces in got.values() for p in pieces)
+        report = self.replan_figures(plan.epoch)
+        report["precopied_bytes"] += nbytes
+        for (node_id, a, b), pieces in got.items():
+            report["precopied"][f"{node_id[:8]} [{a}, {b})"] = sum(p.nbytes for p in pieces)
+        self.kv_migration["precopied_bytes"] += nbytes
+        report["precopy_seconds"] = round(time.perf_counter() - t0, 3)
+        log.info("epoch %d: pulled a snapshot of %.1f MB of KV from %d holder(s) while preparing, in %.2f s",
+                 plan.epoch, nbytes / 1e6, len(got), time.perf_counter() - t0)
 
     # --- at commit -----------------------------------------------------------------------
 
@@ -109,17 +180,7 @@ class Migration:
             return
         gained = range_minus(new_range, old_range)
         jobs = self.rebuild_jobs(plan, gained)
-        sources, lost = [], {}
-        departed = self.cluster.membership.departed if self.cluster is not None else {}
-        for a, b in gained:
-            for s in plan.previous:
-                lo, hi = max(a, s.start), min(b, s.end)
-                if lo >= hi or s.node_id == self.node_id or s.rebuild:  # a rebuilt range: one of the jobs
-                    continue
-                if departed.get(s.node_id, "stopped") != "stopped" and s.node_id not in self.cluster.membership.members:
-                    lost[f"{s.node_id[:8]} [{lo}, {hi})"] = f"lost ({departed[s.node_id]})"  # its KV went with it
-                else:
-                    sources.append((s, lo, hi))
+        sources, lost = self._kv_sources(plan, gained)
         if lost:
             self.replan_figures(plan.epoch)["failed"].update(lost)
         if not own and not sources and not jobs:
@@ -168,14 +229,20 @@ class Migration:
         finally:
             done.set()
 
-    async def _fetch_kv(self, epoch: int, spec, start: int, end: int) -> tuple[list[Piece], int]:
-        """Pull layers ``[start, end)`` from ``spec``'s node. Returns pieces and bytes."""
+    async def _fetch_kv(self, epoch: int, spec, start: int, end: int,
+                        snapshot: bool = False) -> tuple[list[Piece], int]:
+        """Pull layers ``[start, end)`` from ``spec``'s node: its snapshot now (``snapshot``,
+        while preparing), else what it parked at the commit, less what the snapshot pulled
+        from it holds. Returns pieces and the bytes that came."""
         dtype = getattr(mx, self.config.dtype) if self.config.dtype else None
         max_bytes = self.config.transport.max_message_bytes
-        reader = PieceReader(start, end, dtype, max_bytes)
+        epoch_held, precopied = self._precopied
+        held = [] if snapshot or epoch_held != epoch else precopied.get((spec.node_id, start, end), [])
+        reader = PieceReader(start, end, dtype, max_bytes, held=held)
         stub = pb_grpc.RingStub(self._channel(spec.address))
-        call = stub.FetchKV(pb.KVRequest(epoch=epoch, start=start, end=end, node_id=self.node_id),
-                            timeout=FETCH_TIMEOUT_S)
+        have = [pb.KVHave(scope=p.scope, tokens=len(p.tokens), digest=token_digest(p.tokens)) for p in held]
+        call = stub.FetchKV(pb.KVRequest(epoch=epoch, start=start, end=end, node_id=self.node_id, snapshot=snapshot,
+                                         have=have), timeout=FETCH_TIMEOUT_S)
         async for chunk in call:
             if chunk.error:
                 raise KVPieceError(chunk.error)
@@ -195,28 +262,46 @@ class Migration:
 
     # --- the old holder's side -------------------------------------------------------------
 
+    async def _held_within(self, start: int, end: int) -> list[Piece]:
+        """The KV this node holds now (nothing dropped), within layers ``[start, end)``."""
+        if not isinstance(self.engine.stage, Stage):
+            return []
+        held = await self.engine.run(self.engine.kv_pieces)
+        return [q for p in held if (q := p.within(start, end)) is not None]
+
     async def serve_kv(self, request: pb.KVRequest) -> AsyncIterator[pb.KVChunk]:
         """``FetchKV``: the KV of layers ``[start, end)`` this node held before the caller's
         epoch. A member of that epoch answers once it has committed it (with what it
-        parked then); a node outside it (leaving) answers with what it holds now."""
-        joining = self._committing == request.epoch or any(k[0] == request.epoch for k in self._prepared)
-        if joining:
-            await self.await_commit(request.epoch)
-        epoch, given = self._handoff
-        if epoch == request.epoch:
-            pieces = [q for p in given if (q := p.within(request.start, request.end)) is not None]
-        elif self.epoch < request.epoch and not joining and isinstance(self.engine.stage, Stage):
-            held = await self.engine.run(self.engine.kv_pieces)
-            pieces = [q for p in held if (q := p.within(request.start, request.end)) is not None]
+        parked then); a node outside it (leaving) answers with what it holds now; a
+        snapshot is what it holds now, the old plan serving on. Of a sequence the caller
+        says it holds (``have``), only the tokens it lacks are sent."""
+        if request.snapshot:  # the caller prepares request.epoch; this node serves the old plan on
+            pieces = await self._held_within(request.start, request.end)
         else:
-            yield pb.KVChunk(error=f"{self.node_id[:8]} holds no KV for epoch {request.epoch} (it serves epoch "
-                                   f"{self.epoch})")
-            return
+            joining = self._committing == request.epoch or any(k[0] == request.epoch for k in self._prepared)
+            if joining:
+                await self.await_commit(request.epoch)
+            epoch, given = self._handoff
+            if epoch == request.epoch:
+                pieces = [q for p in given if (q := p.within(request.start, request.end)) is not None]
+            elif self.epoch < request.epoch and not joining and isinstance(self.engine.stage, Stage):
+                pieces = await self._held_within(request.start, request.end)
+            else:
+                yield pb.KVChunk(error=f"{self.node_id[:8]} holds no KV for epoch {request.epoch} (it serves epoch "
+                                       f"{self.epoch})")
+                return
         pieces = [p for p in pieces if (p.start, p.end) == (request.start, request.end)]
-        chunks = await self.engine.run(lambda: list(to_chunks(pieces, self.config.transport.max_message_bytes // 4)))
+        held = [held_prefix(p, list(request.have)) for p in pieces] if request.have else None
+        chunks = await self.engine.run(lambda: list(to_chunks(pieces, self.config.transport.max_message_bytes // 4,
+                                                              held)))
         sent = sum(len(c.keys.data) + len(c.values.data) for c in chunks)
         for chunk in chunks:
             yield chunk
+        if request.snapshot:
+            log.info("epoch %d: sent a snapshot of the KV of layers [%d, %d) to %s: %d sequence(s), %.1f MB",
+                     request.epoch, request.start, request.end, request.node_id[:8] or "a peer", len(pieces),
+                     sent / 1e6)
+            return
         self._served.append((request.start, request.end))
         self.kv_migration["kv_bytes_sent"] += sent
         self.replan_figures(request.epoch)["kv_bytes_sent"] += sent

@@ -5,11 +5,12 @@ When a node dies, its layers ``[a, b)`` go to new holders and its KV is gone. Th
 that sent it hidden states kept them (:mod:`ringlet.daemon.engine.boundary`), so the new
 holders rebuild ``[a, b)`` in chain: the holder of ``[a, m)`` pulls the states entering
 ``a`` from that stage (``FetchBoundary``), runs its layers over them
-(:class:`ringlet.daemon.engine.rebuild.Rebuild`) and serves what leaves ``m`` to the holder
-of ``[m, b)``, and so on. Each gets pieces of KV that join, as moved ones do, the KV of
-its other layers. A request in flight then resumes with one token to prefill, having
-cost the cluster ``(b - a) / L`` of a prefill; without the states (evicted, or none kept)
-it prefills again from scratch, as counted in ``kv_migration``.
+(:class:`ringlet.daemon.engine.rebuild.Rebuild`) and streams what leaves ``m``, chunk by
+chunk as it computes it, to the holder of ``[m, b)``, which works on each chunk as it
+comes: the chain runs as a pipeline. Each gets pieces of KV that join, as moved ones
+do, the KV of its other layers. A request in flight then resumes with one token to
+prefill, having cost the cluster ``(b - a) / L`` of a prefill; without the states
+(evicted, or none kept) it prefills again from scratch, as counted in ``kv_migration``.
 
 Only what is worth it is rebuilt: the sequences that were in flight, and those that
 finished within :data:`RECENT_S` before the re-plan (a request the loss failed was
@@ -19,7 +20,6 @@ released just before; an agent's next turn is on its way).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 import mlx.core as mx
 
 from ringlet.daemon.cluster.kv_sources import boundary_source, rebuilt_spans
-from ringlet.daemon.engine.boundary import Boundary, BoundaryError, BoundaryReader, to_chunks
+from ringlet.daemon.engine.boundary import Boundary, BoundaryError, BoundaryReader, head_chunk, part_chunks
 from ringlet.daemon.engine.kv_pieces import Piece
 from ringlet.daemon.engine.rebuild import Rebuild
 from ringlet.daemon.errors import one_line
@@ -40,84 +40,129 @@ log = logging.getLogger("ringlet.daemon.node")
 #: Seconds before a re-plan within which a finished sequence is still rebuilt.
 RECENT_S = 60.0
 #: Seconds a boundary fetch may take (the holder of the layers before may itself be
-#: rebuilding them first: a share of a prefill of every sequence rebuilt).
+#: rebuilding them: a share of a prefill of every sequence rebuilt).
 BOUNDARY_FETCH_TIMEOUT_S = 600.0
+
+#: One event of a states stream: (sequence, its scope and ids on its start, token_start, states or None)
+Event = tuple[int, Boundary | None, int, mx.array | None]
+
+
+class StatesLog:
+    """The states entering one layer, as a node has or makes them: an append-only list of
+    events, closed when complete; readers follow it as it grows."""
+
+    def __init__(self, events: list[Event] | None = None, closed: bool = False):
+        self.events: list[Event] = list(events or [])
+        self.closed = closed
+        self._more = asyncio.Event()
+
+    @classmethod
+    def of(cls, boundaries: list[Boundary]) -> StatesLog:
+        """A closed log of whole sequences."""
+        events: list[Event] = []
+        for i, b in enumerate(boundaries):
+            events.append((i, Boundary(b.scope, b.tokens, b.layer, None, b.inflight), 0, None))
+            if b.hidden is not None:
+                events.append((i, None, 0, b.hidden))
+        return cls(events, closed=True)
+
+    def append(self, event: Event) -> None:
+        self.events.append(event)
+        self._more.set()
+        self._more = asyncio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self._more.set()
+
+    async def follow(self) -> AsyncIterator[Event]:
+        """Every event, the ones to come included, until the log is closed."""
+        i = 0
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.closed:
+                return
+            await self._more.wait()
 
 
 class Rebuilding:
     """Boundary rebuilds of :class:`ringlet.daemon.node.Node`."""
 
     def _init_rebuilding(self) -> None:
-        #: the boundaries the old stage held at the last commit: (epoch, boundaries, sequences)
-        self._parked_states: tuple[int, list[Boundary], list[Boundary]] = (0, [], [])
-        #: layer -> (done, states entering it) that this node rebuilds for the epoch committed
-        self._rebuilt: dict[int, tuple[asyncio.Event, list[Boundary]]] = {}
+        #: the epoch committed last, and per layer the states this node serves for it:
+        #: those its old stage sent on (closed logs), those its rebuilds make (growing)
+        self._states_epoch = 0
+        self._states: dict[int, StatesLog] = {}
         #: monotonic time of the last rebuilt chunk (requests wait for the rebuild while it progresses)
         self.rebuild_progress_at = 0.0
 
     def park_states(self, epoch: int, boundaries: list[Boundary], pieces: list[Piece]) -> None:
-        """Keep what this node can serve ``FetchBoundary`` calls of ``epoch`` with: the
-        states its old stage sent on, and the sequences its pieces hold (the input of
-        layer 0: their token ids), those worth rebuilding only."""
+        """Keep what this node serves ``FetchBoundary`` calls of ``epoch`` with: the states
+        its old stage sent on, and at layer 0 the sequences its pieces held in flight (their
+        token ids are that layer's input); only those worth rebuilding."""
         now = time.monotonic()
         worth = [b for b in boundaries if b.inflight or now - b.released_at <= RECENT_S]
-        sequences = [Boundary(p.scope, p.tokens, 0, None, True) for p in pieces if p.inflight]
-        self._parked_states = (epoch, worth, sequences)
-        self._rebuilt = {}
+        self._states_epoch = epoch
+        self._states = {layer: StatesLog.of([b for b in worth if b.layer == layer])
+                        for layer in {b.layer for b in worth}}
+        self._states[0] = StatesLog.of([Boundary(p.scope, p.tokens, 0, None, True) for p in pieces if p.inflight])
 
     def rebuild_jobs(self, plan: ServingPlan, gained: list[tuple[int, int]]) -> list[tuple[int, int, object, bool]]:
         """The parts of this node's gained layers that it rebuilds: ``(lo, hi, source,
         from_previous_plan)``, ``source`` the stage that serves the states entering ``lo``
         (``None``: nobody can; those layers' KV is then lost)."""
         jobs = []
-        for span in rebuilt_spans(plan.previous, self.plan_num_layers(plan)):
+        for span in rebuilt_spans(plan.previous, max((s.end for s in plan.stages), default=0)):
             for a, b in gained:
                 lo, hi = max(a, span[0]), min(b, span[1])
                 if lo < hi:
                     source, old = boundary_source(lo, span, plan.previous, plan.stages)
                     jobs.append((lo, hi, source, old))
         for _, hi, _, _ in jobs:
-            self._rebuilt[hi] = (asyncio.Event(), [])
+            self._states[hi] = StatesLog()
         return sorted(jobs, key=lambda j: j[0])
 
-    def plan_num_layers(self, plan: ServingPlan) -> int:
-        return max((s.end for s in plan.stages), default=0)
-
     async def rebuild_range(self, plan: ServingPlan, lo: int, hi: int, source, old: bool, report: dict) -> list[Piece]:
-        """Rebuild layers ``[lo, hi)`` from the states ``source`` serves; publish the states
-        entering ``hi``. Returns the KV pieces (empty when it could not: counted as failed)."""
-        name = f"[{lo}, {hi})"
-        done, published = self._rebuilt[hi]
+        """Rebuild layers ``[lo, hi)`` from the states ``source`` serves, streaming what
+        enters ``hi`` as it is made. Returns the KV pieces (none when it could not: counted
+        as failed, and those requests prefill again)."""
+        out = self._states[hi]
+        stage = self.engine.stage
+        num_layers = getattr(stage, "num_layers", 0) or 1
+        t0 = time.perf_counter()
+        pieces: list[Piece] = []
+        jobs: dict[int, Rebuild] = {}
         try:
             if source is None:
                 raise BoundaryError(f"nobody holds the states entering layer {lo}")
-            if source.node_id == self.node_id and old:
-                given = self._parked_at(lo)
-            else:
-                given = await self._fetch_states(plan.epoch, source, lo)
-            pieces, outputs = [], []
-            t0 = time.perf_counter()
-            stage = self.engine.stage
-            for g in given:
-                job = Rebuild(stage, lo, hi, g, self.config.prefill_chunk)
-                if not job.usable:
-                    continue
-                while not await self.engine.run(job.step):
+            local = source.node_id == self.node_id and old
+            events = self._states[lo].follow() if local else self._fetch_states(plan.epoch, source, lo)
+            async for index, meta, _, part in events:
+                if meta is not None:
+                    jobs[index] = Rebuild(stage, lo, hi, meta, self.config.prefill_chunk)
+                    out.append((index, Boundary(meta.scope, meta.tokens, hi, None, meta.inflight), 0, None))
+                job = jobs[index]
+                if part is not None:
+                    job.feed(part)
+                while job.ready:
+                    at = job.done_tokens
+                    y = await self.engine.run(job.step)
                     self.rebuild_progress_at = time.monotonic()
-                if (made := await self.engine.run(job.result)) is not None:
+                    if y is not None:
+                        out.append((index, None, at, y))
+                if job.finished and (made := await self.engine.run(job.result)) is not None:
                     pieces.append(made[0])
-                    outputs.append(made[1])
-            published.extend(outputs)
+                    if hi == stage.end:  # a resumed request records on from them
+                        kept = Boundary(made[1].scope, made[1].tokens, hi, made[1].hidden, released_at=time.monotonic())
+                        await self.engine.run(self.engine.boundaries.add, kept)
+                    del jobs[index]
             tokens = sum(len(p.tokens) for p in pieces)
-            weighted = tokens * (hi - lo) / max(1, self.plan_num_layers(plan))
             for figures in (self.kv_migration, report):
-                figures["rebuilt_tokens"] += round(weighted)
-            report["rebuilt"][name] = {"sequences": len(pieces), "tokens": tokens,
-                                       "seconds": round(time.perf_counter() - t0, 3)}
-            if hi == getattr(stage, "end", None):  # a resumed request records on from them
-                for b in outputs:
-                    kept = Boundary(b.scope, b.tokens, b.layer, b.hidden, released_at=time.monotonic())
-                    await self.engine.run(self.engine.boundaries.add, kept)
+                figures["rebuilt_tokens"] += round(tokens * (hi - lo) / num_layers)
+            report["rebuilt"][f"[{lo}, {hi})"] = {"sequences": len(pieces), "tokens": tokens,
+                                                  "seconds": round(time.perf_counter() - t0, 3)}
             log.info("epoch %d: rebuilt layers [%d, %d) of %d sequence(s) (%d tokens) from the states at %d in "
                      "%.2f s", plan.epoch, lo, hi, len(pieces), tokens, lo, time.perf_counter() - t0)
             return pieces
@@ -126,13 +171,9 @@ class Rebuilding:
             log.warning("epoch %d: cannot rebuild layers [%d, %d): %s", plan.epoch, lo, hi, one_line(exc))
             return []
         finally:
-            done.set()
+            out.close()
 
-    def _parked_at(self, layer: int) -> list[Boundary]:
-        _, boundaries, sequences = self._parked_states
-        return sequences if layer == 0 else [b for b in boundaries if b.layer == layer]
-
-    async def _fetch_states(self, epoch: int, source, layer: int) -> list[Boundary]:
+    async def _fetch_states(self, epoch: int, source, layer: int) -> AsyncIterator:
         stage = self.engine.stage
         dtype = getattr(mx, self.config.dtype) if self.config.dtype else None
         reader = BoundaryReader(layer, stage.hidden_size, dtype, self.config.transport.max_message_bytes)
@@ -142,28 +183,28 @@ class Rebuilding:
         async for chunk in call:
             if chunk.error:
                 raise BoundaryError(chunk.error)
-            await self.engine.run(reader.add, chunk)
-        return await self.engine.run(reader.boundaries)
+            yield await self.engine.run(reader.add, chunk)
 
     async def serve_boundary(self, request: pb.BoundaryRequest) -> AsyncIterator[pb.BoundaryChunk]:
         """``FetchBoundary``: the states entering ``layer`` for the caller's epoch: those
-        this node's old stage sent on (or, at layer 0, the sequences it held), or those
-        it rebuilds for that epoch (once rebuilt)."""
+        this node's old stage sent on (at layer 0, the sequences it held), or those it
+        rebuilds for that epoch, streamed as they are made."""
         if self._committing == request.epoch or any(k[0] == request.epoch for k in self._prepared):
             await self.await_commit(request.epoch)
-        epoch, _, _ = self._parked_states
-        if epoch != request.epoch:
-            yield pb.BoundaryChunk(error=f"{self.node_id[:8]} holds no states for epoch {request.epoch} (it serves "
-                                         f"epoch {self.epoch})")
+        states = self._states.get(request.layer) if self._states_epoch == request.epoch else None
+        if states is None:
+            yield pb.BoundaryChunk(error=f"{self.node_id[:8]} holds no states entering layer {request.layer} for "
+                                         f"epoch {request.epoch} (it serves epoch {self.epoch})")
             return
-        if request.layer in self._rebuilt:
-            done, states = self._rebuilt[request.layer]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout=BOUNDARY_FETCH_TIMEOUT_S)
-        else:
-            states = self._parked_at(request.layer)
-        chunks = await self.engine.run(lambda: list(to_chunks(states, self.config.transport.max_message_bytes // 4)))
-        for chunk in chunks:
-            yield chunk
+        limit = self.config.transport.max_message_bytes // 4
+        sequences = 0
+        async for index, meta, at, part in states.follow():
+            if meta is not None:
+                sequences += 1
+                yield head_chunk(index, meta)
+            if part is not None:
+                for chunk in await self.engine.run(lambda p=part, t=at, i=index: list(
+                        part_chunks(i, request.layer, t, p, limit))):
+                    yield chunk
         log.info("epoch %d: sent the states entering layer %d of %d sequence(s) to %s", request.epoch,
-                 request.layer, len(states), request.node_id[:8] or "a peer")
+                 request.layer, sequences, request.node_id[:8] or "a peer")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
-from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
 from ringlet.daemon.engine.hub import parse_ref
 from ringlet.daemon.engine.memory_tuning import tune_allocator
@@ -58,14 +58,14 @@ def build_config(args) -> tuple[NodeConfig, int]:
         if address not in {s.address for s in plan}:
             raise PlanError(f"this node's address {address} is not a stage of --plan; pass --host/--port to match")
     choice = node_dtype(args, location)
-    boundary = parse_size(getattr(args, "boundary_cache_bytes", None), "--boundary-cache-bytes", allow_zero=True)
     return NodeConfig(host=args.host, port=args.port, model=location, plan=plan, dtype=choice.dtype,
                       dtype_choice=choice.to_dict(),
                       prefix_cache_bytes=parse_size(getattr(args, "prefix_cache_bytes", None), "--prefix-cache-bytes",
                                                     allow_zero=True),
                       prefix_cache_scope=getattr(args, "prefix_cache_scope", "key"),
                       kv_migration=getattr(args, "kv_migration", "on") == "on",
-                      boundary_cache_bytes=DEFAULT_BOUNDARY_CACHE_BYTES if boundary is None else boundary,
+                      boundary_cache_bytes=parse_size(getattr(args, "boundary_cache_bytes", None),
+                                                      "--boundary-cache-bytes", allow_zero=True),
                       prefix_cache_disk_bytes=parse_size(getattr(args, "prefix_cache_disk_bytes", "0"),
                                                          "--prefix-cache-disk-bytes", allow_zero=True) or 0,
                       prefix_cache_dir=prefix_cache_dir(getattr(args, "data_dir", None), address, plan is not None),
@@ -195,7 +195,9 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
-        "memory_total_bytes": memory.total_bytes, "usable_memory_bytes": usable,
+        # what the planner may fill with weights and KV: the boundary activations' budget is kept off
+        "memory_total_bytes": memory.total_bytes, "usable_memory_bytes": max(0, usable - node.boundary_budget()),
+        "boundary_cache_bytes": node.boundary_budget(),
         "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
         "flops": speed.matmul_flops if speed else None,
         "api_url": f"http://{api_host}:{args.api_port}", "links": {},

@@ -35,6 +35,7 @@ class Host:
         self.plan: ServingPlan | None = None
         self.prepared: list[int] = []
         self.events: list[tuple[str, str]] = []
+        self.tokens_in_flight = 0
 
     @property
     def epoch(self) -> int:
@@ -49,6 +50,9 @@ class Host:
 
     def event(self, kind: str, message: str) -> None:
         self.events.append((kind, message))
+
+    def kv_tokens_in_flight(self) -> int:
+        return self.tokens_in_flight
 
 
 class Ring(pb_grpc.RingServicer):
@@ -72,22 +76,24 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def trio(models: tuple[str, str, str] = ("tiny-model",) * 3):
+async def trio(records: dict[str, dict] | None = None):
     """Three members ``a`` < ``b`` < ``c`` that all see each other: ``{id: (host, membership, negotiator)}``;
-    each serves its model of ``models`` (in its record, as ``ringlet run`` puts it there)."""
+    ``records``: their records by id (default :data:`RECORD` each); a record's ``model`` is the
+    model that member serves (as ``ringlet run`` puts it there; default ``tiny-model``)."""
     ids = ["a" * 16, "b" * 16, "c" * 16]
+    records = records or {}
     addresses = {i: f"127.0.0.1:{free_port()}" for i in ids}
-    records = {i: {**RECORD, "model": m} for i, m in zip(ids, models, strict=True)}
     parts, servers = {}, []
     try:
         for i in ids:
             membership = Membership(i, addresses[i], "cluster", "inc", TransportConfig(node_id=i))
-            membership.set_record(records[i])
+            membership.set_record(records.get(i, RECORD))
             for j in ids:
                 if j != i:
-                    membership.members[j] = Member(node_id=j, address=addresses[j], record=records[j])
+                    membership.members[j] = Member(node_id=j, address=addresses[j], record=records.get(j, RECORD))
             host = Host(i)
-            negotiator = Negotiator(host, membership, SPEC, records[i]["model"], LAYERS, settle_s=0.05)
+            model = records.get(i, RECORD).get("model", "tiny-model")
+            negotiator = Negotiator(host, membership, SPEC, model, LAYERS, settle_s=0.05)
             server = make_server(TransportConfig(node_id=i), addresses[i])
             pb_grpc.add_RingServicer_to_server(Ring(negotiator), server)
             await server.start()
@@ -215,7 +221,8 @@ def test_a_member_of_another_revision_is_named_and_kept_out_of_the_plan():
     old, new = "org/tiny@" + "1" * 40, "org/tiny@" + "2" * 40
 
     async def scenario():
-        async with trio((old, new, new)) as parts:
+        ids = ["a" * 16, "b" * 16, "c" * 16]
+        async with trio({i: {**RECORD, "model": m} for i, m in zip(ids, (old, new, new), strict=True)}) as parts:
             a, b, c = sorted(parts)
             assert [parts[i][2].is_proposer() for i in (a, b, c)] == [False, True, False]
             neg_b = parts[b][2]
@@ -245,3 +252,25 @@ def test_agreement_takes_the_most_held_model_and_a_tie_goes_to_the_lowest_id():
     got = agree(["c", "b"], {"b": "m@2", "c": "m@3"}.get, default="m@9")
     assert (got.model, got.eligible, got.kept_out) == ("m@2", ["b"], {"c": "m@3"})
     assert agree(["x"], {}.get, default="m").eligible == ["x"]
+
+
+def test_a_member_without_room_for_the_kv_in_flight_refuses_and_the_next_plan_is_sized_for_it():
+    """The KV of the requests in flight moves with the layers. b holds 600 tokens of it
+    (1 byte per token and layer here, so 600 bytes a layer) that a does not count: a's
+    first plan gives b two layers (2 x 10 B of weights + 2 x 600 B of KV = 1,220 B > its
+    1,000 B), which b refuses, saying so. a's next plan is sized for 600 tokens: b and c
+    can hold one layer each (10 + 600 B), a (5,000 B) the other four."""
+    async def scenario():
+        ids = ["a" * 16, "b" * 16, "c" * 16]
+        async with trio({ids[0]: {"usable_memory_bytes": 5000}}) as parts:
+            a, b, c = sorted(parts)
+            parts[b][0].tokens_in_flight = 600
+            neg_a = parts[a][2]
+            assert await neg_a._propose_round() is True
+            assert f"{b}: no room for layers [2, 4) with the KV of 600 token(s) in flight" in neg_a.last_result
+            assert parts[b][0].prepared == []
+            assert await neg_a._propose_round() is False, neg_a.last_result
+            ranges = {s.node_id: s.end - s.start for s in parts[a][0].plan.stages}
+            assert ranges == {a: 4, b: 1, c: 1}, ranges
+
+    asyncio.run(scenario())

@@ -122,7 +122,7 @@ def test_states_cross_the_wire_whole_in_chunks_and_bfloat16():
     sent = [Boundary("a", list(range(10)), 4, hidden, True), Boundary("b", [7, 8], 4, hidden[:, :2])]
     reader = BoundaryReader(4, 8, mx.bfloat16, 1 << 20)
     chunks = list(to_chunks(sent, 3 * 8 * 2))  # 3 tokens of 8 bfloat16 values a chunk
-    assert len(chunks) == 4 + 1
+    assert len(chunks) == (1 + 4) + (1 + 1)  # per sequence its ids, then its states 3 tokens a chunk
     for c in chunks:
         reader.add(c)
     got = reader.boundaries()

@@ -21,17 +21,30 @@ TOKENS = 36
 
 async def join_mid_stream(location, prompt: list[int]) -> dict:
     """``a [0, 18) -> b [18, 30)``; after 12 tokens, ``c`` joins: ``a [0, 10) -> b [10, 20)
-    -> c [20, 30)``. Returns the ids and every node's ``kv_migration`` figures."""
+    -> c [20, 30)``, prepared at once (c and b pull a snapshot of the KV they gain) and
+    committed 4 tokens later. Returns the ids and every node's ``kv_migration`` figures."""
     async with started(location, 3) as (a, b, c):
         first = plan(1, (a, 0, 18), (b, 18, 30))
         await switch(first, [a, b, c])
         second = plan(2, (a, 0, 10), (b, 10, 20), (c, 20, 30), previous=first)
-        got = await greedy_with_a_change(a, prompt, TOKENS, 12, lambda: switch(second, [a, b, c]))
+
+        async def prepare_then_commit_later() -> None:
+            for node in (a, b, c):
+                await node.prepare(second)
+            decoded = a.tokens_generated_total
+            while a.tokens_generated_total < decoded + 4:
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*(node.commit(second) for node in (a, b, c)))
+
+        got = await greedy_with_a_change(a, prompt, TOKENS, 12, prepare_then_commit_later)
         return {"ids": got, "resumed_at": 12, **{n.node_id[0]: n.kv_migration for n in (a, b, c)},
                 "events": list(a.events)}
 
 
 def test_a_join_moves_the_kv_of_the_request_in_flight(default_location, reference):
+    """The KV moves in two parts: a snapshot while the old plan serves on, then at the
+    commit only the tokens decoded since (4 here); together, the tokens the joined
+    sequence holds, whole tokens x 10 layers each."""
     ref = reference[0]
     prompt = ref["prompt_ids"]
     out = asyncio.run(join_mid_stream(default_location, prompt))
@@ -44,9 +57,14 @@ def test_a_join_moves_the_kv_of_the_request_in_flight(default_location, referenc
     assert c["inflight"] == 1 and b["inflight"] == 1, (b, c)
     cached = c["tokens"]  # the tokens in the request's caches when b parked it
     assert len(prompt) + 12 - 1 <= cached <= len(prompt) + TOKENS, c
-    assert c["kv_bytes_received"] == cached * 10 * KV_BYTES_PER_TOKEN_LAYER, c
+    per_token = 10 * KV_BYTES_PER_TOKEN_LAYER
+    snapshot, rest = divmod(c["precopied_bytes"], per_token)
+    assert rest == 0 and len(prompt) + 12 - 1 <= snapshot, c
+    delta, rest = divmod(c["kv_bytes_received"], per_token)
+    assert rest == 0 and 4 <= delta <= 6 and snapshot + delta >= cached, c  # 4 tokens (+1: b parked a step ahead)
     assert list(c["from"]) == [f"{'b' * 8} [20, 30)"] and not c["failed"], c
     assert b["from"] and list(b["from"]) == [f"{'a' * 8} [10, 18)"], b
+    assert b["precopied_bytes"] > 0 and b["kv_bytes_received"] < b["precopied_bytes"], b
 
 
 async def lose_the_middle_stage(location, prompt: list[int], boundary_bytes: int | None = None) -> dict:

@@ -259,19 +259,21 @@ def test_the_last_re_plans_kv_migration_summed_over_the_nodes_that_saw_it():
     infos = batched_infos()
     urls = list(infos)
 
-    def last(epoch, received, sent, resumed=0, again=0, full=0, rebuilt=0):
+    def last(epoch, received, sent, resumed=0, again=0, full=0, rebuilt=0, precopied=0):
         return {"kv_migration": {"last": {"epoch": epoch, "kv_bytes_received": received, "kv_bytes_sent": sent,
                                           "resumed": resumed, "reprefilled_tokens": again,
-                                          "full_reprefills": full, "rebuilt_tokens": rebuilt}}}
+                                          "full_reprefills": full, "rebuilt_tokens": rebuilt,
+                                          "precopied_bytes": precopied}}}
 
-    infos[urls[0]].update(last(4, 3 * 2**20, 0, resumed=2, again=1, full=0, rebuilt=300))
-    infos[urls[1]].update(last(4, 2**20, 4 * 2**20, rebuilt=34))
+    infos[urls[0]].update(last(4, 3 * 2**20, 0, resumed=2, again=1, full=0, rebuilt=300, precopied=2**20))
+    infos[urls[1]].update(last(4, 2**20, 4 * 2**20, rebuilt=34, precopied=2**20))
     snap = build_snapshot("http://a0", infos, {})
     assert snap["cluster"]["kv_migration"] == {"epoch": 4, "kv_bytes_received": 4 * 2**20, "kv_bytes_sent": 4 * 2**20,
                                                "resumed": 2, "reprefilled_tokens": 1, "full_reprefills": 0,
-                                               "rebuilt_tokens": 334}
-    assert ("re-plan to epoch 4: KV moved 4.0 MiB · 2 request(s) resumed · 334 token(s) of lost layers rebuilt · "
-            "1 token(s) prefilled again (0 full re-prefill(s))") in format_status(snap)
+                                               "rebuilt_tokens": 334, "precopied_bytes": 2 * 2**20}
+    assert ("re-plan to epoch 4: KV moved 6.0 MiB (2.0 MiB of it while preparing) · 2 request(s) resumed · "
+            "334 token(s) of lost layers rebuilt · 1 token(s) prefilled again (0 full re-prefill(s))"
+            ) in format_status(snap)
     infos[urls[1]].update(last(3, 9, 9))
     assert build_snapshot("http://a0", infos, {})["cluster"]["kv_migration"]["kv_bytes_received"] == 3 * 2**20
     assert build_snapshot("http://a0", batched_infos(), {})["cluster"]["kv_migration"] is None

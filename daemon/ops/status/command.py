@@ -78,7 +78,9 @@ def format_status(snap: dict) -> str:
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
     if (kv := c.get("kv_migration")) is not None:
-        lines.append(f"re-plan to epoch {kv['epoch']}: KV moved {fmt_bytes(kv['kv_bytes_received'])} · "
+        moved = kv["kv_bytes_received"] + kv["precopied_bytes"]
+        lines.append(f"re-plan to epoch {kv['epoch']}: KV moved {fmt_bytes(moved)} "
+                     f"({fmt_bytes(kv['precopied_bytes'])} of it while preparing) · "
                      f"{kv['resumed']} request(s) resumed · {kv['rebuilt_tokens']} token(s) of lost layers rebuilt · "
                      f"{kv['reprefilled_tokens']} token(s) prefilled again ({kv['full_reprefills']} full "
                      "re-prefill(s))")

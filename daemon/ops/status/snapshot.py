@@ -378,7 +378,7 @@ def prefix_fields(info: dict) -> dict:
 #: The counters of a re-plan's ``kv_migration`` figures (``ringlet.daemon.node.migration.COUNTERS``;
 #: named here so that ``status`` does not import the node, and MLX with it).
 KV_COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills",
-               "rebuilt_tokens")
+               "rebuilt_tokens", "precopied_bytes")
 
 
 def migration_fields(info: dict) -> dict:

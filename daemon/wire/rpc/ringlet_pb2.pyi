@@ -261,16 +261,18 @@ class Proposal(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ..., previous: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
 
 class Vote(_message.Message):
-    __slots__ = ("ok", "reason", "node_id", "newest_epoch")
+    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NEWEST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     node_id: str
     newest_epoch: int
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("epoch", "proposer_id", "plan_id")
@@ -433,16 +435,30 @@ class RankEvent(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., exit_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVRequest(_message.Message):
-    __slots__ = ("epoch", "start", "end", "node_id")
+    __slots__ = ("epoch", "start", "end", "node_id", "snapshot", "have")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     start: int
     end: int
     node_id: str
-    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    have: _containers.RepeatedCompositeFieldContainer[KVHave]
+    def __init__(self, epoch: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., have: _Optional[_Iterable[_Union[KVHave, _Mapping]]] = ...) -> None: ...
+
+class KVHave(_message.Message):
+    __slots__ = ("scope", "tokens", "digest")
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    scope: str
+    tokens: int
+    digest: bytes
+    def __init__(self, scope: _Optional[str] = ..., tokens: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class BoundaryRequest(_message.Message):
     __slots__ = ("epoch", "layer", "node_id")
@@ -477,7 +493,7 @@ class BoundaryChunk(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., first: _Optional[bool] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("piece", "scope", "tokens", "inflight", "layer", "token_start", "keys", "values", "error")
+    __slots__ = ("piece", "scope", "tokens", "inflight", "layer", "token_start", "keys", "values", "error", "from_token")
     PIECE_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +503,7 @@ class KVChunk(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     piece: int
     scope: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -496,4 +513,5 @@ class KVChunk(_message.Message):
     keys: Tensor
     values: Tensor
     error: str
-    def __init__(self, piece: _Optional[int] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    from_token: int
+    def __init__(self, piece: _Optional[int] = ..., scope: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., inflight: _Optional[bool] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., from_token: _Optional[int] = ...) -> None: ...
