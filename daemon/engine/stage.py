@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 
 from ringlet.daemon.engine import gguf as gguf_source
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
+from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
 
 log = logging.getLogger(__name__)
@@ -63,16 +64,6 @@ class _StageEmbedding(nn.Module):
 class _Identity(nn.Module):
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         return x
-
-
-def validate_range(start: int, end: int, num_layers: int) -> None:
-    """Check a half-open layer range ``[start, end)`` against a model of ``num_layers``.
-
-    Raises:
-        PlanError: empty, reversed or out-of-bounds range.
-    """
-    if not (0 <= start < end <= num_layers):
-        raise PlanError(f"layer range [{start}, {end}) is not a non-empty range within [0, {num_layers})")
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -346,10 +337,15 @@ def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple
         return model, config
     from mlx_lm.utils import load_model
 
+    from ringlet.daemon.engine.partial_model import absent_files, build_partial_model
+
     config = read_config(location)
     _model_classes(config)
     try:
-        model, config = load_model(Path(location.path), lazy=True, strict=False)
+        if absent_files(location):  # some weights are not here yet: their headers size them
+            model, config = build_partial_model(location)
+        else:
+            model, config = load_model(Path(location.path), lazy=True, strict=False)
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise ModelFormatError(f"{location.path}: cannot build the model: {exc}") from None
     if mx_dtype is not None:
@@ -388,16 +384,22 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
                     progress: Callable[[int, int], None] | None = None) -> Stage:
     from mlx_lm.utils import load_model
 
+    from ringlet.daemon.engine.partial_model import absent_files, check_stage_present
+
     config = read_config(location)
     _model_classes(config)  # clear error for unknown architectures
     for path in sorted(Path(location.path).glob("*.safetensors")):
         check_safetensors(path)
+    partial = bool(absent_files(location))  # only this stage's files are here: strict for the stage below
     try:
-        model, config = load_model(Path(location.path), lazy=True, strict=True)
+        model, config = load_model(Path(location.path), lazy=True, strict=not partial)
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise ModelFormatError(f"{location.path}: cannot build the model: {exc}") from None
     num_layers = len(model.layers)
     end = num_layers if end is None else end
+    if partial:
+        validate_range(start, end, num_layers)
+        check_stage_present(model, location, start, end)
     prune(model, start, end, config.get("model_type", ""))
     if dtype is not None:
         _cast(model, dtype)

@@ -102,6 +102,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
+        self.download = None  # a DownloadProgress (shards.hub_fetch) while the stage's files download
         self._tasks: set[asyncio.Task] = set()
         self._token_times: deque[float] = deque(maxlen=4096)  # monotonic time of each token headed here
         self._init_migration()
@@ -171,6 +172,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             return None
         path = cfg.model.path
         files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
+        if cfg.model.revision and cfg.model.headers:  # a Hub commit, whose files arrive per stage
+            files = [cfg.model.headers]
         try:
             key = model_key(files, cfg.dtype or "native")
             disk = PrefixDisk(cfg.prefix_cache_dir, cfg.prefix_cache_disk_bytes, key)
@@ -397,6 +400,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "plan_id": self.plan.plan_id if self.plan else None,
             "infeasible": self.plan.infeasible if self.plan else None,
             "model": self.config.model.name,
+            "model_revision": self.config.model.revision,  # a Hub model: the commit the cluster agrees on
             "num_layers": stage.num_layers if stage else None,
             "stage": self.index,
             "layer_range": [spec.start, spec.end] if spec else None,
@@ -415,6 +419,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,
+            "download": self.download.to_dict() if self.download is not None else None,
             "requests_served": self.requests_served,
             "memory": self.memory_info(stage),
             "recent_requests": list(self.recent),

@@ -46,6 +46,8 @@ class ResumingClient:
         """
         deadline = time.monotonic() + (self.config.plan_wait_s if timeout_s is None else timeout_s)
         while True:
+            if kept_out := getattr(getattr(self.cluster, "agreement", None), "kept_out_reason", None):
+                raise NoPlanError(kept_out)  # this node holds another model than the cluster serves
             plan = self.plan
             if plan is not None and plan.epoch > newer_than:
                 if plan.infeasible:

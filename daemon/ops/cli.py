@@ -68,7 +68,7 @@ MLX_COMMANDS = frozenset({"run", "generate", "demo", "doctor"})
 
 #: Modules that contribute subcommands. Each exposes ``COMMANDS`` (names),
 #: ``add_parsers(subparsers)`` and ``run(args) -> int``.
-EXTENSIONS = ("plan", "commands", "secret")
+EXTENSIONS = ("plan", "commands", "secret", "models")
 
 
 def _extensions() -> list:
@@ -88,9 +88,9 @@ def _extensions() -> list:
 
 def _generate(args) -> int:
     from ringlet.daemon.engine.model_info import load_tokenizer, model_info
-    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.ops.models import whole_model
 
-    location = resolve(args.model)  # before the engine's imports (seconds): a bad model fails at once
+    location = whole_model(args.model)  # before the engine's imports (seconds): a bad model fails at once
     info = model_info(location)
     from ringlet.daemon.engine.sampling import SamplingParams
     from ringlet.daemon.node import Node, NodeConfig

@@ -52,12 +52,14 @@ class LocalCluster:
             each node gets its own data dir; nodes can be added, killed and restarted.
         cluster_name: the ``--cluster`` of a dynamic cluster (default: unique per instance).
         env: extra environment of every node (``add_node`` can add more per node).
+        per_node_env: more environment of node i (after ``env``).
     """
 
     def __init__(self, nodes: int, model: str | None = None, dtype: str | None = None,
                  extra_args: list[str] | None = None, ranges: list[tuple[int, int]] | None = None,
                  log_dir: str | None = None, per_node_args: list[list[str]] | None = None,
-                 dynamic: bool = False, cluster_name: str | None = None, env: dict[str, str] | None = None):
+                 dynamic: bool = False, cluster_name: str | None = None, env: dict[str, str] | None = None,
+                 per_node_env: list[dict[str, str]] | None = None):
         self.n = nodes
         self.per_node_args = per_node_args or [[] for _ in range(nodes)]
         self.model = model
@@ -73,7 +75,7 @@ class LocalCluster:
         self._log_dir = log_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._logs: list = []
-        self._env: dict[int, dict[str, str]] = {}
+        self._env: dict[int, dict[str, str]] = dict(enumerate(per_node_env or []))
         self._common_env = dict(env or {})
         #: Headers of the API calls made here (e.g. ``Authorization`` when nodes have ``--api-key-file``).
         self.api_headers: dict[str, str] = {}

@@ -180,11 +180,32 @@ def _no_unknown(entry: dict, where: str, allowed: set[str]) -> None:
         raise InputError(f"{where}: unknown field {unknown[0]!r}")
 
 
+def _hub_model_spec(model: str, context: int | None, name: str | None):
+    """The spec of a Hub model, built as the daemon builds it (whole model, lazily, from its
+    headers; :func:`ringlet.daemon.engine.stage.build_lazy_model`)."""
+    from ringlet.daemon.engine.hub import locate
+    from ringlet.daemon.engine.model_config import text_config
+    from ringlet.daemon.engine.modelspec import model_spec_from_model
+    from ringlet.daemon.engine.stage import build_lazy_model
+    from ringlet.daemon.errors import RingletError
+
+    try:
+        location = locate(model)
+        lazy, config = build_lazy_model(location)
+    except RingletError as exc:
+        raise InputError(f"--model: {exc}") from None
+    ctx = context if context is not None else int(text_config(config).get("max_position_embeddings") or 4096)
+    return model_spec_from_model(lazy, context_tokens=ctx, name=name or location.name, config=config)
+
+
 def _model_spec(model: str, context: int | None, name: str | None):
+    from ringlet.daemon.engine.hub import parse_ref
     from ringlet.daemon.engine.model_config import ModelSpecError
     from ringlet.daemon.engine.modelspec import model_spec_from_config
 
     source: Any = model
+    if parse_ref(model) is not None:  # a Hub name: its config and safetensors headers, no weights
+        return _hub_model_spec(model, context, name)
     if model.lstrip().startswith("{"):
         try:
             source = json.loads(model)
@@ -200,7 +221,9 @@ def _model_spec(model: str, context: int | None, name: str | None):
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", required=True, help="JSON file with nodes, links and optional policy settings")
-    p.add_argument("--model", required=True, help="config.json, a model directory, or inline JSON config")
+    p.add_argument("--model", required=True,
+                   help="config.json, a model directory, inline JSON config, or a Hub name ORG/NAME[@REVISION] "
+                        "(its config and safetensors headers are read; no weights)")
     p.add_argument("--policy", choices=POLICY_NAMES, default=None, help="planning policy (default: balanced)")
     p.add_argument("--context", type=int, default=None,
                    help="KV-cache length in tokens to plan for (default: the model's max_position_embeddings)")

@@ -22,11 +22,13 @@ from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
+from ringlet.daemon.engine.hub import parse_ref
 from ringlet.daemon.engine.memory_tuning import tune_allocator
 from ringlet.daemon.engine.model_info import load_tokenizer, model_info
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
+from ringlet.daemon.ops.hub_run import hub_fetcher, resolve_run_model
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
@@ -134,7 +136,7 @@ def _make_fetcher(node: Node, membership, cache_dir: Path):
     from ringlet.daemon.shards.transfer import cached_shard, fetch_shard_detailed
     from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 
-    name = node.config.model.name
+    name = node.config.model.ident  # a Hub model: name@commit, so a member of another commit refuses
 
     async def fetch(start: int, end: int) -> None:
         if cached_shard(cache_dir, name, (start, end)) is not None:
@@ -201,6 +203,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         "api_url": f"http://{api_host}:{args.api_port}", "links": {},
         "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
         "whole_model": getattr(args, "fetched_location", None) is None,  # a tensor rank needs every layer
+        "model": node.config.model.ident,  # a Hub model: its commit, which the members agree on
     }
     model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
     spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
@@ -214,7 +217,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         heartbeat_s=args.heartbeat_s, suspect_after_s=2 * args.heartbeat_s, remove_after_s=args.remove_after_s,
         on_event=node.event, epoch_fn=lambda: (node.epoch, node.plan.plan_id if node.plan else ""))
     membership.set_record(record)
-    negotiator = Negotiator(node, membership, spec, node.config.model.name, num_layers,
+    negotiator = Negotiator(node, membership, spec, node.config.model.ident, num_layers,
                             Policy(name=args.policy), settle_s=args.settle_s,
                             initial_settle_s=args.initial_settle_s)
 
@@ -228,7 +231,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     negotiator.tp = tp
     tp.on_failed = negotiator.membership_changed  # a group that gave up: re-plan (on the pipeline)
     membership.on_record_changed = tp.record_changed  # another member's group gave up (hybrid plans)
-    if getattr(args, "fetched_location", None) is not None:
+    if getattr(args, "fetched_location", None) is not None and getattr(args, "hub", None) is None:
         node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
         for message in getattr(args, "fetch_events", []):
             node.event("fetch", message)
@@ -315,7 +318,16 @@ async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
         task = None
         while not stop.is_set():
             fraction = node.loading_progress
-            if fraction is not None:
+            download = node.download.to_dict() if node.download is not None else None
+            if download is not None:  # the stage's files from the Hub: bytes, rate, ETA
+                if task is None:
+                    task = bar.add_task("downloading", total=1.0)
+                rate, eta = download["rate_bytes_per_s"], download["eta_s"]
+                bar.update(task, completed=download["bytes_done"] / max(1, download["bytes_total"]),
+                           description=f"downloading {download['what']}: {download['bytes_done'] / 1e6:.0f} of "
+                                       f"{download['bytes_total'] / 1e6:.0f} MB"
+                                       + (f", {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s" if rate and eta else ""))
+            elif fraction is not None:
                 spec = node.plan.stages[node.index] if node.plan and node.index is not None else None
                 if task is None:
                     task = bar.add_task("loading layers", total=1.0)
@@ -327,10 +339,11 @@ async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _bootstrap_fetch(args) -> None:
+async def _bootstrap_fetch(args, hub_name: str | None = None) -> None:
     """``--fetch-model`` on a node without the model files: find a member (``--peers`` or
     mDNS), pull the model's header (tokenizer, config) and first layer into the local
     sparse copy, and serve from that copy (the rest is pulled per stage at prepare).
+    ``hub_name``: a Hub model (``ORG/NAME[@COMMIT]``) neither the Hub nor the cache has.
 
     Raises:
         RingletError: no member answered with the model.
@@ -344,14 +357,15 @@ async def _bootstrap_fetch(args) -> None:
     from ringlet.daemon.wire.transport import make_channel
 
     try:
-        resolve(args.model)
-        return  # the files are here after all
+        if hub_name is None:
+            resolve(args.model)
+            return  # the files are here after all
     except ModelNotFound:
         pass
     name = (args.model or "smollm2-135m").lower() if (args.model or "smollm2-135m").lower() in KNOWN_MODELS \
-        else Path(args.model).stem
+        else hub_name or Path(args.model).stem
     cache_dir = (Path(args.data_dir).expanduser() if args.data_dir else machine_cache_dir()) / "shards"
-    local = cached_shard(cache_dir, name, (0, 1))
+    local = cached_shard(cache_dir, name, (0, 1)) if hub_name is None else None
     if local is None:
         candidates = [f"{h}:{p}" for h, p in parse_peers(args.peers)] if args.peers else []
         if not candidates and not args.no_mdns:
@@ -398,10 +412,14 @@ async def serve(args) -> int:
     mode = getattr(args, "mode", "auto")
     if args.plan and mode in ("tensor", "hybrid"):
         raise RingletError(f"--mode {mode} needs negotiated plans; drop --plan (a static plan is a pipeline)")
-    if getattr(args, "fetch_model", False):
+    if getattr(args, "fetch_model", False) and parse_ref(args.model) is None:
         await _bootstrap_fetch(args)
+    else:  # --model ORG/NAME[@REVISION]: the Hub (with --fetch-model or not), else members
+        await resolve_run_model(args, _bootstrap_fetch)
     config, context = build_config(args)
     node = Node(config)
+    if getattr(args, "hub", None) is not None:  # each stage's files come from the Hub at prepare
+        config.fetch = hub_fetcher(node, args.hub)
     threads = ThreadSizer(machine_cache_dir() / PROCS_DIR, getattr(args, "threads", None)).start()
     stop_cluster = None
     # Import what the worker threads import, here, once: two threads importing

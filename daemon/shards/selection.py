@@ -1,14 +1,15 @@
 """Which tensors a stage ``[start, end)`` needs, by name: the rule for GGUF files
 (:func:`select_gguf`, the loader's own rule) and for MLX/Hugging Face checkpoints
-(:func:`select_mlx`). No I/O beyond reading a local GGUF header.
+(:func:`select_mlx`, from :mod:`ringlet.daemon.engine.stage_tensors`). No I/O beyond
+reading a local GGUF header.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ringlet.daemon.engine import gguf as gguf_source
+from ringlet.daemon.engine.stage_tensors import select_mlx
 from ringlet.daemon.shards.gguf_header import read_gguf_header
 from ringlet.daemon.shards.layout import Region
 
@@ -53,36 +54,4 @@ def gguf_stage_names(path: Path, start: int, end: int) -> tuple[list[str], dict[
     return select_gguf(regions, header.block_count, start, end), regions, header.block_count
 
 
-#: ``layers.N.`` anywhere in an MLX/Hugging Face tensor name (``model.layers.3.mlp...``).
-_MLX_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def select_mlx(names, num_layers: int, start: int, end: int) -> list[str]:
-    """Tensors of an MLX/Hugging Face checkpoint the stage ``[start, end)`` needs: the
-    ``layers.N.`` tensors of its layers; the embedding (``embed_tokens``) on the first
-    stage and, when the head is tied (no ``lm_head``), on the last; the head and any other
-    ``norm`` outside the layers on the last; every other tensor outside the layers on
-    every stage (the stage loader drops what it does not use before reading).
-
-    Raises:
-        PlanError: a layer range outside the model.
-    """
-    from ringlet.daemon.engine.stage import validate_range
-
-    validate_range(start, end, num_layers)
-    first, last = start == 0, end == num_layers
-    tied = not any("lm_head" in n for n in names)
-    out = []
-    for name in names:
-        m = _MLX_LAYER.search(name)
-        if m:
-            keep = start <= int(m.group(1)) < end
-        elif "embed_tokens" in name:
-            keep = first or (last and tied)
-        elif "lm_head" in name or "norm" in name:
-            keep = last
-        else:
-            keep = True
-        if keep:
-            out.append(name)
-    return out
+__all__ = ["gguf_block_count", "gguf_stage_names", "select_gguf", "select_mlx"]

@@ -135,8 +135,8 @@ def _describe_source(location: ModelLocation) -> _Source:
 
 
 async def _source(context, location: ModelLocation, model: str) -> _Source:
-    if model and model != location.name:
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves the model {location.name!r}, not {model!r}")
+    if model and model not in (location.name, location.ident):  # a Hub model: by name, or name@commit
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves the model {location.ident!r}, not {model!r}")
     try:
         return await asyncio.to_thread(_describe_source, location)
     except Exception as exc:  # noqa: BLE001 - OSError, ModelFormatError...: reported to the peer
@@ -160,7 +160,7 @@ async def serve_manifest(request: pb.ManifestRequest, context: grpc.aio.Servicer
     """
     digests = digests or default_digest_cache()
     source = await _source(context, location, request.model)
-    out = pb.Manifest(model=location.name, kind=location.kind)
+    out = pb.Manifest(model=location.ident, kind=location.kind)
     if not request.file:
         for layout in source.files.values():
             out.files.add(path=layout.rel, size=layout.size, format=layout.format, header_bytes=layout.header_bytes)

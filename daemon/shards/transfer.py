@@ -42,10 +42,16 @@ log = logging.getLogger(__name__)
 MLX_FILE_LIST = ".shard-files.json"
 
 
-def _safe_model_dir(name: str) -> str:
-    if not name or "/" in name:
+def model_dir_name(name: str) -> str:
+    """The cache directory of a model's copy: its name, a Hub model's ``ORG/NAME@COMMIT``
+    as ``ORG--NAME@COMMIT``.
+
+    Raises:
+        ShardError: a name that is not a plain directory name.
+    """
+    if not name or name.count("/") > 1:
         raise ShardError(f"refusing the model name {name!r} as a cache directory")
-    return safe_rel(name)
+    return safe_rel(name.replace("/", "--"))
 
 
 async def fetch_shard_detailed(stub, model_name: str, layer_range: tuple[int, int], cache_dir: Path | str,
@@ -88,7 +94,7 @@ async def fetch_shard_detailed(stub, model_name: str, layer_range: tuple[int, in
     start, end = int(layer_range[0]), int(layer_range[1])
     files = await rpc_call(stub.ShardManifest, pb.ManifestRequest(model=model_name), "ShardManifest")
     model = files.model
-    directory = Path(cache_dir) / _safe_model_dir(model)
+    directory = Path(cache_dir) / model_dir_name(model)
     bar = TransferProgress(progress, f"{model} [{start}, {end})")
     result = FetchResult(location=ModelLocation(model, files.kind, directory), layer_range=(start, end), regions=0,
                          bytes_needed=0, bytes_reused=0, bytes_fetched=0, chunks_resent=0, calls=0, seconds=0.0,
@@ -177,7 +183,10 @@ def cached_shard(cache_dir: Path | str, model_name: str, layer_range: tuple[int,
     verified region the stage ``layer_range`` needs, else ``None``. No network: reads the
     state files and the local headers (milliseconds)."""
     start, end = int(layer_range[0]), int(layer_range[1])
-    directory = Path(cache_dir) / model_name
+    try:
+        directory = Path(cache_dir) / model_dir_name(model_name)
+    except ShardError:
+        return None
     if not directory.is_dir():
         return None
     try:

@@ -34,6 +34,7 @@ class Host:
         self.node_id = node_id
         self.plan: ServingPlan | None = None
         self.prepared: list[int] = []
+        self.events: list[tuple[str, str]] = []
         self.tokens_in_flight = 0
 
     @property
@@ -48,7 +49,7 @@ class Host:
         self.plan = plan
 
     def event(self, kind: str, message: str) -> None:
-        pass
+        self.events.append((kind, message))
 
     def kv_tokens_in_flight(self) -> int:
         return self.tokens_in_flight
@@ -77,7 +78,8 @@ def free_port() -> int:
 @contextlib.asynccontextmanager
 async def trio(records: dict[str, dict] | None = None):
     """Three members ``a`` < ``b`` < ``c`` that all see each other: ``{id: (host, membership, negotiator)}``;
-    ``records``: their records by id (default :data:`RECORD` each)."""
+    ``records``: their records by id (default :data:`RECORD` each); a record's ``model`` is the
+    model that member serves (as ``ringlet run`` puts it there; default ``tiny-model``)."""
     ids = ["a" * 16, "b" * 16, "c" * 16]
     records = records or {}
     addresses = {i: f"127.0.0.1:{free_port()}" for i in ids}
@@ -90,7 +92,8 @@ async def trio(records: dict[str, dict] | None = None):
                 if j != i:
                     membership.members[j] = Member(node_id=j, address=addresses[j], record=records.get(j, RECORD))
             host = Host(i)
-            negotiator = Negotiator(host, membership, SPEC, "tiny-model", LAYERS, settle_s=0.05)
+            model = records.get(i, RECORD).get("model", "tiny-model")
+            negotiator = Negotiator(host, membership, SPEC, model, LAYERS, settle_s=0.05)
             server = make_server(TransportConfig(node_id=i), addresses[i])
             pb_grpc.add_RingServicer_to_server(Ring(negotiator), server)
             await server.start()
@@ -209,6 +212,46 @@ def test_a_commit_that_misses_a_member_is_proposed_again():
             assert {parts[i][0].epoch for i in parts} == {2}
 
     asyncio.run(scenario())
+
+
+def test_a_member_of_another_revision_is_named_and_kept_out_of_the_plan():
+    """a (the lowest id) holds another commit of the model than b and c: the cluster serves
+    the commit most members hold, b proposes (the lowest id holding it), the plan covers b
+    and c only, a is asked nothing, and both sides say so by name."""
+    old, new = "org/tiny@" + "1" * 40, "org/tiny@" + "2" * 40
+
+    async def scenario():
+        ids = ["a" * 16, "b" * 16, "c" * 16]
+        async with trio({i: {**RECORD, "model": m} for i, m in zip(ids, (old, new, new), strict=True)}) as parts:
+            a, b, c = sorted(parts)
+            assert [parts[i][2].is_proposer() for i in (a, b, c)] == [False, True, False]
+            neg_b = parts[b][2]
+            assert await neg_b._propose_round() is False, neg_b.last_result
+            for i in (b, c):
+                assert sorted(s.node_id for s in parts[i][0].plan.stages) == [b, c]
+            assert parts[a][0].prepared == [] and parts[a][0].plan is None
+            for i in (a, b, c):
+                parts[i][2].agreement.report(parts[i][1])
+            (said,) = [m for k, m in parts[b][0].events if k == "kept-out"]
+            assert a[:8] in said and old in said and new in said, said
+            reason = parts[a][2].agreement.kept_out_reason
+            assert reason.startswith(f"this node serves {old}, the cluster {new} (2 of 3 members")
+            assert f"--model {new}" in reason and parts[a][0].events == [("kept-out", reason)]
+            assert parts[b][2].info()["negotiation"]["kept_out"] == {a: old}
+            assert parts[b][2].agreement.kept_out_reason is None
+
+    asyncio.run(scenario())
+
+
+def test_agreement_takes_the_most_held_model_and_a_tie_goes_to_the_lowest_id():
+    from ringlet.daemon.cluster.model_agreement import agree
+
+    held = {"a": "m@1", "b": "m@2", "c": "m@2", "d": None}
+    got = agree(list(held), held.get, default="m@1")  # d's record is not known yet: counted as m@1
+    assert (got.model, got.eligible) == ("m@1", ["a", "d"]) and got.kept_out == {"b": "m@2", "c": "m@2"}
+    got = agree(["c", "b"], {"b": "m@2", "c": "m@3"}.get, default="m@9")
+    assert (got.model, got.eligible, got.kept_out) == ("m@2", ["b"], {"c": "m@3"})
+    assert agree(["x"], {}.get, default="m").eligible == ["x"]
 
 
 def test_a_member_without_room_for_the_kv_in_flight_refuses_and_the_next_plan_is_sized_for_it():

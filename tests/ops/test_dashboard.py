@@ -341,3 +341,10 @@ def test_hybrid_groups_are_drawn_as_a_chain():
     text = "\n".join(frame(snap, 140, 30))
     assert "mode hybrid/jaccl" in text
     assert "hybrid (ready): [0, 40) studio-1 ↔ studio-2 → [40, 80) studio-3 ↔ studio-4" in text
+
+
+def test_a_node_fetching_its_files_shows_the_download_fraction():
+    infos = {f"http://a{i}": today_info(i) for i in range(3)}
+    infos["http://a1"].update(state="fetching", layer_range=None, download={"bytes_done": 300, "bytes_total": 1000})
+    line = node_line(frame(build_snapshot("http://a0", infos, {}), 80, 24), "127.0.0.1:7101")
+    assert "fetching 30%" in line, line

@@ -237,3 +237,13 @@ def test_empty_option_values_unset_configured_keys():
     cfg = merge_options(base, ns)
     assert (cfg.cluster, cfg.interfaces, cfg.peers, cfg.extra_args, cfg.model) == (None, [], [], [],
                                                                                    "smollm2-135m")
+
+
+def test_a_hub_model_name_is_kept_as_a_name(home, tmp_path, monkeypatch):
+    """``--model ORG/NAME@REV`` is written as given (the service resolves it when it runs),
+    not made a path of the current directory, and is not looked up at install time."""
+    monkeypatch.chdir(tmp_path)
+    r = svc(home, "install", "--dry-run", "--model", "mlx-community/Some-Model-4bit@main")
+    assert r.returncode == 0, r.stderr
+    files = "\n".join(sections(r.stdout).values())
+    assert "mlx-community/Some-Model-4bit@main" in files and f"{tmp_path}/mlx-community" not in files, files

@@ -583,3 +583,24 @@ def test_hybrid_groups_ranks_and_ranges():
     assert ("mode hybrid · backend jaccl · groups [0,40) 0 studio-1, 1 studio-2 | [40,80) 0 studio-3, "
             "1 studio-4 · group ready") in text
     assert "why: --mode hybrid: 2 groups of 2 over jaccl/jaccl" in text
+
+
+def test_a_download_in_progress_is_shown_with_bytes_rate_and_eta():
+    download = {"what": "org/m layers [10, 20)", "file": "model-00002-of-00004.safetensors", "files_done": 0,
+                "files_total": 2, "bytes_done": 250_000_000, "bytes_total": 1_000_000_000,
+                "rate_bytes_per_s": 50_000_000.0, "eta_s": 15.0}
+    infos = {f"http://a{i}": today_info(i, state="fetching" if i == 1 else "ready",
+                                        download=download if i == 1 else None) for i in range(3)}
+    snap = build_snapshot("http://a0", infos, {})
+    assert snap["nodes"][1]["download"]["fraction"] == 0.25 and snap["nodes"][0]["download"] is None
+    text = format_status(snap)
+    # 250 MB of 1 GB, 50 MB/s = 400 Mb/s, 15 s left
+    assert "downloading on 127.0.0.1:7101: model-00002-of-00004.safetensors · 238 MiB of 954 MiB · 400 Mb/s · " \
+           "ETA 15.00 s" in text, text
+
+
+def test_a_member_kept_out_for_its_revision_is_named():
+    infos = {f"http://a{i}": today_info(i) for i in range(2)}
+    infos["http://a0"]["negotiation"] = {"state": "idle", "kept_out": {"c" * 16: "org/m@" + "1" * 40}}
+    text = format_status(build_snapshot("http://a0", infos, {}))
+    assert f"kept out of the plan: {'c' * 16} serves org/m@{'1' * 40}, not the cluster's model" in text, text

@@ -31,7 +31,14 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from ringlet.daemon.ops.dashboard.widgets import STAGE_COLORS, hop_text, layer_bar, memory_text, state_text
+from ringlet.daemon.ops.dashboard.widgets import (
+    STAGE_COLORS,
+    hop_text,
+    layer_bar,
+    memory_text,
+    progress_of,
+    state_text,
+)
 from ringlet.daemon.ops.format import (
     DASH,
     fmt_batch,
@@ -258,15 +265,15 @@ class Dashboard:
             batch_t = Text(batch if wide else f"batch {batch}", style="dim" if batch == DASH else "")
             if wide:
                 mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], mem_bar)
-                t.add_row(idx, name, Text(n["chip"] or DASH), state_text(n["state"], n["loading_progress"], 17),
+                t.add_row(idx, name, Text(n["chip"] or DASH), state_text(n["state"], progress_of(n), 17),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), mem, tps, batch_t, hop_t)
             elif dense:
-                t.add_row(idx, name, state_text(n["state"], n["loading_progress"], state_w),
+                t.add_row(idx, name, state_text(n["state"], progress_of(n), state_w),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), tps, batch_t)
             else:
                 mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], 5)
                 line2_name = Text(n["chip"] or DASH, style="dim")
-                t.add_row(idx, name, state_text(n["state"], n["loading_progress"], state_w),
+                t.add_row(idx, name, state_text(n["state"], progress_of(n), state_w),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), tps)
                 t.add_row(Text(""), line2_name, mem, hop_t, batch_t)
         return t

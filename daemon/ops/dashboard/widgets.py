@@ -10,7 +10,7 @@ from ringlet.daemon.ops.format import DASH, fmt_bandwidth, fmt_bytes, fmt_pair, 
 
 STAGE_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 STATE_STYLES = {
-    "serving": "bold green", "ready": "green", "loading": "yellow", "starting": "yellow",
+    "serving": "bold green", "ready": "green", "loading": "yellow", "fetching": "yellow", "starting": "yellow",
     "discovering": "cyan", "negotiating": "cyan", "suspect": "bold red", "unreachable": "bold red",
     "left": "red", "gone": "red", "stopped": "dim", "leaving": "yellow", "unplanned": "yellow",
     "standby": "cyan", "alive": "green",
@@ -62,13 +62,20 @@ def memory_text(used: float | None, total: float | None, bar_width: int) -> Text
     return t
 
 
+def progress_of(node: dict) -> float | None:
+    """A snapshot node's progress: its stage load's, else its download's (0..1)."""
+    if node.get("loading_progress") is not None:
+        return node["loading_progress"]
+    return (node.get("download") or {}).get("fraction")
+
+
 def state_text(state: str | None, progress: float | None, width: int = 0) -> Text:
-    """``serving`` / ``loading 45% ██░░`` / ``—``, coloured."""
+    """``serving`` / ``loading 45% ██░░`` / ``fetching 10% █░░░`` / ``—``, coloured."""
     if not state:
         return Text(DASH, style="dim")
     style = STATE_STYLES.get(state, "")
-    if state == "loading" and progress is not None:
-        t = Text(f"loading {progress:.0%}", style=style)
+    if state in ("loading", "fetching") and progress is not None:
+        t = Text(f"{state} {progress:.0%}", style=style)
         room = width - len(t) - 1
         if room >= 4:
             filled = round(progress * room)

@@ -26,12 +26,12 @@ def check_blas(ctx: Context) -> Check:
 def check_dtype(ctx: Context) -> Check:
     """What ``--dtype auto`` loads for the model on this machine, WARN when that is the slow path."""
     from ringlet.daemon.engine.dtype import resolve_dtype
-    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.engine.hub import locate
     from ringlet.daemon.errors import RingletError
     from ringlet.daemon.probes.memory import probe_memory
 
     try:
-        location = resolve(ctx.model)
+        location = locate(ctx.model)
         choice = resolve_dtype("auto", location, probe_memory().usable_memory_bytes)
     except (RingletError, OSError, ValueError) as exc:
         return Check("dtype", FAIL, f"cannot size the model's weights: {exc}", "see the model check above")

@@ -61,15 +61,17 @@ def _model_bytes(location) -> int:
 
 
 def check_model(ctx: Context) -> Check:
-    from ringlet.daemon.engine.sources import DEFAULT_MODEL, resolve
+    from ringlet.daemon.engine.hub import locate
+    from ringlet.daemon.engine.sources import DEFAULT_MODEL
     from ringlet.daemon.errors import RingletError
 
     name = ctx.model or DEFAULT_MODEL
     try:
-        loc = resolve(ctx.model)
+        loc = locate(ctx.model)
     except RingletError as exc:
         return Check("model", FAIL, str(exc),
-                     "give --model a model directory (config.json + *.safetensors) or a .gguf file")
+                     "give --model a model directory (config.json + *.safetensors), a .gguf file or a Hub name "
+                     "(ORG/NAME[@REVISION])")
     ctx.model_bytes = _model_bytes(loc)
     depth = ""
     try:

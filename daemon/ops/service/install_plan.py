@@ -105,11 +105,14 @@ def validate(cfg: ServiceConfig, check_model: bool = True) -> list[str]:
     if cfg.data_dir:
         cfg.data_dir = _abs_path(cfg.data_dir)
     if cfg.model:
+        from ringlet.daemon.engine.hub import parse_ref
         from ringlet.daemon.engine.sources import KNOWN_MODELS, resolve
 
-        if cfg.model.lower() not in KNOWN_MODELS:
+        if parse_ref(cfg.model) is not None:  # a Hub name: the service resolves it (and downloads) when it runs
+            pass
+        elif cfg.model.lower() not in KNOWN_MODELS:
             cfg.model = _abs_path(cfg.model)
-        if check_model:
+        if check_model and parse_ref(cfg.model) is None:
             resolve(cfg.model)  # raises ModelNotFound with where it looked
     for name in ("port", "api_port"):
         v = getattr(cfg, name)

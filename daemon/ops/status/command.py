@@ -26,7 +26,15 @@ def exit_status(snap: dict) -> int:
 def format_status(snap: dict) -> str:
     """The snapshot as plain text: a summary line and one aligned row per node, never
     truncated (for people and ``grep``)."""
-    from ringlet.daemon.ops.format import fmt_batch, fmt_bytes, fmt_range, fmt_rate, policy_text
+    from ringlet.daemon.ops.format import (
+        fmt_bandwidth,
+        fmt_batch,
+        fmt_bytes,
+        fmt_range,
+        fmt_rate,
+        fmt_seconds,
+        policy_text,
+    )
 
     if not snap["reachable"]:
         return f"unreachable: {snap['error']}\n"
@@ -76,6 +84,14 @@ def format_status(snap: dict) -> str:
                      f"{kv['resumed']} request(s) resumed · {kv['rebuilt_tokens']} token(s) of lost layers rebuilt · "
                      f"{kv['reprefilled_tokens']} token(s) prefilled again ({kv['full_reprefills']} full "
                      "re-prefill(s))")
+    negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
+    for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
+        lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")
+    for n in snap["nodes"]:
+        if d := n.get("download"):
+            lines.append(f"downloading on {n['name']}: {d['file'] or 'files'} · {fmt_bytes(d['bytes_done'])} of "
+                         f"{fmt_bytes(d['bytes_total'])} · {fmt_bandwidth(d['rate_bytes_per_s'])} · ETA "
+                         f"{fmt_seconds(d['eta_s'])}")
     for n in snap["nodes"]:
         if n.get("compute_fix"):
             lines.append(f"slow path on {n['name']}: {n['compute_fix']}")

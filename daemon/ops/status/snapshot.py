@@ -18,7 +18,9 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                  "memory_used_bytes"},
      "nodes": [{"stage" (hybrid: its group's stage), "rank" (tensor rank, in its group when hybrid, or None),
                 "in_plan", "address", "node_id", "name", "chip", "state",
-                "loading_progress" (0..1), "layer_range" [start, end), "epoch",
+                "loading_progress" (0..1), "download" (the stage's files coming from the Hub:
+                {"bytes_done", "bytes_total", "fraction", "rate_bytes_per_s", "eta_s", "file"},
+                else None), "layer_range" [start, end), "epoch",
                 "memory_total_bytes", "memory_usable_bytes", "memory_used_bytes",
                 "weights_bytes", "tokens_per_s", "tokens_generated_total",
                 "requests_in_flight", "hop_latency_median_s", "api_url",
@@ -50,7 +52,17 @@ import time
 from typing import Any
 
 from ringlet.daemon.ops.status.urls import member_api_url
-from ringlet.daemon.ops.status.values import as_int, as_num, as_progress, as_range, as_str, dicts, first, sum_known
+from ringlet.daemon.ops.status.values import (
+    as_download,
+    as_int,
+    as_num,
+    as_progress,
+    as_range,
+    as_str,
+    dicts,
+    first,
+    sum_known,
+)
 
 #: States in which a stage counts as healthy.
 HEALTHY_STATES = frozenset({"ready", "serving", "alive"})  # "alive": a member not polled, per the membership
@@ -146,6 +158,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "state": state,
             "loading_progress": first(as_progress(m.get("loading_progress")),
                                       as_progress(info.get("loading_progress"))),
+            "download": as_download(info.get("download")),
             "layer_range": first(as_range(info.get("layer_range")), as_range(m.get("layer_range")),
                                  plan_range.get(addr)),
             "epoch": as_int(info.get("epoch")),

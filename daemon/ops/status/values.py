@@ -45,6 +45,19 @@ def as_progress(value: Any) -> float | None:
     return max(0.0, min(1.0, float(v)))
 
 
+def as_download(value: Any) -> dict | None:
+    """A node's download in progress (``/v1/cluster``'s ``download``): ``bytes_done``,
+    ``bytes_total``, ``fraction`` (0..1), ``rate_bytes_per_s``, ``eta_s``, ``file``; ``None``
+    when there is none or it is not a dict."""
+    if not isinstance(value, dict):
+        return None
+    done, total = as_int(value.get("bytes_done")), as_int(value.get("bytes_total"))
+    return {"bytes_done": done, "bytes_total": total,
+            "fraction": max(0.0, min(1.0, done / total)) if done is not None and total else None,
+            "rate_bytes_per_s": as_num(value.get("rate_bytes_per_s")), "eta_s": as_num(value.get("eta_s")),
+            "file": as_str(value.get("file"))}
+
+
 def first(*values: Any) -> Any:
     """The first value that is not ``None`` (``None`` when all are)."""
     for v in values:
