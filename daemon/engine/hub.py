@@ -70,11 +70,14 @@ class HubRef:
 def parse_ref(text: str | None) -> HubRef | None:
     """``ORG/NAME[@REVISION]`` as a :class:`HubRef`; ``None`` when ``text`` is not of that
     form or names an existing file or directory (a path always wins)."""
-    if not text or Path(text).expanduser().exists():
-        return None
-    m = _REF.match(text.strip())
+    m = _REF.match(text.strip()) if text else None
     if m is None or text.startswith((".", "~", "/")):
         return None
+    try:
+        if Path(text).expanduser().exists():
+            return None
+    except OSError:  # not a usable path (too long, say): a name
+        pass
     return HubRef(m.group("repo"), m.group("rev"))
 
 
