@@ -111,7 +111,7 @@ def main() -> dict:
             if event == "kill":  # the goal: lost/total of the re-prefill gap, plus the 2 s detection
                 ratios[f"kill_{ctx}_goal_s"] = round(on["lost_layers"] / 30 * off["max_gap_s"] + 2.0, 2)
     for k, v in ratios.items():
-        print(f"{k:<32} x{v}")
+        print(f"{k:<32} {f'{v} s' if k.endswith('_s') else f'x{v}'}")
     out = {"bench": "migration", "rows": rows, "ratios": ratios}
     Path(__file__).with_name("results_migration.json").write_text(json.dumps(out, indent=1))
     return out

@@ -25,6 +25,15 @@ def ringlet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def greedy_ids(prompt: str, tokens: int) -> list[int]:
+    """The ids ``ringlet generate`` (one process, no network) gives ``prompt``, greedy."""
+    proc = ringlet("generate", "--json", "--max-tokens", str(tokens), prompt)
+    assert proc.returncode == 0, proc.stderr
+    ids = json.loads(proc.stdout)["completion_ids"]
+    assert len(ids) == tokens
+    return ids
+
+
 def index_of(cluster, node_id: str) -> int:
     """The index in ``cluster`` (a ``LocalCluster``) of the running node with ``node_id``."""
     for i in cluster.alive():

@@ -178,13 +178,21 @@ class FakeHub:
             h.wfile.write(body)
         entry.done = True
 
-    def _api(self, h, entry: Logged, head: bool) -> None:
+    def _found(self, h, entry: Logged) -> tuple[str, dict] | None:
+        """The commit and files ``entry`` names, or ``None`` after a 404 the Hub's way."""
         found = self._commit(entry)
         if found is None:
-            return self._error(h, entry, 404, "RepoNotFound", f"Repository {entry.repo} not found")
+            self._error(h, entry, 404, "RepoNotFound", f"Repository {entry.repo} not found")
+            return None
+        if not found[0]:
+            self._error(h, entry, 404, "RevisionNotFound", f"Invalid rev id: {entry.revision}")
+            return None
+        return found
+
+    def _api(self, h, entry: Logged, head: bool) -> None:
+        if (found := self._found(h, entry)) is None:
+            return None
         sha, files = found
-        if not sha:
-            return self._error(h, entry, 404, "RevisionNotFound", f"Invalid rev id: {entry.revision}")
         siblings = []
         for name, data in sorted(files.items()):
             s = {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(data)}
@@ -204,12 +212,9 @@ class FakeHub:
         entry.done = True
 
     def _resolve(self, h, entry: Logged, head: bool) -> None:
-        found = self._commit(entry)
-        if found is None:
-            return self._error(h, entry, 404, "RepoNotFound", f"Repository {entry.repo} not found")
+        if (found := self._found(h, entry)) is None:
+            return None
         sha, files = found
-        if not sha:
-            return self._error(h, entry, 404, "RevisionNotFound", f"Invalid rev id: {entry.revision}")
         data = files.get(entry.file)
         if data is None:
             return self._error(h, entry, 404, "EntryNotFound", f"{entry.file} does not exist", sha)

@@ -74,16 +74,28 @@ class Boundary:
 @dataclass
 class Recording:
     """The states one request in flight has sent on so far: ``parts`` ``(1, t, hidden)``,
-    ``rows`` tokens in all, ``nbytes`` bytes."""
+    ``rows`` tokens in all, ``nbytes`` bytes. Decode steps add a row each; every
+    :data:`TAIL` of them are joined into one block, so a long request holds few arrays and
+    each row is copied once before :meth:`hidden`."""
 
     parts: list[mx.array]
     rows: int = 0
     nbytes: int = 0
+    blocks: int = 0  # leading parts already joined
+
+    TAIL = 64
+
+    def add(self, out: mx.array) -> None:
+        self.parts.append(out)
+        if len(self.parts) - self.blocks >= self.TAIL:
+            self.parts[self.blocks:] = [mx.concatenate(self.parts[self.blocks:], axis=1)]
+            self.blocks += 1
 
     def hidden(self) -> mx.array:
         """All of them as one array ``(1, rows, hidden_size)``."""
         if len(self.parts) > 1:
             self.parts = [mx.concatenate(self.parts, axis=1)]
+            self.blocks = 1
         return self.parts[0]
 
 
@@ -137,12 +149,10 @@ class BoundaryStore(TokenIndex):
             self.end(recording)
             self.dropped += 1
             return None
-        recording.parts.append(out)
+        recording.add(out)
         recording.rows += out.shape[1]
         recording.nbytes += out.nbytes
         self.inflight_bytes += out.nbytes
-        if len(recording.parts) >= 64:  # decode steps add one row each: keep few arrays
-            recording.hidden()
         return recording
 
     def end(self, recording: Recording | None, scope: str = "", tokens: list[int] | None = None,

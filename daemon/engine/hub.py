@@ -70,11 +70,14 @@ class HubRef:
 def parse_ref(text: str | None) -> HubRef | None:
     """``ORG/NAME[@REVISION]`` as a :class:`HubRef`; ``None`` when ``text`` is not of that
     form or names an existing file or directory (a path always wins)."""
-    if not text or Path(text).expanduser().exists():
-        return None
-    m = _REF.match(text.strip())
+    m = _REF.match(text.strip()) if text else None
     if m is None or text.startswith((".", "~", "/")):
         return None
+    try:
+        if Path(text).expanduser().exists():
+            return None
+    except OSError:  # not a usable path (too long, say): a name
+        pass
     return HubRef(m.group("repo"), m.group("rev"))
 
 
@@ -197,7 +200,7 @@ def _small(f: HubFile) -> bool:
     return "/" not in f.name and f.name.endswith(SMALL_SUFFIXES) and (f.size or 0) <= SMALL_LIMIT
 
 
-class _Silent:
+class SilentBar:
     """A progress bar for ``huggingface_hub`` that shows nothing (ringlet draws its own)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -267,11 +270,11 @@ def _resolve_online(ref: HubRef, cache_dir: Path, endpoint: str) -> HubModel:
     # config.json by the revision asked for: the cache records the ref (refs/main -> commit),
     # so the same name resolves offline later
     hf_hub_download(ref.repo, "config.json", revision=ref.revision or "main", cache_dir=cache_dir,
-                    endpoint=endpoint, tqdm_class=_Silent)
+                    endpoint=endpoint, tqdm_class=SilentBar)
     for f in sorted(files.values(), key=lambda f: f.name):
         if _small(f) and f.name != "config.json":
             hf_hub_download(ref.repo, f.name, revision=sha, cache_dir=cache_dir, endpoint=endpoint,
-                            tqdm_class=_Silent)
+                            tqdm_class=SilentBar)
     model = _model(ref, sha, cache_dir, endpoint, files)
     sidecar = read_headers_file(model.headers_path)
     if sidecar is None or sidecar.get("revision") != sha:

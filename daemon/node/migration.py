@@ -108,6 +108,10 @@ class Migration:
             figures["reprefilled_tokens"] += max(0, tokens - 1 - cached)
             figures["full_reprefills"] += int(cached == 0 and tokens > 1)
 
+    def _moves_kv(self, plan: ServingPlan) -> bool:
+        """Whether KV moves with its layers into ``plan``: a pipeline plan, with ``--kv-migration on``."""
+        return self.config.kv_migration and not plan.infeasible and not plan.is_tensor and not plan.is_hybrid
+
     # --- while preparing -------------------------------------------------------------------
 
     def _kv_sources(self, plan: ServingPlan, gained: list[tuple[int, int]]) -> tuple[list, dict[str, str]]:
@@ -133,10 +137,10 @@ class Migration:
         gains in ``plan`` (its new stage is ``[start, end)``) from their holders; at the
         commit they send only what changed since. Never raises: whatever is not pulled
         moves at the commit."""
+        if not self._moves_kv(plan):
+            return
         old = self.engine.stage
         old_range = (old.start, old.end) if isinstance(old, Stage) else None
-        if not self.config.kv_migration or plan.infeasible or plan.is_tensor or plan.is_hybrid:
-            return
         sources, _ = self._kv_sources(plan, range_minus((start, end), old_range))
         if not sources:
             return
@@ -168,7 +172,7 @@ class Migration:
         old = self.engine.stage
         old_range = (old.start, old.end) if isinstance(old, Stage) else None
         new_range = (stage.start, stage.end) if isinstance(stage, Stage) else None
-        pipeline = self.config.kv_migration and not plan.infeasible and not plan.is_tensor and not plan.is_hybrid
+        pipeline = self._moves_kv(plan)
         keep = pipeline and old_range is not None
         pieces, boundaries = await self.engine.swap_stage(stage, keep=keep)
         own = [q for p in pieces if new_range and (q := p.within(*new_range)) is not None]

@@ -154,7 +154,8 @@ class Rebuilding:
             if source is None:
                 raise BoundaryError(f"nobody holds the states entering layer {lo}")
             local = source.node_id == self.node_id and old
-            events = self._states[lo].follow() if local else self._fetch_states(plan.epoch, source, lo)
+            kept = self._states.get(lo) or StatesLog(closed=True)  # none kept here: nothing to rebuild from
+            events = kept.follow() if local else self._fetch_states(plan.epoch, source, lo)
             async for index, meta, _, part in events:
                 if meta is not None:
                     jobs[index] = Rebuild(stage, lo, hi, meta, self.config.prefill_chunk)

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ringlet.daemon.engine.hub import RINGLET_DIR, HubModel
+from ringlet.daemon.engine.hub import RINGLET_DIR, HubModel, SilentBar
 from ringlet.daemon.engine.stage_tensors import stage_files
 from ringlet.daemon.errors import RingletError
 from ringlet.daemon.shards.layout import ShardError
@@ -98,21 +98,9 @@ class DownloadProgress:
         """A progress-bar class for ``huggingface_hub``'s ``http_get`` that counts here."""
         progress = self
 
-        class _Count:
-            def __init__(self, *args, **kwargs) -> None:
-                pass
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc) -> bool:
-                return False
-
+        class _Count(SilentBar):
             def update(self, n: int = 1) -> None:
                 progress.add(n)
-
-            def close(self) -> None:
-                pass
 
         return _Count
 

@@ -66,3 +66,13 @@ def test_an_entry_extended_by_a_later_turn_goes():
     store.add(Boundary("s", [1, 2, 3, 4], 1, states(4)))
     assert len(store) == 1 and store.nbytes == 4 * PER_TOKEN
     assert store.find("s", [1, 2]).hidden.shape == (1, 2, WIDTH)
+
+
+def test_a_long_decode_is_kept_in_few_arrays_and_whole():
+    store = BoundaryStore(10_000 * PER_TOKEN, layer=1)
+    rec = store.begin("s", [])
+    for i in range(200):  # 200 decode steps of one row each
+        rec = store.record(rec, states(1, start=float(i)))
+    assert rec.rows == 200 and len(rec.parts) == 3 + 8  # 3 blocks of 64 rows, 8 rows after them
+    want = mx.concatenate([states(1, start=float(i)) for i in range(200)], axis=1)
+    assert mx.array_equal(rec.hidden(), want).item()

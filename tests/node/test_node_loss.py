@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from conftest import index_of, ringlet
+from conftest import greedy_ids, index_of
 from streaming import Stream
 
 from ringlet.daemon.ops.demo import LocalCluster
@@ -27,11 +27,7 @@ TOKENS = 30
 @pytest.fixture(scope="module")
 def undisturbed() -> list[int]:
     """Greedy ids of one undisturbed single-process run (``ringlet generate``)."""
-    proc = ringlet("generate", "--json", "--max-tokens", str(TOKENS), PROMPT)
-    assert proc.returncode == 0, proc.stderr
-    ids = json.loads(proc.stdout)["completion_ids"]
-    assert len(ids) == TOKENS
-    return ids
+    return greedy_ids(PROMPT, TOKENS)
 
 
 #: A ~2,000-token conversation (2,160 tokens of SmolLM2's tokenizer, counted by hand once).
@@ -64,7 +60,10 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
             first.join(300)
             assert first.error is None and len(first.ids) == TOKENS, first.error
             prompt, expected = CONVERSATION, first.ids
-            prompt_tokens = c.cluster_info(api)["recent_requests"][-1]["prompt_tokens"]
+            deadline = time.monotonic() + 10  # the node records a request as its stream closes
+            while not (recent := c.cluster_info(api)["recent_requests"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            prompt_tokens = recent[-1]["prompt_tokens"]
             assert prompt_tokens > 2000
         else:
             prompt, expected = PROMPT, undisturbed

@@ -16,7 +16,7 @@ import time
 import grpc
 import httpx
 import pytest
-from conftest import index_of, ringlet
+from conftest import greedy_ids, index_of
 from smollm2 import stage_bytes
 from streaming import Stream
 
@@ -33,11 +33,7 @@ LONG = 160  # tokens of the long stream (the join must land while it runs)
 @pytest.fixture(scope="module")
 def undisturbed() -> list[int]:
     """Greedy ids of one undisturbed single-process run (``ringlet generate``)."""
-    proc = ringlet("generate", "--json", "--max-tokens", str(LONG), PROMPT)
-    assert proc.returncode == 0, proc.stderr
-    ids = json.loads(proc.stdout)["completion_ids"]
-    assert len(ids) == LONG
-    return ids
+    return greedy_ids(PROMPT, LONG)
 
 
 KV_BYTES_PER_TOKEN_LAYER = 2 * 3 * 64 * 4  # float32 keys and values of SmolLM2-135M's 3 KV heads of 64
