@@ -52,7 +52,7 @@ import grpc
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.model_agreement import ModelAgreement
-from ringlet.daemon.cluster.proposal import layout, proposal_addresses, routes_moved, routes_report
+from ringlet.daemon.cluster.proposal import layout, proposal_addresses, readdress, routes_moved, routes_report
 from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -233,7 +233,7 @@ class Negotiator:
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = proposal_addresses(self.membership, ids, plan)
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
-        previous = await self._serving_stages()
+        previous = readdress(await self._serving_stages(), addresses)  # KV holders where they answer now
         if plan is not None and not (mode and mode.get("mode") in ("tensor", "hybrid")):
             records = {i: self.membership.record_of(i) or {} for i in ids}
             nodes, links = planner_inputs(build_graph(records))

@@ -39,6 +39,16 @@ def routes_moved(committed: ServingPlan | None, addresses: Sequence[pb.LayerRang
     return False
 
 
+def readdress(previous: list[pb.LayerRange], addresses: Sequence[pb.LayerRange]) -> list[pb.LayerRange]:
+    """``previous`` (the stages a proposal replaces, where members fetch KV from) with each
+    node that the proposal names at the address it names: a node whose plan address
+    stopped answering is fetched from where it answers now. Changes the ranges in place."""
+    by_id = {a.node_id: a.grpc_address for a in addresses if a.grpc_address}
+    for stage in previous:
+        stage.grpc_address = by_id.get(stage.node_id, stage.grpc_address)
+    return previous
+
+
 def routes_report(records: dict[str, dict], plan: ServingPlan | None) -> list[dict]:
     """Every address a member could not reach (:func:`.routes.unreachable_routes`), marking
     those the committed ``plan`` names."""

@@ -5,7 +5,7 @@ from the records written here."""
 from __future__ import annotations
 
 from ringlet.daemon.cluster.addresses import dial_addresses
-from ringlet.daemon.cluster.proposal import routes_moved
+from ringlet.daemon.cluster.proposal import readdress, routes_moved
 from ringlet.daemon.cluster.routes import (
     RouteOption,
     better,
@@ -127,6 +127,15 @@ def test_routes_moved_compares_addresses_and_hops_of_a_pipeline():
     assert routes_moved(committed, hop_gone)
     moved = [pb.LayerRange(node_id="a", grpc_address="10.1.0.1:7100"), same[1]]
     assert routes_moved(committed, moved)
+
+
+def test_the_kv_of_the_plan_replaced_is_fetched_where_its_holders_answer_now():
+    previous = [pb.LayerRange(node_id="a", start=0, end=10, grpc_address="10.202.0.1:7100"),
+                pb.LayerRange(node_id="gone", start=10, end=30, grpc_address="10.202.0.3:7100", rebuild=True)]
+    now = [pb.LayerRange(node_id="a", grpc_address="10.201.0.1:7100"), pb.LayerRange(node_id="b", grpc_address="x")]
+    got = readdress(previous, now)
+    assert [(r.node_id, r.grpc_address, r.start, r.end, r.rebuild) for r in got] == [
+        ("a", "10.201.0.1:7100", 0, 10, False), ("gone", "10.202.0.3:7100", 10, 30, True)]
 
 
 def test_only_what_plans_depend_on_changes_the_digest():
