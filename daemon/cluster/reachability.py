@@ -40,7 +40,8 @@ async def unreachable(membership: Membership, me: str, serving: ServingPlan) -> 
             role = "stage 0" if i == 0 else f"the next stage ({i})"
             host = address.rsplit(":", 1)[0]
             return (f"cannot reach {role}, {stage.node_id[:8]} at {address}, from this node "
-                    f"({membership.address}): {exc.code().name}; if {host} is not an address its peers "
+                    f"({membership.node_id[:8]} at {membership.reachable_address()}): {exc.code().name}; if {host} "
+                    "is not an address its peers "
                     "can reach (a container or VM bridge such as docker0), start that node with "
                     "--advertise-host ADDRESS or --interface NAME")
 

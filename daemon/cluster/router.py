@@ -71,6 +71,7 @@ class Router:
         self.wifi: frozenset[str] = frozenset()
         self._reached: dict[str, dict[str, RouteOption]] = {}  # member -> address -> as last measured
         self._failed: dict[str, dict[str, str]] = {}  # member -> address -> why it did not answer
+        self._broken: dict[str, set[str]] = {}  # member -> failed addresses that had answered before
         self._links: dict[str, dict] = {}  # member -> measurement of the address in use
         self._seen: dict[str, str] = {}  # member -> its published routes, to notice a change
         membership.on_unreachable = self.reroute
@@ -94,8 +95,12 @@ class Router:
     def _ok(self, node_id: str, option: RouteOption) -> None:
         self._reached.setdefault(node_id, {})[option.address] = option
         self._failed.get(node_id, {}).pop(option.address, None)
+        self._broken.get(node_id, set()).discard(option.address)
 
     def _bad(self, node_id: str, address: str, why: str) -> None:
+        member = self.membership.members.get(node_id)
+        if address in self._reached.get(node_id, {}) or (member is not None and member.address == address):
+            self._broken.setdefault(node_id, set()).add(address)  # it answered before: a route that broke
         self._failed.setdefault(node_id, {})[address] = why
         self._reached.get(node_id, {}).pop(address, None)
 
@@ -110,7 +115,8 @@ class Router:
             address = member.address if member is not None and member.address not in failed else None
             reachable = set(reached) | ({address} if address else set())
             out[node_id] = {"address": address, "kind": (reached.get(address) or RouteOption("", "")).kind or None,
-                            "reachable": sorted(reachable), "unreachable": dict(sorted(failed.items()))}
+                            "reachable": sorted(reachable), "unreachable": dict(sorted(failed.items())),
+                            "broken": sorted(self._broken.get(node_id, set()) & set(failed))}
         return out
 
     def publish(self) -> None:
@@ -197,8 +203,12 @@ class Router:
     async def measure_member(self, member: Member, own: frozenset[str]) -> None:
         """Check and measure each of ``member``'s addresses; dial it at the best."""
         options: dict[str, tuple[RouteOption, LinkMeasurement]] = {}
-        for address in self.candidates(member):
-            if address != member.address and (why := await self.verify(member.node_id, address)) is not None:
+        addresses = self.candidates(member)
+        others = [a for a in addresses if a != member.address]  # the one in use answers the heartbeats
+        checks = dict(zip(others, await asyncio.gather(*(self.verify(member.node_id, a) for a in others)),
+                          strict=True))
+        for address in addresses:
+            if (why := checks.get(address)) is not None:
                 self._bad(member.node_id, address, why)
                 continue
             kind = self.kind(address, own)
@@ -235,6 +245,7 @@ class Router:
                     self.membership.lost):
                 self._reached.pop(gone, None)
                 self._failed.pop(gone, None)
+                self._broken.pop(gone, None)
             self.publish()
             try:
                 await asyncio.wait_for(self.membership.links_wanted.wait(), timeout=self.refresh_s)

@@ -6,7 +6,9 @@ Ethernet, Wi-Fi). Each node publishes in its record (see :mod:`.router`, which k
 * ``addresses``: where it may be dialled (``host:port``), its advertised address first;
 * ``routes``: per member, the address it dials that member at (``address``, ``None`` when
   none answers) and that link's ``kind``; the member's addresses it has reached
-  (``reachable``) and those it could not, with why (``unreachable``: address -> reason).
+  (``reachable``) and those it could not, with why (``unreachable``: address -> reason),
+  of which ``broken`` had answered before (a route that broke, not one that never worked,
+  such as the far end of another Thunderbolt cable).
 
 The rules here are pure and the same on every member:
 
@@ -149,7 +151,8 @@ def route_digest(record: dict) -> str:
 def unreachable_routes(records: Mapping[str, dict], plan_addresses: set[str] = frozenset()) -> list[dict]:
     """Every address a node reported it could not reach, for ``/v1/cluster`` and ``ringlet
     status``: ``{"from", "to", "address", "error", "via" (the address it reaches that node
-    at instead, or None), "in_plan" (the committed plan names it), "fix"}``, sorted."""
+    at instead, or None), "in_plan" (the committed plan names it), "broke" (it had answered
+    before), "fix"}``, sorted."""
     out = []
     for source, rec in sorted(records.items()):
         for target, route in sorted(((rec or {}).get("routes") or {}).items()):
@@ -158,7 +161,7 @@ def unreachable_routes(records: Mapping[str, dict], plan_addresses: set[str] = f
             for address, why in sorted((route.get("unreachable") or {}).items()):
                 out.append({"from": source, "to": target, "address": address, "error": str(why),
                             "via": route.get("address"), "in_plan": address in plan_addresses,
-                            "fix": f"start {target} with {FIX}"})
+                            "broke": address in (route.get("broken") or ()), "fix": f"start {target} with {FIX}"})
     return out
 
 
@@ -166,8 +169,26 @@ def describe(entry: Mapping) -> str:
     """One :func:`unreachable_routes` entry as a line for people (missing fields as ``?``)."""
     to, source = str(entry.get("to") or "?"), str(entry.get("from") or "?")
     where = f"{entry.get('address') or '?'} of {to[:8]}" + (" (in the plan)" if entry.get("in_plan") else "")
-    line = f"{where} from {source[:8]}: {entry.get('error') or '?'}"
+    error = entry.get("error") or "?"
+    line = f"{where} from {source[:8]}: " + (f"stopped answering ({error})" if entry.get("broke") else error)
     fix = entry.get("fix") or f"start {to} with {FIX}"
     if entry.get("via"):
         return f"{line}; reached at {entry['via']} instead (to pin an address: {fix})"
     return f"{line}; no other address of it answers: {fix}"
+
+
+def status_lines(entries: Sequence[Mapping]) -> list[str]:
+    """``ringlet status``'s lines for :func:`unreachable_routes` entries: one each (see
+    :func:`describe`) for an address the plan names, one that stopped answering, or a node
+    no address of which answers; one line for the rest, addresses that never answered
+    from there while another of the node's does (the far end of another Thunderbolt cable)."""
+    lines, quiet = [], []
+    for e in entries:
+        if e.get("in_plan") or e.get("broke") or not e.get("via"):
+            lines.append(f"unreachable: {describe(e)}")
+        else:
+            to, source = str(e.get("to") or "?")[:8], str(e.get("from") or "?")[:8]
+            quiet.append(f"{e.get('address') or '?'} of {to} from {source}")
+    if quiet:
+        lines.append(f"never reached (other addresses of these nodes serve): {', '.join(quiet)}")
+    return lines

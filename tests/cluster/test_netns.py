@@ -402,15 +402,16 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
         entry = next((e for e in views[api.index]["routes"] if e["address"] == dead and e["from"] == ids[api.index]),
                      None)
         assert entry is not None, views[api.index]["routes"]
-        assert (entry["to"], entry["via"], entry["in_plan"]) == (ids[victim.index], at(victim, first), False), entry
+        assert (entry["to"], entry["via"], entry["in_plan"], entry["broke"]) == (
+            ids[victim.index], at(victim, first), False, True), entry
         assert "--advertise-host" in entry["fix"] and "--interface" in entry["fix"], entry
         for v in views.values():  # 1. the address both hold is no route: in no plan, route or member address
             peers = [m["grpc_address"] for m in v["members"] if m["state"] != "self"]
             assert "192.168.50.1" not in json.dumps([v["plan"], v["routes"], peers]), (v["plan"], v["routes"], peers)
         status = sh_status(lab, api)
         assert status.returncode == 0, status.stdout + status.stderr
-        assert f"unreachable: {dead} of {ids[victim.index][:8]} from {ids[api.index][:8]}" in status.stdout, \
-            status.stdout
+        assert f"unreachable: {dead} of {ids[victim.index][:8]} from {ids[api.index][:8]}: stopped answering (" \
+            in status.stdout, status.stdout
 
         # 4. no address of host 1 works any more: a clear error, not a 30 s wait
         stream = Stream(api.api_url, PROMPT, tokens, timeout_s=120, context=lambda: in_namespace(lab.hub))

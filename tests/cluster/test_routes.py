@@ -14,6 +14,7 @@ from ringlet.daemon.cluster.routes import (
     describe,
     route_digest,
     stage_addresses,
+    status_lines,
     unreachable_routes,
 )
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -99,20 +100,27 @@ def test_the_common_address_is_the_one_most_members_use():
 
 def test_an_unreachable_address_is_reported_with_where_from_and_the_flag():
     records = {"3f241d0b1ec9ab91": {"routes": {"3e6874abd9c8a300": {
-        "address": "10.201.0.2:7100", "reachable": ["10.201.0.2:7100"],
-        "unreachable": {"10.202.0.2:7100": "DEADLINE_EXCEEDED"}}}},
+        "address": "10.201.0.2:7100", "reachable": ["10.201.0.2:7100"], "broken": ["10.202.0.2:7100"],
+        "unreachable": {"10.202.0.2:7100": "DEADLINE_EXCEEDED", "169.254.3.3:7100": "UNAVAILABLE"}}}},
         "3e6874abd9c8a300": {"routes": {"3f241d0b1ec9ab91": {"address": None, "reachable": [],
                                                              "unreachable": {"10.201.0.1:7100": "UNAVAILABLE"}}}}}
     got = unreachable_routes(records, {"10.202.0.2:7100"})
-    assert [(e["from"][:4], e["to"][:4], e["address"], e["via"], e["in_plan"]) for e in got] == [
-        ("3e68", "3f24", "10.201.0.1:7100", None, False), ("3f24", "3e68", "10.202.0.2:7100", "10.201.0.2:7100", True)]
+    assert [(e["from"][:4], e["to"][:4], e["address"], e["via"], e["in_plan"], e["broke"]) for e in got] == [
+        ("3e68", "3f24", "10.201.0.1:7100", None, False, False),
+        ("3f24", "3e68", "10.202.0.2:7100", "10.201.0.2:7100", True, True),
+        ("3f24", "3e68", "169.254.3.3:7100", "10.201.0.2:7100", False, False)]
     assert describe(got[1]) == (
-        "10.202.0.2:7100 of 3e6874ab (in the plan) from 3f241d0b: DEADLINE_EXCEEDED; reached at 10.201.0.2:7100 "
-        "instead (to pin an address: start 3e6874abd9c8a300 with --advertise-host ADDRESS (an address its peers "
-        "reach) or --interface NAME)")
+        "10.202.0.2:7100 of 3e6874ab (in the plan) from 3f241d0b: stopped answering (DEADLINE_EXCEEDED); reached at "
+        "10.201.0.2:7100 instead (to pin an address: start 3e6874abd9c8a300 with --advertise-host ADDRESS (an "
+        "address its peers reach) or --interface NAME)")
     assert describe(got[0]) == (
         "10.201.0.1:7100 of 3f241d0b from 3e6874ab: UNAVAILABLE; no other address of it answers: start "
         "3f241d0b1ec9ab91 with --advertise-host ADDRESS (an address its peers reach) or --interface NAME")
+    # status: a line each for the two that matter; an address that never answered from there, while
+    # another of the node's does, only in a summary line
+    assert status_lines(got) == [f"unreachable: {describe(got[0])}", f"unreachable: {describe(got[1])}",
+                                 "never reached (other addresses of these nodes serve): 169.254.3.3:7100 of 3e6874ab "
+                                 "from 3f241d0b"]
 
 
 def test_routes_moved_compares_addresses_and_hops_of_a_pipeline():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ringlet.daemon.cluster.routes import describe as describe_route
+from ringlet.daemon.cluster.routes import status_lines as route_lines
 from ringlet.daemon.ops.status.collector import take_snapshot
 from ringlet.daemon.ops.status.urls import default_api_url
 
@@ -88,8 +88,7 @@ def format_status(snap: dict) -> str:
     negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
     for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
         lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")
-    for entry in c.get("routes") or []:
-        lines.append(f"unreachable: {describe_route(entry)}")
+    lines += route_lines(c.get("routes") or [])
     for n in snap["nodes"]:
         if d := n.get("download"):
             lines.append(f"downloading on {n['name']}: {d['file'] or 'files'} · {fmt_bytes(d['bytes_done'])} of "
