@@ -55,9 +55,19 @@ class RouteOption:
     bandwidth_bytes_per_s: float = 0.0
 
 
+def _strings(value: object) -> list[str]:
+    """The strings of a list from a peer's record (anything else in it, or instead of it, is
+    dropped: records come over the wire)."""
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list | tuple) else []
+
+
+def _field(record: object, name: str) -> object:
+    return record.get(name) if isinstance(record, dict) else None
+
+
 def shared_addresses(records: Mapping[str, dict]) -> set[str]:
     """The addresses listed by more than one node's record (``addresses``)."""
-    counts = Counter(a for rec in records.values() for a in set((rec or {}).get("addresses") or ()))
+    counts = Counter(a for rec in records.values() for a in set(_strings(_field(rec, "addresses"))))
     return {a for a, n in counts.items() if n > 1}
 
 
@@ -65,7 +75,7 @@ def candidates(member_id: str, records: Mapping[str, dict], known: Sequence[str]
     """Where ``member_id`` may be dialled: the addresses its record lists, in its own order,
     then ``known`` (where this node reached it), without any address another node's record
     lists too (``records`` should include this node's own)."""
-    own = list((records.get(member_id) or {}).get("addresses") or ())
+    own = _strings(_field(records.get(member_id), "addresses"))
     shared = shared_addresses(records)
     return [a for a in dict.fromkeys([*own, *known]) if a not in shared]
 
@@ -93,7 +103,8 @@ def better(current: str | None, options: Sequence[RouteOption]) -> RouteOption |
 
 
 def _route(records: Mapping[str, dict], source: str, target: str) -> dict | None:
-    route = ((records.get(source) or {}).get("routes") or {}).get(target)
+    routes = _field(records.get(source), "routes")
+    route = routes.get(target) if isinstance(routes, dict) else None
     return route if isinstance(route, dict) else None
 
 
@@ -104,11 +115,11 @@ def common_address(node_id: str, others: Sequence[str], records: Mapping[str, di
     routes = [_route(records, o, node_id) for o in others]
     if not others or any(r is None for r in routes):
         return None
-    reach = set.intersection(*(set(r.get("reachable") or ()) for r in routes))
+    reach = set.intersection(*(set(_strings(r.get("reachable"))) for r in routes))
     if not reach:
         return None
-    used = Counter(r.get("address") for r in routes)
-    order = list((records.get(node_id) or {}).get("addresses") or ())
+    used = Counter(a for r in routes if isinstance(a := r.get("address"), str))
+    order = _strings(_field(records.get(node_id), "addresses"))
     return min(reach, key=lambda a: (-used[a], order.index(a) if a in order else len(order), a))
 
 
@@ -135,7 +146,8 @@ def stage_addresses(ids: Sequence[str], ring: Sequence[str], records: Mapping[st
         for k, node_id in enumerate(ring):
             route = _route(records, ring[k - 1], node_id)
             hop = route.get("address") if route else None
-            if node_id in out and hop and hop in (route.get("reachable") or ()) and hop != out[node_id][0]:
+            if node_id in out and isinstance(hop, str) and hop in _strings(route.get("reachable")) \
+                    and hop != out[node_id][0]:
                 out[node_id] = (out[node_id][0], hop)
     return out
 
@@ -143,9 +155,10 @@ def stage_addresses(ids: Sequence[str], ring: Sequence[str], records: Mapping[st
 def route_digest(record: dict) -> str:
     """What of a record's ``addresses`` and ``routes`` plans depend on (addresses, and per
     member the address in use and those reachable; not the figures), as a string."""
-    routes = {k: [v.get("address"), sorted(v.get("reachable") or ())]
-              for k, v in ((record or {}).get("routes") or {}).items() if isinstance(v, dict)}
-    return json.dumps([(record or {}).get("addresses") or [], routes], sort_keys=True, default=str)
+    routes = _field(record, "routes")
+    digest = {k: [v.get("address"), sorted(_strings(v.get("reachable")))]
+              for k, v in (routes.items() if isinstance(routes, dict) else ()) if isinstance(v, dict)}
+    return json.dumps([_strings(_field(record, "addresses")), digest], sort_keys=True, default=str)
 
 
 def unreachable_routes(records: Mapping[str, dict], plan_addresses: set[str] = frozenset()) -> list[dict]:
@@ -155,13 +168,14 @@ def unreachable_routes(records: Mapping[str, dict], plan_addresses: set[str] = f
     before), "fix"}``, sorted."""
     out = []
     for source, rec in sorted(records.items()):
-        for target, route in sorted(((rec or {}).get("routes") or {}).items()):
-            if not isinstance(route, dict):
-                continue
-            for address, why in sorted((route.get("unreachable") or {}).items()):
+        routes = _field(rec, "routes")
+        for target, route in sorted(routes.items() if isinstance(routes, dict) else ()):
+            failed = route.get("unreachable") if isinstance(route, dict) else None
+            for address, why in sorted(failed.items() if isinstance(failed, dict) else ()):
+                via = route.get("address")
                 out.append({"from": source, "to": target, "address": address, "error": str(why),
-                            "via": route.get("address"), "in_plan": address in plan_addresses,
-                            "broke": address in (route.get("broken") or ()), "fix": f"start {target} with {FIX}"})
+                            "via": via if isinstance(via, str) else None, "in_plan": address in plan_addresses,
+                            "broke": address in _strings(route.get("broken")), "fix": f"start {target} with {FIX}"})
     return out
 
 

@@ -161,3 +161,20 @@ def test_a_node_bound_to_every_interface_may_be_dialled_at_each_of_them():
     assert dial_addresses("10.0.0.1", "10.0.0.1", ["10.0.0.1", "169.254.3.1"], 7100) == ["10.0.0.1:7100"]
     assert dial_addresses("10.0.0.9", "0.0.0.0", ["127.0.0.1", "10.0.0.1"], 7100) == [  # noqa: S104
         "10.0.0.9:7100", "10.0.0.1:7100"]
+
+
+def test_a_malformed_record_from_a_peer_is_ignored_not_raised():
+    """Records come over the wire: wrong types anywhere give no route, never an exception."""
+    records = {"a": {"addresses": [{"x": 1}, 7, "10.0.0.1:7100"], "routes": ["nope"]},
+               "b": {"addresses": "10.0.0.2:7100",
+                     "routes": {"a": {"address": {"h": 1}, "reachable": [[1], "10.0.0.1:7100"],
+                                      "unreachable": ["10.0.0.9:7100"], "broken": 3}}},
+               "c": None}
+    assert candidates("a", records) == ["10.0.0.1:7100"]
+    assert candidates("b", records, ["10.0.0.2:7100"]) == ["10.0.0.2:7100"]
+    assert common_address("a", ["b"], records) == "10.0.0.1:7100"
+    assert stage_addresses(["a", "b"], ["a", "b"], records, lambda i: f"fb-{i}") == {
+        "a": ("10.0.0.1:7100", ""), "b": ("fb-b", "")}
+    assert unreachable_routes(records) == []
+    assert route_digest(records["b"]) == route_digest({"routes": {"a": {"address": {"h": 1},
+                                                                         "reachable": ["10.0.0.1:7100"]}}})
