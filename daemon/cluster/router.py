@@ -154,6 +154,10 @@ class Router:
         if not others:
             return False  # nowhere else to go: the heartbeats decide
         if await self.verify(member.node_id, current, timeout_s=2 * self.membership.heartbeat_s) is None:
+            if current in self._failed.get(member.node_id, {}):  # a failed dial of it was a blip too
+                self._ok(member.node_id, self._reached.get(member.node_id, {}).get(current)
+                         or RouteOption(current, self.kind(current, local_addresses())))
+                self.publish()
             return False  # a beat lost under load, not a broken route
         self._bad(member.node_id, current, code)
         checks = await asyncio.gather(*(self.verify(member.node_id, a) for a in others))
