@@ -9,6 +9,10 @@ of the same process; every name is unique per test run)::
                       |-- h1 <== veth ==> veth0 in namespace Tn1 (10.201.0.2/24)
                       ...
 
+:meth:`NetnsLab.add_link` gives a node a second link, to bridge ``br1`` (10.202.0.254/24)
+in the hub namespace, as a host with two networks (Ethernet and Thunderbolt, say);
+:meth:`NetnsLab.drop_route` deletes a node's route to one of them.
+
 Nothing is created in the root namespace: no interface, address or route; no
 packet leaves the namespaces (mDNS included). The test process talks to the
 daemons from the hub namespace: :meth:`NetnsLab.call` runs a function in a
@@ -52,6 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 PREFIX = "rl"
 SUBNET = "10.201.0"
 HUB_IP = f"{SUBNET}.254"
+#: The second network (:meth:`NetnsLab.add_link`): bridge ``br1`` in the hub namespace.
+SUBNET2 = "10.202.0"
 GRPC_PORT = 7100
 API_PORT = 8000
 _STALE = re.compile(rf"^{PREFIX}(\d+)(?:x\d+)?(?:hub|n\d+)$")
@@ -173,10 +179,16 @@ class Daemon:
     wildcard: bool = False
     #: the node-side name of its link
     link: str = "veth0"
+    #: its address on the second network (:meth:`NetnsLab.add_link`), if any
+    ip2: str | None = None
+    #: the node-side name of its link to the second network
+    link2: str | None = None
+    #: where the test reaches its API, if not at :attr:`ip` (e.g. its route there was deleted)
+    api_ip: str | None = None
 
     @property
     def api_url(self) -> str:
-        return f"http://{self.ip}:{API_PORT}"
+        return f"http://{self.api_ip or self.ip}:{API_PORT}"
 
     @property
     def grpc_address(self) -> str:
@@ -219,6 +231,7 @@ class NetnsLab:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._client: httpx.Client | None = None
         self._made_hub = False
+        self._made_bridge2 = False
 
     # --- topology ---------------------------------------------------------------------
 
@@ -289,11 +302,39 @@ class NetnsLab:
         self.daemons.append(d)
         return d
 
+    def add_link(self, d: Daemon, dev: str = "eth1") -> str:
+        """Give node ``d`` a second link, ``dev``, on a second network (bridge ``br1`` in the
+        hub namespace, :data:`SUBNET2`): its address there is ``SUBNET2.<i+1>``, returned
+        and kept as :attr:`Daemon.ip2`. Call before :meth:`start`."""
+        if not self._made_bridge2:
+            sh("ip", "-n", self.hub, "link", "add", "br1", "type", "bridge")
+            sh("ip", "-n", self.hub, "link", "set", "br1", "type", "bridge", "mcast_snooping", "0")
+            sh("ip", "-n", self.hub, "addr", "add", f"{SUBNET2}.254/24", "dev", "br1")
+            sh("ip", "-n", self.hub, "link", "set", "br1", "up")
+            self._made_bridge2 = True
+        hub_end, ip = f"{self.hub_veth(d.index)}b", f"{SUBNET2}.{d.index + 1}"
+        sh("ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", dev, "netns", d.ns)
+        sh("ip", "-n", self.hub, "link", "set", hub_end, "master", "br1")
+        sh("ip", "-n", self.hub, "link", "set", hub_end, "up")
+        sh("ip", "-n", d.ns, "addr", "add", f"{ip}/24", "dev", dev)
+        sh("ip", "-n", d.ns, "link", "set", dev, "up")
+        d.ip2, d.link2 = ip, dev
+        return ip
+
+    def drop_route(self, d: Daemon, subnet: str) -> None:
+        """Delete node ``d``'s route to ``subnet``.0/24 (its connected route): it can no longer
+        send to that network, so its address there stops working for every peer."""
+        sh("ip", "-n", d.ns, "route", "del", f"{subnet}.0/24")
+
     # --- links --------------------------------------------------------------------------
 
-    def shape(self, i: int, rate: str = "100mbit", burst: str = "32kbit", latency: str = "400ms") -> None:
-        """Rate-limit node ``i``'s link in both directions (``tbf`` on both veth ends)."""
-        for ns, dev in ((self.hub, self.hub_veth(i)), (self.node_ns(i), self.daemons[i].link)):
+    def shape(self, i: int, rate: str = "100mbit", burst: str = "32kbit", latency: str = "400ms",
+              second: bool = False) -> None:
+        """Rate-limit node ``i``'s link in both directions (``tbf`` on both veth ends); with
+        ``second``, its link to the second network (:meth:`add_link`)."""
+        ends = ((self.hub, f"{self.hub_veth(i)}b"), (self.node_ns(i), self.daemons[i].link2)) if second else (
+            (self.hub, self.hub_veth(i)), (self.node_ns(i), self.daemons[i].link))
+        for ns, dev in ends:
             sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
                "latency", latency)
 

@@ -21,8 +21,8 @@ from ringlet.daemon.errors import RingletError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VIRTUAL_PREFIXES", "interface_addresses", "is_ipv4", "log_skipped_interfaces", "public_host",
-           "skipped_interfaces", "virtual_kind"]
+__all__ = ["VIRTUAL_PREFIXES", "dial_addresses", "interface_addresses", "is_ipv4", "log_skipped_interfaces",
+           "public_host", "skipped_interfaces", "virtual_kind"]
 
 #: Interface name prefixes skipped without ``--interface``, and what they are: container
 #: and VM bridges and their ports (Docker, Podman, CNI, flannel, libvirt), VPN tunnels
@@ -143,6 +143,18 @@ def public_host(advertise_host: str | None, host: str, interfaces: Sequence[str]
     if not addresses:
         raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
     return addresses[0]
+
+
+def dial_addresses(public: str, host: str, interfaces: Sequence[str] | None, port: int) -> list[str]:
+    """Every ``host:port`` peers may dial this node at: the advertised address ``public``
+    first, then, when the gRPC server binds every interface (a wildcard ``host``), the other
+    addresses of the mDNS ``interfaces`` (:func:`interface_addresses`; loopback ones only
+    when ``public`` is loopback). A node bound to one address has only that one."""
+    out = [f"{public}:{port}"]
+    if host in ("0.0.0.0", ""):  # noqa: S104 - comparison only
+        loop = public.startswith("127.")
+        out += [f"{a}:{port}" for a in interface_addresses(interfaces) if loop or not a.startswith("127.")]
+    return list(dict.fromkeys(out))
 
 
 def log_skipped_interfaces() -> None:

@@ -13,6 +13,11 @@ suspect at once. Each node owns its record and versions it; a beat's reply carri
 the responder's record version, and a newer version is fetched, so every member
 converges on the same records (gossip: replies also list the responder's members,
 and unknown ones are handshaken).
+
+A member may answer at several addresses; it is dialled at :attr:`Member.address`, which
+only :meth:`Membership.use_address` changes (the address in use stopped answering and
+another does, or a faster link was measured: :mod:`ringlet.daemon.cluster.router`), never
+a handshake at another address while the one in use works.
 """
 
 from __future__ import annotations
@@ -125,6 +130,16 @@ class Membership:
         self.on_record_changed: Callable[[Member], None] | None = None
         #: set by :meth:`announce_leave`: this node is draining and admits no one
         self.leaving = False
+        #: awaited (in a task) with a member whose address failed a heartbeat and the gRPC
+        #: code's name; it may move the member to another address (:meth:`use_address`).
+        #: The member is not removed while it runs.
+        self.on_unreachable: Callable[[Member, str], Awaitable[object]] | None = None
+        #: called with ``(member, old address, why)`` after :meth:`use_address` moved a member
+        self.on_address_changed: Callable[[Member, str, str], None] | None = None
+        #: called with ``(node id, address, why)`` when dialling a member there failed outside
+        #: the heartbeats (a proposal's reachability check)
+        self.on_dial_failed: Callable[[str, str, str], None] | None = None
+        self.rerouting: set[str] = set()  # members whose on_unreachable runs
 
     # --- own record --------------------------------------------------------------------
 
@@ -263,7 +278,8 @@ class Membership:
         existing = self.members.get(info.node_id)
         if existing is not None:
             changed = existing.record != record
-            existing.address = address
+            if address != existing.address and (existing.failures or existing.state != "alive"):
+                self.use_address(existing, address, f"{existing.address} stopped answering; it answers here")
             existing.record, existing.record_version = record, info.record_version
             existing.incarnation = info.incarnation
             existing.state, existing.last_ok = "alive", time.monotonic()
@@ -280,6 +296,32 @@ class Membership:
             if asyncio.iscoroutine(result):
                 self._spawn(result)
         self.on_change()
+
+    def use_address(self, member: Member, address: str, why: str) -> None:
+        """Dial ``member`` at ``address`` from now on (the caller has seen it answer there as
+        that member): heartbeats, proposals and this node's plan routes go there."""
+        old = member.address
+        if address == old or self.members.get(member.node_id) is not member:
+            return
+        member.address, member.failures, member.last_ok, member.state = address, 0, time.monotonic(), "alive"
+        log.info("reaching %s at %s instead of %s: %s", member.node_id, address, old, why)
+        self.on_event("route", f"{member.node_id} reached at {address}, not {old}: {why}")
+        if self.on_address_changed is not None:
+            self.on_address_changed(member, old, why)
+
+    def reroute(self, member: Member, why: str) -> None:
+        """Run :attr:`on_unreachable` for ``member`` in a task, unless it runs already."""
+        if self.on_unreachable is not None and member.node_id not in self.rerouting:
+            self.rerouting.add(member.node_id)
+            self._spawn(self._reroute(member, why))
+
+    async def _reroute(self, member: Member, code: str) -> None:
+        try:
+            await self.on_unreachable(member, code)
+        except Exception:  # a failed reroute leaves the member to the heartbeats
+            log.exception("rerouting %s failed", member.node_id)
+        finally:
+            self.rerouting.discard(member.node_id)
 
     def redial_lost(self) -> bool:
         """Handshake again with members removed in the last :data:`LOST_MEMORY_S` (a cut
@@ -399,12 +441,15 @@ class Membership:
         except grpc.aio.AioRpcError as exc:
             member.failures += 1
             self.suspect(member.node_id, f"heartbeat failed ({exc.code().name})")
+            if member.failures == 1:  # once a streak: another of its addresses may answer
+                self.reroute(member, exc.code().name)
             # Unavailable twice in a row (>= one heartbeat apart): the process died
             # (connection refused) or the route is gone (a cut link). Remove now rather
             # than after the silence timeout; a lost member is re-dialled (redial_lost).
             if (exc.code() == grpc.StatusCode.UNAVAILABLE and member.failures >= 2
-                    and time.monotonic() - member.last_ok >= self.heartbeat_s):
-                self.remove(member.node_id, "unreachable (connection refused or no route)")
+                    and time.monotonic() - member.last_ok >= self.heartbeat_s
+                    and member.node_id not in self.rerouting):
+                self.remove(member.node_id, f"unreachable at {member.address} (connection refused or no route)")
             return
         member.failures = 0
         if reply.sender_id != member.node_id:
@@ -422,8 +467,10 @@ class Membership:
             now = time.monotonic()
             for m in list(self.members.values()):
                 silent = now - m.last_ok
+                if m.node_id in self.rerouting:
+                    continue  # its other addresses are being tried
                 if silent > self.remove_after_s:
-                    self.remove(m.node_id, f"silent for {silent:.1f} s")
+                    self.remove(m.node_id, f"silent for {silent:.1f} s at {m.address}")
                 elif silent > self.suspect_after_s:
                     self.suspect(m.node_id, f"silent for {silent:.1f} s")
             await asyncio.sleep(max(0.0, self.heartbeat_s - (time.monotonic() - started)))

@@ -29,7 +29,8 @@ Protocol (all over ringlet's gRPC)::
   when two partitions merged) would otherwise refuse every later one at its epoch.
 * Churn is debounced: the proposer waits until the membership has been stable for
   ``settle_s`` and proposes only when the plan would differ from the committed one
-  or the membership changed, or when its last commit did not reach every member
+  or the membership changed, or a stage's address moved (a route broke or a faster one
+  was measured: :mod:`.router`), or when its last commit did not reach every member
   (a split commit heals with the next epoch).
 * A model that no longer fits gets an epoch too: the committed "plan" then carries
   only the reason ("model needs X GB, cluster has Y GB"), and requests get 503
@@ -51,6 +52,7 @@ import grpc
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.model_agreement import ModelAgreement
+from ringlet.daemon.cluster.proposal import layout, proposal_addresses, readdress, routes_moved, routes_report
 from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -204,8 +206,9 @@ class Negotiator:
         except Infeasible as exc:
             have = sum(n.memory_bytes for n in nodes)
             need = have + exc.shortfall_bytes
+            lost = "".join(f"; lost {i}: {self.membership.departed.get(i, '?')}" for i in sorted(self.membership.lost))
             return None, (f"model needs {_gb(need)}, cluster has {_gb(have)} usable across {len(nodes)} "
-                          f"node(s); add a node or memory ({exc.message})")
+                          f"node(s); add a node or memory ({exc.message}){lost}")  # lost: where it was last dialled
 
     async def _propose_round(self) -> bool:
         """One proposal. Returns True to retry later (views differ, a vote failed)."""
@@ -218,7 +221,8 @@ class Negotiator:
                     and plan.plan_id == self.committed_plan.plan_id) or (plan is None and reason
                                                                           and self.committed_reason)
             committed_mode = (self.node.plan.tp or {}).get("mode", "pipeline")
-            if same and committed_mode == (mode or {}).get("mode", "pipeline"):
+            if same and committed_mode == (mode or {}).get("mode", "pipeline") and not routes_moved(
+                    self.node.plan, proposal_addresses(self.membership, ids, plan)):  # a route broke or sped up
                 return False
         # a re-plan is due: the KV in flight moves with the layers, so the new stages must hold it
         reserve = max(self.node.kv_tokens_in_flight(), self._kv_reserve)
@@ -227,9 +231,9 @@ class Negotiator:
             log.info("planning with room for %d token(s) of KV in flight", reserve)
         epoch = max([self.node.epoch, self._epoch_floor,
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
-        addresses = [pb.LayerRange(node_id=i, grpc_address=self.membership.address_of(i) or "") for i in ids]
+        addresses = proposal_addresses(self.membership, ids, plan)
         body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
-        previous = await self._serving_stages()
+        previous = readdress(await self._serving_stages(), addresses)  # KV holders where they answer now
         if plan is not None and not (mode and mode.get("mode") in ("tensor", "hybrid")):
             records = {i: self.membership.record_of(i) or {} for i in ids}
             nodes, links = planner_inputs(build_graph(records))
@@ -241,16 +245,7 @@ class Negotiator:
                                tp_json=json.dumps(mode, sort_keys=True) if mode else "", previous=previous)
         self.state = f"proposing epoch {epoch}"
         members = [self.membership.members[i] for i in ids if i != self.node.node_id]
-        if plan is None:
-            layout = "infeasible"
-        elif mode and mode.get("mode") == "hybrid":
-            layout = ", ".join(f"{'+'.join(g)} [{a}, {b})" for g, (a, b) in zip(mode["groups"], mode["layer_ranges"],
-                                                                                strict=True))
-        elif mode and mode.get("mode") == "tensor":
-            layout = f"every layer on ranks {', '.join(mode['ranks'])}"
-        else:
-            layout = str(plan.ranges)
-        log.info("proposing epoch %d to %d member(s): %s%s", epoch, len(members) + 1, layout,
+        log.info("proposing epoch %d to %d member(s): %s%s", epoch, len(members) + 1, layout(plan, mode),
                  f"; {mode['reason']}" if mode else "")
 
         async def ask(member) -> pb.Vote:
@@ -357,6 +352,7 @@ class Negotiator:
         except ValueError:
             return self._refuse("malformed plan JSON")
         addresses = {a.node_id: a.grpc_address for a in p.addresses}
+        hops = {a.node_id: a.hop_address for a in p.addresses}  # where the stage before dials it
         ids = self.membership.alive_ids()
         if not isinstance(body, dict):
             return self._refuse("malformed plan JSON")
@@ -374,8 +370,8 @@ class Negotiator:
             missing = [s.node_id for s in plan.stages if not addresses.get(s.node_id)]
             if missing:
                 return self._refuse(f"plan names stages without addresses: {missing}")
-            stages = tuple(StageSpec(address=addresses[s.node_id], start=s.start, end=s.end, node_id=s.node_id)
-                           for s in plan.stages)
+            stages = tuple(StageSpec(address=addresses[s.node_id], start=s.start, end=s.end, node_id=s.node_id,
+                                     hop_address=hops.get(s.node_id, "")) for s in plan.stages)
             serving = ServingPlan(epoch=p.epoch, stages=stages, plan_id=plan.plan_id, detail=plan.to_dict())
             if p.tp_json:
                 from ringlet.daemon.tensor.serving.mode import check_tp_dict
@@ -495,6 +491,7 @@ class Negotiator:
             "policy": self.policy.name,
             "members": members,
             "links": graph["links"],
+            "routes": routes_report(records, self.node.plan),  # every address a member could not reach
             "negotiation": {"state": self.state, **self.agreement.info(self.membership),
                             "membership_digest": self.membership.digest(), "last_result": self.last_result},
         }

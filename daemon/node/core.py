@@ -279,7 +279,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             self._finish(gen, PlanChanged(f"the plan changed to epoch {plan.epoch}", plan.epoch))
         successor = None
         if self.index is not None and len(plan.stages) > 1:
-            successor = plan.stages[(self.index + 1) % len(plan.stages)].address
+            successor = plan.stages[(self.index + 1) % len(plan.stages)].dial_from_previous  # our route to it
         retired = None  # the old plan's link, closed once the new plan is in place
         if self._next is not None and (successor is None or self._next.address != successor):
             retired, self._next = self._next, None
@@ -404,7 +404,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "num_layers": stage.num_layers if stage else None,
             "stage": self.index,
             "layer_range": [spec.start, spec.end] if spec else None,
-            "plan": [{"node_id": s.node_id, "address": s.address, "start": s.start, "end": s.end}
+            "plan": [{"node_id": s.node_id, "address": s.address, "start": s.start, "end": s.end,
+                      "hop_address": s.hop_address or None}
                      for s in (self.plan.stages if self.plan else ())],
             "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),

@@ -105,6 +105,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--drain-timeout-s", type=float, default=DRAIN_TIMEOUT_S,
                      help="on SIGTERM, seconds at most to finish this node's API requests, tell the peers and "
                           "wait for their plan without this node, before exiting")
+    run.add_argument("--link-refresh-s", type=float, default=30.0,
+                     help="seconds between measurements of every member's links, at each of its addresses "
+                          "(the fastest that answers is used; default 30)")
     run.add_argument("--settle-s", type=float, default=0.3, help="membership quiet time before re-planning")
     run.add_argument("--initial-settle-s", type=float, default=1.0, help="quiet time before the first plan")
     run.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,

@@ -12,13 +12,12 @@ import asyncio
 import contextlib
 import functools
 import logging
-import random
 import socket
 import sys
 import time
 from pathlib import Path
 
-from ringlet.daemon.cluster.addresses import log_skipped_interfaces, public_host
+from ringlet.daemon.cluster.addresses import dial_addresses, log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
@@ -36,8 +35,6 @@ from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
 from ringlet.daemon.probes.colocated import ThreadSizer
 
 log = logging.getLogger(__name__)
-
-LINK_REFRESH_S = 30.0
 
 
 def build_config(args) -> tuple[NodeConfig, int]:
@@ -97,40 +94,6 @@ def node_dtype(args, location) -> DtypeChoice:
     return choice
 
 
-async def _measure_links(node: Node, membership, probe) -> None:
-    """Measure every member's link now and every LINK_REFRESH_S; publish in our record."""
-    from ringlet.daemon.cluster.linkprobe import link_kind, measure
-
-    tb_ifaces = {p.interface for p in getattr(probe, "thunderbolt", ()) if getattr(p, "interface", None)}
-    from ringlet.daemon.probes.interfaces import interface_for_peer, local_addresses, wireless_interfaces
-
-    wifi = await asyncio.get_running_loop().run_in_executor(None, wireless_interfaces)
-    links: dict[str, dict] = {}
-    while True:
-        # members re-measure after the same membership change: spread the bulk probes so
-        # they do not share (and under-read) one node's link
-        await asyncio.sleep(random.uniform(0.0, 1.0))  # noqa: S311 - jitter, not crypto
-        own = local_addresses()  # this machine's addresses, once a round
-        for member in list(membership.members.values()):
-            host = member.address.rsplit(":", 1)[0]
-            try:
-                kind = link_kind(host, tb_ifaces, interface_for_peer, own, wifi)
-                m = await measure(membership.stub(member.address), kind)
-                links[member.node_id] = m.to_dict()
-            except Exception as exc:  # noqa: BLE001 - a failed measurement keeps the old figure
-                log.debug("link to %s not measured: %s", member.node_id, exc)
-        for gone in set(links) - set(membership.members):
-            links.pop(gone)
-        record = dict(membership.own_record)
-        record["links"] = {k: dict(v) for k, v in sorted(links.items())}
-        membership.set_record(record)
-        try:
-            await asyncio.wait_for(membership.links_wanted.wait(), timeout=LINK_REFRESH_S)
-        except TimeoutError:
-            pass
-        membership.links_wanted.clear()
-
-
 def _make_fetcher(node: Node, membership, cache_dir: Path):
     """``fetch(start, end)``: pull a stage's tensors from the first member that serves them."""
     from ringlet.daemon.shards.transfer import cached_shard, fetch_shard_detailed
@@ -164,6 +127,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from ringlet.daemon.cluster.identity import NodeIdentity, cluster_id
     from ringlet.daemon.cluster.membership import Membership
     from ringlet.daemon.cluster.negotiation import Negotiator
+    from ringlet.daemon.cluster.router import LINK_REFRESH_S, Router
     from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.engine.modelspec import model_spec_from_model
     from ringlet.daemon.engine.stage import build_lazy_model
@@ -226,18 +190,30 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         membership.links_wanted.set()
 
     membership.on_change = on_change
+    # which of each member's addresses to dial; a route that breaks or speeds up: re-plan
+    tb = frozenset(i for p in getattr(probe, "thunderbolt", ()) if (i := getattr(p, "interface", None)))
+    router = Router(membership, dial_addresses(public, args.host, args.interface or None, args.port),
+                    on_change=negotiator.membership_changed, thunderbolt=tb,
+                    refresh_s=getattr(args, "link_refresh_s", LINK_REFRESH_S),
+                    api_port=args.api_port if args.api_host in ("0.0.0.0", "") else None)  # noqa: S104 - comparison
+    router.publish()
     node.cluster = negotiator
     node.tp = tp = TPServing(node, membership, args.mode, tp_spec, str(node.config.model.path), node.config.dtype)
     negotiator.tp = tp
     tp.on_failed = negotiator.membership_changed  # a group that gave up: re-plan (on the pipeline)
-    membership.on_record_changed = tp.record_changed  # another member's group gave up (hybrid plans)
+
+    def record_changed(member) -> None:
+        tp.record_changed(member)  # another member's group gave up (hybrid plans)
+        router.record_changed(member)  # its routes changed: the plan's addresses may move
+
+    membership.on_record_changed = record_changed
     if getattr(args, "fetched_location", None) is not None and getattr(args, "hub", None) is None:
         node.config.fetch = _make_fetcher(node, membership, args.fetch_cache_dir)
         for message in getattr(args, "fetch_events", []):
             node.event("fetch", message)
     await membership.start()
     await negotiator.start()
-    tasks = [asyncio.create_task(_measure_links(node, membership, probe), name="links")]
+    tasks = [asyncio.create_task(router.run(), name="links")]
 
     discovery = None
     if not args.no_mdns:

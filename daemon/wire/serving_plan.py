@@ -15,6 +15,11 @@ from dataclasses import dataclass
 class StageSpec:
     """One stage: the node's gRPC address (``host:port``) and its layer range ``[start, end)``.
 
+    ``address`` is where every member can dial the node (stage 0 takes every member's
+    requests); ``hop_address``, when set, is where the stage before it dials it instead (its
+    measured fastest route to this neighbour, e.g. over a Thunderbolt cable): see
+    :attr:`dial_from_previous`.
+
     In a plan's ``previous`` stages, ``rebuild`` says that this range's KV is rebuilt by
     its new holders from the boundary activations entering ``start`` instead of being
     fetched from this node (it is lost, or recomputing is predicted faster), and ``why``.
@@ -26,7 +31,12 @@ class StageSpec:
     node_id: str = ""
     rebuild: bool = False
     why: str = ""
+    hop_address: str = ""
 
+    @property
+    def dial_from_previous(self) -> str:
+        """The address the previous stage's hop stream dials: ``hop_address``, else ``address``."""
+        return self.hop_address or self.address
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import socket
 
 from ringlet.daemon.cluster.membership import Member, Membership
 from ringlet.daemon.cluster.negotiation import Negotiator
+from ringlet.daemon.cluster.router import Router
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan
@@ -272,5 +273,36 @@ def test_a_member_without_room_for_the_kv_in_flight_refuses_and_the_next_plan_is
             assert await neg_a._propose_round() is False, neg_a.last_result
             ranges = {s.node_id: s.end - s.start for s in parts[a][0].plan.stages}
             assert ranges == {a: 4, b: 1, c: 1}, ranges
+
+    asyncio.run(scenario())
+
+
+def test_a_proposer_whose_address_is_refused_is_proposed_again_at_its_other_address():
+    """a may be dialled at two addresses, and b and c last said they reach it at the first,
+    where nothing answers any more. They refuse a's proposal naming it; their routers mark
+    it unreachable and publish that (copied here to a, as the records' gossip would), and
+    a's next proposal stands a at its other address, which every member accepts."""
+    async def scenario():
+        async with trio() as parts:
+            a, b, c = sorted(parts)
+            real, dead = parts[a][1].address, f"127.0.0.1:{free_port()}"  # nothing listens at dead
+            for i in (b, c):
+                Router(parts[i][1], [parts[i][1].address])  # it hooks itself to the membership
+            parts[a][1].set_record({**RECORD, "addresses": [dead, real]})
+            for i in (b, c):
+                parts[i][1].members[a].record = parts[a][1].own_record
+                stale = {"address": dead, "reachable": [dead, real], "unreachable": {}}
+                parts[a][1].members[i].record = {**RECORD, "routes": {a: stale}}
+            neg_a = parts[a][2]
+            assert await neg_a._propose_round() is True  # refused
+            assert f"cannot reach stage 0, {a[:8]} at {dead}" in neg_a.last_result, neg_a.last_result
+            for i in (b, c):
+                route = parts[i][1].own_record["routes"][a]
+                assert (route["address"], route["unreachable"]) == (real, {dead: "UNAVAILABLE"}), route
+                parts[a][1].members[i].record = parts[i][1].own_record  # gossip
+            assert await neg_a._propose_round() is False, neg_a.last_result
+            for i in (a, b, c):
+                stage = next(s for s in parts[i][0].plan.stages if s.node_id == a)
+                assert stage.address == real, parts[i][0].plan
 
     asyncio.run(scenario())

@@ -1,4 +1,4 @@
-"""Network-namespace tests (issues 4 and 5): real daemons, each in its own network
+"""Network-namespace tests (issues 4, 5 and 18): real daemons, each in its own network
 namespace on a bridge (see ``tests/netns.py``), real mDNS across the bridge, links
 shaped with ``tbf`` and cut with ``ip link set ... down``.
 
@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from netns import NetnsLab, cleanup_stale, in_namespace, skip_reason, summarise
+from netns import SUBNET, SUBNET2, NetnsLab, cleanup_stale, in_namespace, skip_reason, summarise
 from streaming import Stream
 
 _reason = skip_reason()
@@ -322,3 +322,117 @@ def test_hosts_with_docker_bridges_and_another_private_bridge_plan_on_addresses_
                             timeout=120)
     out = " ".join(doctor.stdout.split())
     assert "skips docker0 (172.17.0.1: a Docker bridge)" in out, doctor.stdout + doctor.stderr
+
+
+def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(lab: NetnsLab):
+    """Two hosts as a user starts them (``--host 0.0.0.0``, no ``--interface``), each on two
+    networks (eth0 on 10.201.0.0/24, eth1 on 10.202.0.0/24) and holding, made before both,
+    docker0 172.17.0.1 and a private bridge lan1 192.168.50.1 that the other host holds too;
+    at 80 MB each, the model needs both.
+
+    1. No plan names an address both hosts hold.
+    2. A network the plan runs on is shaped to 40 Mbit/s: the members measure the other
+       one faster and re-plan on it (the measured fastest link is preferred).
+    3. Mid-stream, host 1's route to that network is deleted. The stream through host 0
+       ends with the undisturbed ids and no gap near the 30 s token timeout; host 1 is never
+       removed; the next epoch stands on the addresses that work; ``/v1/cluster`` and
+       ``ringlet status`` name the dead address, from where, and the flag that pins one.
+    4. Mid-stream, host 1's last route goes too: the stream fails well before the 30 s
+       token timeout, with an error naming the address host 1 was last dialled at."""
+    tokens = 40
+    ref = subprocess.Popen([sys.executable, "-m", "ringlet.daemon.ops.cli", "generate", "--json", "--dtype", "native",
+                            "--max-tokens", str(tokens), PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    both = (("lan1", "192.168.50.1/24"), ("docker0", "172.17.0.1/16"))
+    args = ["--mode", "pipeline", "--memory-limit", "80MB", "--context", "512", "--link-refresh-s", "3"]
+    nodes = [lab.add_node(args, bridges=both, wildcard=True, link_name="eth0") for _ in range(2)]
+    for d in nodes:
+        lab.add_link(d, "eth1")
+    api, victim = nodes
+
+    def subnets(views: dict) -> set[str]:
+        """The networks of every stage address (and hop address) of every view."""
+        return {a.rsplit(".", 1)[0] for v in views.values() for s in v["plan"]
+                for a in (s["address"], s.get("hop_address") or s["address"])}
+
+    def at(d, subnet: str) -> str:
+        return f"{d.ip if subnet == SUBNET else d.ip2}:7100"
+
+    try:
+        lab.start_nodes(nodes)
+        views = lab.wait_converged(nodes, stages=2, timeout_s=90)
+        assert subnets(views) <= {SUBNET, SUBNET2}, views[0]["plan"]  # neither lan1 nor docker0
+        ids = {d.index: views[d.index]["node_id"] for d in nodes}
+
+        # 2. a network the plan uses becomes slow: the members move to the other one
+        first = SUBNET if SUBNET in subnets(views) else SUBNET2
+        fast = SUBNET2 if first == SUBNET else SUBNET
+        for d in nodes:
+            lab.shape(d.index, rate="40mbit", second=first == SUBNET2)
+        shaped_at = time.monotonic()
+        views = lab.wait_converged(nodes, stages=2, timeout_s=60, min_epoch=views[0]["epoch"] + 1,
+                                   extra=lambda vs: subnets(vs) == {fast})
+        print(f"\nplan on {first}.0/24; shaped it to 40 Mbit/s; re-planned on {fast}.0/24 after "
+              f"{time.monotonic() - shaped_at:.1f} s (epoch {views[0]['epoch']})")
+        out, err = ref.communicate(timeout=120)
+        assert ref.returncode == 0, err
+        expected = json.loads(out)["completion_ids"]
+
+        # 3. host 1's route to that network goes away mid-stream
+        epoch_before = views[0]["epoch"]
+        stream = Stream(api.api_url, PROMPT, tokens, timeout_s=120, context=lambda: in_namespace(lab.hub))
+        stream.wait_tokens(10, timeout_s=60)
+        cut_wall, cut_at = time.time(), time.monotonic()
+        lab.drop_route(victim, fast)
+        victim.api_ip = at(victim, first).rsplit(":", 1)[0]  # the test's own way to its API
+        stream.join(120)
+        views = lab.wait_converged(nodes, stages=2, timeout_s=30, min_epoch=epoch_before + 1,
+                                   extra=lambda vs: subnets(vs) == {first})
+        moved = _events(views, "route", "", cut_wall)
+        print(f"route deleted after 10 tokens; moved to {first}.0/24 after "
+              f"[{', '.join(f'{t - cut_wall:.2f}' for t in moved)}] s; longest gap {stream.max_gap_s:.2f} s; "
+              f"the stream ended {stream.times[-1] - cut_at:.1f} s after the cut (epoch {views[0]['epoch']})")
+        assert stream.error is None, stream.error
+        assert stream.finish == "length" and stream.ids == expected, (stream.ids, expected)
+        assert stream.max_gap_s < GAP_LIVENESS_S, stream.gaps()
+        assert not _events(views, "leave", "", cut_wall), summarise(views)  # reached elsewhere, never removed
+        assert moved, [v["events"] for v in views.values()]
+
+        dead = at(victim, fast)
+        entry = next((e for e in views[api.index]["routes"] if e["address"] == dead and e["from"] == ids[api.index]),
+                     None)
+        assert entry is not None, views[api.index]["routes"]
+        assert (entry["to"], entry["via"], entry["in_plan"], entry["broke"]) == (
+            ids[victim.index], at(victim, first), False, True), entry
+        assert "--advertise-host" in entry["fix"] and "--interface" in entry["fix"], entry
+        for v in views.values():  # 1. the address both hold is no route: in no plan, route or member address
+            peers = [m["grpc_address"] for m in v["members"] if m["state"] != "self"]
+            assert "192.168.50.1" not in json.dumps([v["plan"], v["routes"], peers]), (v["plan"], v["routes"], peers)
+        status = sh_status(lab, api)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"unreachable: {dead} of {ids[victim.index][:8]} from {ids[api.index][:8]}: stopped answering (" \
+            in status.stdout, status.stdout
+
+        # 4. no address of host 1 works any more: a clear error, not a 30 s wait
+        stream = Stream(api.api_url, PROMPT, tokens, timeout_s=120, context=lambda: in_namespace(lab.hub))
+        stream.wait_tokens(5, timeout_s=60)
+        cut_at = time.monotonic()
+        lab.drop_route(victim, first)
+        stream.join(60)
+        ended = time.monotonic() - cut_at
+        print(f"host 1's last route deleted after 5 tokens: the stream ended {ended:.1f} s later: {stream.error}")
+        assert stream.error is not None and at(victim, first) in stream.error, (stream.error, stream.finish)
+        assert ended < 20, stream.error
+    except BaseException:
+        print(lab.dump_logs(40))
+        raise
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait()
+
+
+def sh_status(lab: NetnsLab, d) -> subprocess.CompletedProcess:
+    """``ringlet status --api`` of daemon ``d``, run in the hub namespace."""
+    return subprocess.run(["ip", "netns", "exec", lab.hub, sys.executable, "-m", "ringlet.daemon.ops.cli", "status",
+                           "--api", d.api_url], capture_output=True, text=True, timeout=60)

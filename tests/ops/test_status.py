@@ -604,3 +604,29 @@ def test_a_member_kept_out_for_its_revision_is_named():
     infos["http://a0"]["negotiation"] = {"state": "idle", "kept_out": {"c" * 16: "org/m@" + "1" * 40}}
     text = format_status(build_snapshot("http://a0", infos, {}))
     assert f"kept out of the plan: {'c' * 16} serves org/m@{'1' * 40}, not the cluster's model" in text, text
+
+
+def test_a_node_bound_to_every_interface_is_one_row_and_an_unreachable_plan_address_is_named():
+    """Issue 18: a daemon bound to 0.0.0.0 reports that as its address, names itself at its
+    advertised address (a private bridge here) and is in the plan at the address its peer
+    reaches it at: one row per node, matched by id. A plan address a member cannot reach
+    is a line naming it, from where and the flag, and the exit status is degraded."""
+    ids = ["a" * 16, "b" * 16]
+    plan = [{"node_id": ids[0], "address": "10.202.0.1:7100", "start": 0, "end": 16},
+            {"node_id": ids[1], "address": "10.202.0.2:7100", "start": 16, "end": 30}]
+    base = today_info(0, n=2)
+    base.update(node_id=ids[0], address="0.0.0.0:7100", plan=plan, members=[
+        {"node_id": ids[0], "state": "self", "grpc_address": "192.168.50.1:7100"},
+        {"node_id": ids[1], "state": "alive", "grpc_address": "10.201.0.2:7100"}],
+        routes=[{"from": ids[0], "to": ids[1], "address": "10.202.0.2:7100", "error": "DEADLINE_EXCEEDED",
+                 "via": "10.201.0.2:7100", "in_plan": True, "fix": f"start {ids[1]} with --advertise-host A"}])
+    snap = build_snapshot("http://a0", {"http://a0": base}, {})
+    assert [(n["stage"], n["node_id"], n["address"]) for n in snap["nodes"]] == [
+        (0, ids[0], "10.202.0.1:7100"), (1, ids[1], "10.202.0.2:7100")]
+    assert snap["nodes"][0]["state"] == "ready"  # its own report, matched by id, not by 0.0.0.0
+    text = format_status(snap)
+    assert (f"unreachable: 10.202.0.2:7100 of bbbbbbbb (in the plan) from aaaaaaaa: DEADLINE_EXCEEDED; reached at "
+            f"10.201.0.2:7100 instead (to pin an address: start {ids[1]} with --advertise-host A)") in text, text
+    assert exit_status(snap) == EXIT_DEGRADED
+    base["routes"][0]["in_plan"] = False  # the plan moved off it: informational, healthy
+    assert exit_status(build_snapshot("http://a0", {"http://a0": base}, {})) == EXIT_OK

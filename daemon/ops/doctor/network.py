@@ -47,7 +47,9 @@ def check_multicast(ctx: Context) -> Check:
             skipped = "; skips " + ", ".join(f"{n} ({', '.join(a)}: {k})" for n, a, k in skips)
         advertised = [a for a in interface_addresses(None) if not a.startswith("127.")]
         if advertised:
-            skipped = f"; advertises {advertised[0]} to its peers" + skipped
+            also = (f" (and may be dialled at {', '.join(advertised[1:])}: each peer uses the fastest that "
+                    "answers)" if len(advertised) > 1 else "")
+            skipped = f"; advertises {advertised[0]} to its peers{also}" + skipped
     for name in chosen:
         iface = by_ip.get(name, name)  # --interface also takes an IPv4 address
         i = infos.get(iface)

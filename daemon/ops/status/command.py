@@ -2,7 +2,7 @@
 
 Exit status of ``ringlet status``: 0 every stage of the plan is ready or serving,
 1 no node answered, 2 bad input, 3 reachable but some stage is not ready
-(loading, suspect, unreachable, ...).
+(loading, suspect, unreachable, ...) or a member cannot reach an address the plan names.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ringlet.daemon.cluster.routes import status_lines as route_lines
 from ringlet.daemon.ops.status.collector import take_snapshot
 from ringlet.daemon.ops.status.urls import default_api_url
 
@@ -87,6 +88,7 @@ def format_status(snap: dict) -> str:
     negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
     for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
         lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")
+    lines += route_lines(c.get("routes") or [])
     for n in snap["nodes"]:
         if d := n.get("download"):
             lines.append(f"downloading on {n['name']}: {d['file'] or 'files'} · {fmt_bytes(d['bytes_done'])} of "

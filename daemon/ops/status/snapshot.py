@@ -5,14 +5,16 @@ is optional: what a node does not report is ``None`` and drawn as "—".
 Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
 
     {"source": primary URL, "taken_at": unix s, "reachable": bool, "error": str|None,
-     "healthy": bool,                       # reachable, every plan stage ready/serving, tensor group ready
+     "healthy": bool,                       # reachable, every plan stage ready/serving, tensor group ready,
+                                            # no plan address unreachable from a member
      "cluster": {"model", "num_layers", "epoch", "policy", "mode", "backend",
                  "ranks" [node ids, rank order; empty unless tensor or hybrid], "mode_reason",
                  "mode_refused" (why --mode tensor/hybrid could not run, or None),
                  "tensor_group" (the leader's group state, or None; hybrid: "ready" when
                  every group is, else the first other state), "groups" (hybrid: [{"ranks",
                  "layers" [start, end), "backend", "state"}] in stage order, else []),
-                 "negotiation",
+                 "negotiation", "routes" (every address a member could not reach: [{"from", "to",
+                 "address", "error", "via" (the address used instead, or None), "in_plan", "fix"}]),
                  "nodes", "nodes_ready", "requests_in_flight", "tokens_per_s",
                  "tokens_generated_total", "memory_total_bytes", "memory_usable_bytes",
                  "memory_used_bytes"},
@@ -99,18 +101,24 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         snap["events"] = list(extra_events or [])
         return snap
 
+    plan = [s for s in dicts(base.get("plan")) if as_str(s.get("address"))]
+    # A node is keyed by its address in the plan when its id is there: a node bound to every
+    # interface reports 0.0.0.0, and its members may dial it at another of its addresses.
+    by_id = {i: s["address"] for s in plan if (i := as_str(s.get("node_id")))}
+
     # Each answering node, by its gRPC address (its own report about itself).
     own: dict[str, tuple[str, dict]] = {}
     for url, info in infos.items():
-        addr = as_str(info.get("address")) or as_str(info.get("node_id"))
+        node_id = as_str(info.get("node_id"))
+        addr = by_id.get(node_id or "") or as_str(info.get("address")) or node_id
         if addr:
             own[addr] = (url, info)
 
-    plan = [s for s in dicts(base.get("plan")) if as_str(s.get("address"))]
     members = dicts(base.get("members"))
     member_by_addr: dict[str, dict] = {}
     for m in members:
-        key = as_str(m.get("grpc_address")) or as_str(m.get("address")) or as_str(m.get("node_id"))
+        key = (by_id.get(as_str(m.get("node_id")) or "") or as_str(m.get("grpc_address")) or as_str(m.get("address"))
+               or as_str(m.get("node_id")))
         if key:
             member_by_addr[key] = m
 
@@ -270,6 +278,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "tensor_group": group_state,
         "groups": groups,
         "negotiation": base.get("negotiation"),
+        "routes": dicts(base.get("routes")),
         "nodes": len(in_plan),
         "nodes_ready": len(ready),
         "requests_in_flight": first(sum_known(in_flight), as_int(base.get("requests_in_flight"))),
@@ -303,9 +312,11 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
 
     events = [e for e in dicts(base.get("events"))] + list(extra_events or [])
     snap.update(
-        # a tensor plan serves only through its group: a group not ready (starting, failed) is not healthy
+        # a tensor plan serves only through its group: a group not ready (starting, failed) is not healthy;
+        # nor is a plan that names an address one of its members cannot reach
         healthy=bool(in_plan) and len(ready) == len(in_plan) and (
-            not ranks or group_state is None or group_state == "ready"),
+            not ranks or group_state is None or group_state == "ready")
+        and not any(r.get("in_plan") for r in cluster["routes"]),
         cluster=cluster, nodes=nodes, hops=hops, recent_requests=recent, events=events,
     )
     unreached = {u: e for u, e in url_errors.items() if u != primary}
