@@ -8,7 +8,8 @@ costs grow with the tokens cached, so they compare per token:
 
 * move: ``sum(kv_bytes_per_token_per_layer[l] for l in the range) / link bandwidth``,
   one transfer per new holder, from the same old holder (their sum, since they share
-  its link);
+  its link); the link must have been measured (a guess never chooses recomputing, which
+  holds only the sequences whose states were kept);
 * recompute: ``sum(flops_per_token_per_layer[l]) / flops`` of each new holder, in chain
   (their sum: the first chunk crosses them one after the other; later chunks overlap,
   so this is an upper bound).
@@ -52,10 +53,14 @@ class KVSource:
 
 
 def _bandwidth(a: str, b: str, links: Iterable[LinkSpec], policy: Policy) -> float:
+    return _measured(a, b, links) or policy.fallback_bandwidth_bytes_per_s
+
+
+def _measured(a: str, b: str, links: Iterable[LinkSpec]) -> float | None:
     for link in links:
         if {link.a, link.b} == {a, b}:
             return link.bandwidth_bytes_per_s
-    return policy.fallback_bandwidth_bytes_per_s
+    return None
 
 
 def kv_sources(previous: list[tuple[str, int, int]], stages: list[tuple[str, int, int]], model: ModelSpec,
@@ -92,6 +97,9 @@ def kv_sources(previous: list[tuple[str, int, int]], stages: list[tuple[str, int
         if any(n == holder and max(a, s) < min(b, e) for n, s, e in stages):
             out.append(KVSource(holder, a, b, False, f"its holder keeps part of it: moved ({move * 1e6:.1f} "
                                 "us/token)", move, recompute))
+        elif unmeasured := [n for n, _, _ in takers if _measured(holder, n, links) is None]:
+            out.append(KVSource(holder, a, b, False, f"moved: no measured link from its holder to "
+                                f"{', '.join(sorted(unmeasured))} to weigh recomputing against", move, recompute))
         elif recompute < move:
             out.append(KVSource(holder, a, b, True, f"recomputed: {recompute * 1e6:.1f} us/token predicted, "
                                 f"against {move * 1e6:.1f} us/token to move it", move, recompute))

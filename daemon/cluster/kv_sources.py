@@ -44,7 +44,7 @@ def mark_rebuilds(previous: list[pb.LayerRange], stages: list[tuple[str, int, in
     decided = kv_sources([(s.node_id, s.start, s.end) for s in previous], stages, model,
                          {n.node_id: n for n in nodes}, links, policy, lost)
     for stage, choice in zip(previous, decided, strict=True):
-        stage.rebuild, stage.why = choice.rebuild, choice.why
+        stage.rebuild, stage.why, stage.lost = choice.rebuild, choice.why, stage.node_id in lost
         if choice.rebuild or choice.recompute_s_per_token is not None:
             log.info("KV of layers [%d, %d) held by %s: %s", stage.start, stage.end, stage.node_id[:8], choice.why)
     return previous

@@ -405,7 +405,7 @@ class Negotiator:
                     serving = replace(serving, tp=mode)
             reason = None
             previous = tuple(StageSpec(address=r.grpc_address, start=r.start, end=r.end, node_id=r.node_id,
-                                       rebuild=r.rebuild, why=r.why) for r in p.previous)
+                                       rebuild=r.rebuild, why=r.why, lost=r.lost) for r in p.previous)
             if not previous and self.node.plan is not None:  # a proposer that could not say
                 previous = self.node.plan.stages
             serving = replace(serving, previous=previous)

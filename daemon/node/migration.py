@@ -114,23 +114,26 @@ class Migration:
 
     # --- while preparing -------------------------------------------------------------------
 
-    def _kv_sources(self, plan: ServingPlan, gained: list[tuple[int, int]]) -> tuple[list, dict[str, str]]:
-        """The holders of the plan's previous stages to pull gained layers from:
-        ``[(stage, start, end)]``, and those that are gone (``name -> why``): their KV went
-        with them. Ranges marked to be rebuilt are not among them."""
-        sources, lost = [], {}
+    def _kv_sources(self, plan: ServingPlan, gained: list[tuple[int, int]]) -> tuple[list, list, dict[str, str]]:
+        """Where the gained layers' KV comes from: holders to pull it from ``[(stage, start,
+        end)]``; holders still here whose range the proposer chose to recompute (the
+        rebuild comes first, then what it did not cover, if anything, is pulled from them:
+        the states it starts from may not all be kept); and the holders that are gone
+        (``name -> why``): their KV went with them. A lost range is one of the rebuilds."""
+        sources, after, lost = [], [], {}
         departed = self.cluster.membership.departed if self.cluster is not None else {}
         members = self.cluster.membership.members if self.cluster is not None else {}
         for a, b in gained:
             for s in plan.previous:
                 lo, hi = max(a, s.start), min(b, s.end)
-                if lo >= hi or s.node_id == self.node_id or s.rebuild:  # a rebuilt range: one of the jobs
+                if lo >= hi or s.node_id == self.node_id:
                     continue
-                if departed.get(s.node_id, "stopped") != "stopped" and s.node_id not in members:
+                gone = s.lost or departed.get(s.node_id, "stopped") != "stopped" and s.node_id not in members
+                if gone and not s.rebuild:
                     lost[f"{s.node_id[:8]} [{lo}, {hi})"] = f"lost ({departed[s.node_id]})"  # its KV went with it
-                else:
-                    sources.append((s, lo, hi))
-        return sources, lost
+                elif not gone:
+                    (after if s.rebuild else sources).append((s, lo, hi))
+        return sources, after, lost
 
     async def precopy(self, plan: ServingPlan, start: int, end: int) -> None:
         """Pull, while the old plan serves, a snapshot of the KV of the layers this node
@@ -141,7 +144,7 @@ class Migration:
             return
         old = self.engine.stage
         old_range = (old.start, old.end) if isinstance(old, Stage) else None
-        sources, _ = self._kv_sources(plan, range_minus((start, end), old_range))
+        sources, _, _ = self._kv_sources(plan, range_minus((start, end), old_range))
         if not sources:
             return
         t0 = time.perf_counter()
@@ -184,18 +187,18 @@ class Migration:
             return
         gained = range_minus(new_range, old_range)
         jobs = self.rebuild_jobs(plan, gained)
-        sources, lost = self._kv_sources(plan, gained)
+        sources, after, lost = self._kv_sources(plan, gained)
         if lost:
             self.replan_figures(plan.epoch)["failed"].update(lost)
-        if not own and not sources and not jobs:
+        if not own and not sources and not jobs and not after:
             return
         if lost:
             log.info("epoch %d: no KV to fetch from %s: requests that needed it prefill again", plan.epoch,
                      ", ".join(lost))
         self._installed = asyncio.Event()
-        self._spawn(self._gather_kv(plan, own, sources, jobs, new_range, self._installed))
+        self._spawn(self._gather_kv(plan, own, sources, jobs, after, new_range, self._installed))
 
-    async def _gather_kv(self, plan: ServingPlan, own: list[Piece], sources: list, jobs: list,
+    async def _gather_kv(self, plan: ServingPlan, own: list[Piece], sources: list, jobs: list, after: list,
                          new_range: tuple[int, int], done: asyncio.Event) -> None:
         t0 = time.perf_counter()
         report = self.replan_figures(plan.epoch)
@@ -203,7 +206,13 @@ class Migration:
             rebuilding = asyncio.gather(*(self.rebuild_range(plan, *job, report) for job in jobs))
             fetched = await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b) for s, a, b in sources),
                                            return_exceptions=True)
-            pieces = list(own) + [p for made in await rebuilding for p in made]
+            rebuilt = [p for made in await rebuilding for p in made]
+            pieces = list(own) + rebuilt
+            if after:  # the rest of what was recomputed by choice, from holders still here
+                fetched += await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b, held=[
+                    q for p in rebuilt if p.start <= a and p.end >= b and (q := p.within(a, b)) is not None])
+                    for s, a, b in after), return_exceptions=True)
+                sources = sources + after
             for (spec, a, b), result in zip(sources, fetched, strict=True):
                 name = f"{spec.node_id[:8]} [{a}, {b})"
                 if isinstance(result, BaseException):
@@ -233,15 +242,17 @@ class Migration:
         finally:
             done.set()
 
-    async def _fetch_kv(self, epoch: int, spec, start: int, end: int,
-                        snapshot: bool = False) -> tuple[list[Piece], int]:
+    async def _fetch_kv(self, epoch: int, spec, start: int, end: int, snapshot: bool = False,
+                        held: list[Piece] | None = None) -> tuple[list[Piece], int]:
         """Pull layers ``[start, end)`` from ``spec``'s node: its snapshot now (``snapshot``,
-        while preparing), else what it parked at the commit, less what the snapshot pulled
-        from it holds. Returns pieces and the bytes that came."""
+        while preparing), else what it parked at the commit, less what this node holds of
+        it already (``held``, by default the snapshot pulled from it). Returns pieces and
+        the bytes that came."""
         dtype = getattr(mx, self.config.dtype) if self.config.dtype else None
         max_bytes = self.config.transport.max_message_bytes
         epoch_held, precopied = self._precopied
-        held = [] if snapshot or epoch_held != epoch else precopied.get((spec.node_id, start, end), [])
+        if held is None:
+            held = [] if snapshot or epoch_held != epoch else precopied.get((spec.node_id, start, end), [])
         reader = PieceReader(start, end, dtype, max_bytes, held=held)
         stub = pb_grpc.RingStub(self._channel(spec.address))
         have = [pb.KVHave(scope=p.scope, tokens=len(p.tokens), digest=token_digest(p.tokens)) for p in held]

@@ -31,6 +31,7 @@ class StageSpec:
     node_id: str = ""
     rebuild: bool = False
     why: str = ""
+    lost: bool = False
     hop_address: str = ""
 
     @property

@@ -21,13 +21,15 @@ def free_port() -> int:
 
 
 def plan(epoch: int, *stages: tuple[Node, int, int], previous: ServingPlan | None = None,
-         lost: tuple[Node, ...] = ()) -> ServingPlan:
+         lost: tuple[Node, ...] = (), recompute: tuple[Node, ...] = ()) -> ServingPlan:
     """A pipeline plan of ``(node, start, end)`` stages in ring order; ``previous``: the plan
     it replaces (where gained layers' KV is fetched from), its stages held by ``lost``
-    nodes marked to be rebuilt (as a proposer marks a member that is gone)."""
+    nodes marked to be rebuilt (as a proposer marks a member that is gone), and those of
+    ``recompute`` nodes too (as a proposer that predicts recomputing faster than moving)."""
     specs = tuple(StageSpec(address=n.config.address, start=a, end=b, node_id=n.node_id) for n, a, b in stages)
     gone = {n.node_id for n in lost}
-    before = tuple(replace(s, rebuild=True, why="lost (test)") if s.node_id in gone else s
+    marked = gone | {n.node_id for n in recompute}
+    before = tuple(replace(s, rebuild=True, why="test", lost=s.node_id in gone) if s.node_id in marked else s
                    for s in (previous.stages if previous is not None else ()))
     return ServingPlan(epoch=epoch, stages=specs, plan_id=f"test:{epoch}:{[(n.node_id, a, b) for n, a, b in stages]}",
                        previous=before)

@@ -19,14 +19,14 @@ KV_BYTES_PER_TOKEN_LAYER = 2 * 3 * 64 * 4
 TOKENS = 36
 
 
-async def join_mid_stream(location, prompt: list[int]) -> dict:
+async def join_mid_stream(location, prompt: list[int], recompute: bool = False) -> dict:
     """``a [0, 18) -> b [18, 30)``; after 12 tokens, ``c`` joins: ``a [0, 10) -> b [10, 20)
     -> c [20, 30)``, prepared at once (c and b pull a snapshot of the KV they gain) and
     committed 4 tokens later. Returns the ids and every node's ``kv_migration`` figures."""
     async with started(location, 3) as (a, b, c):
         first = plan(1, (a, 0, 18), (b, 18, 30))
         await switch(first, [a, b, c])
-        second = plan(2, (a, 0, 10), (b, 10, 20), (c, 20, 30), previous=first)
+        second = plan(2, (a, 0, 10), (b, 10, 20), (c, 20, 30), previous=first, recompute=(b,) if recompute else ())
 
         async def prepare_then_commit_later() -> None:
             for node in (a, b, c):
@@ -114,3 +114,19 @@ def test_without_kept_states_a_loss_falls_back_to_a_full_prefill(default_locatio
     head = out["a"]
     assert head["resumed"] == 1 and head["full_reprefills"] == 1, head
     assert head["rebuilt_tokens"] == 0 and out["c"]["rebuilt_tokens"] == 0
+
+
+def test_a_range_chosen_for_recomputing_without_the_states_to_do_it_is_moved(default_location, reference):
+    """The proposer chose to recompute b's [18, 30) (b still here), but the states entering
+    layer 20 were never recorded (they are inside b's stage): c's rebuild of [20, 30) has
+    nothing to start from, so c pulls what it lacks from b, and the request resumes with
+    nothing prefilled again: the KV of whole tokens x 10 layers came from b."""
+    ref = reference[0]
+    out = asyncio.run(join_mid_stream(default_location, ref["prompt_ids"], recompute=True))
+    assert out["ids"] == ref["completion_ids"][:TOKENS]
+    head, c = out["a"], out["c"]["last"]
+    assert head["resumed"] == 1 and head["reprefilled_tokens"] == 0 and head["full_reprefills"] == 0, head
+    assert "rebuild [20, 30)" in c["failed"], c
+    nbytes = c["from"][f"{'b' * 8} [20, 30)"]
+    tokens, rest = divmod(nbytes, 10 * KV_BYTES_PER_TOKEN_LAYER)
+    assert rest == 0 and tokens >= c["tokens"] > 0, c

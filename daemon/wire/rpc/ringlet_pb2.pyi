@@ -151,7 +151,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
 
 class LayerRange(_message.Message):
-    __slots__ = ("node_id", "start", "end", "grpc_address", "rebuild", "why", "hop_address")
+    __slots__ = ("node_id", "start", "end", "grpc_address", "rebuild", "why", "hop_address", "lost")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class LayerRange(_message.Message):
     REBUILD_FIELD_NUMBER: _ClassVar[int]
     WHY_FIELD_NUMBER: _ClassVar[int]
     HOP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     start: int
     end: int
@@ -166,7 +167,8 @@ class LayerRange(_message.Message):
     rebuild: bool
     why: str
     hop_address: str
-    def __init__(self, node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., grpc_address: _Optional[str] = ..., rebuild: _Optional[bool] = ..., why: _Optional[str] = ..., hop_address: _Optional[str] = ...) -> None: ...
+    lost: bool
+    def __init__(self, node_id: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., grpc_address: _Optional[str] = ..., rebuild: _Optional[bool] = ..., why: _Optional[str] = ..., hop_address: _Optional[str] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class NodeInfoRequest(_message.Message):
     __slots__ = ("caller_id", "caller_address")
