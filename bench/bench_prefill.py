@@ -70,8 +70,16 @@ def one_run(url: str) -> dict:
             "b_ttft_s": b_times[0] - t_send}
 
 
-def measure(chunk: int) -> dict:
-    with LocalCluster(2, extra_args=["--prefill-chunk", str(chunk)]) as c:
+# What the nodes ran before issue #15 (MLX's bundled reference BLAS, the GGUF's Q4 weights),
+# measured beside the default in the same run, chunked only.
+BEFORE_15 = ({"RINGLET_BLAS": "none"}, "native")
+
+
+def measure(chunk: int, before_15: bool = False) -> dict:
+    """A's gaps and B's TTFT on 2 daemons with ``--prefill-chunk chunk`` (seconds, medians of
+    ``RUNS``); ``before_15``: with the node settings before issue #15."""
+    env, dtype = BEFORE_15 if before_15 else ({}, None)
+    with LocalCluster(2, extra_args=["--prefill-chunk", str(chunk)], env=env, dtype=dtype) as c:
         url = c.api_urls[0]
         r = httpx.post(f"{url}/v1/completions", timeout=600, json={
             "prompt": PROMPT_B, "max_tokens": 1, "return_token_ids": True})
@@ -79,13 +87,14 @@ def measure(chunk: int) -> dict:
             raise RuntimeError(f"the long prompt was refused: {r.status_code} {r.text[:300]}")
         prompt_tokens = r.json()["choices"][0]["prompt_token_ids"]
         runs = [one_run(url) for _ in range(RUNS)]
-    return {"prefill_chunk": chunk, "prompt_tokens": len(prompt_tokens),
+    return {"prefill_chunk": chunk, "before_issue_15": before_15, "prompt_tokens": len(prompt_tokens),
             **{k: statistics.median(r[k] for r in runs) for k in runs[0]}, "runs": runs}
 
 
 def main() -> dict:
     results = [measure(c) for c in CHUNKS]
     chunked, whole = results
+    before = measure(CHUNKS[0], before_15=True)
     ratios = {k: chunked[k] / whole[k] for k in ("a_max_gap_s", "a_median_gap_s", "b_ttft_s")}
     print(f"2 daemons; request A decoding {TOKENS} tokens; request B with a {chunked['prompt_tokens']}-token prompt "
           f"arrives after A's 8th token; medians of {RUNS}")
@@ -93,7 +102,13 @@ def main() -> dict:
     for r in results:
         print(f"{r['prefill_chunk']:>14}{r['a_max_gap_s']:>17.3f}{r['a_median_gap_s']:>16.3f}{r['b_ttft_s']:>10.3f}")
     print(f"{'ratio':>14}{ratios['a_max_gap_s']:>17.3f}{ratios['a_median_gap_s']:>16.3f}{ratios['b_ttft_s']:>10.3f}")
-    out = {"bench": "prefill", "tokens": TOKENS, "runs": RUNS, "results": results, "ratio_chunked_to_whole": ratios}
+    print(f"{before['prefill_chunk']:>14}{before['a_max_gap_s']:>17.3f}{before['a_median_gap_s']:>16.3f}"
+          f"{before['b_ttft_s']:>10.3f}  reference BLAS, Q4 (before issue #15)")
+    speedup = {k: before[k] / chunked[k] for k in ("a_max_gap_s", "a_median_gap_s", "b_ttft_s")}
+    print(f"{'before / now':>14}{speedup['a_max_gap_s']:>17.2f}{speedup['a_median_gap_s']:>16.2f}"
+          f"{speedup['b_ttft_s']:>10.2f}  (chunk {CHUNKS[0]})")
+    out = {"bench": "prefill", "tokens": TOKENS, "runs": RUNS, "results": results, "ratio_chunked_to_whole": ratios,
+           "before_issue_15": before, "before_over_now": speedup}
     Path(__file__).with_name("results_prefill.json").write_text(json.dumps(out, indent=1))
     return out
 
