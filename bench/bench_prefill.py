@@ -7,6 +7,9 @@ Two local daemons (2 stages, default model) per setting, measured in the same ru
   computed; the decode steps of other requests run between chunks.
 * ``--prefill-chunk 65536``: the whole prompt in one forward per stage (unchunked).
 
+The prefix cache is off (``--prefix-cache-bytes 0``): B's prompt is the same in every
+run, and a hit would measure no prefill at all.
+
 One request A streams ``TOKENS`` greedy tokens; after its 8th token a request B with
 a prompt of ~``LONG`` tokens arrives (4 tokens out). Reported per setting, medians of
 ``RUNS``: A's longest gap between two tokens while B prefills (s), A's median gap
@@ -79,7 +82,9 @@ def measure(chunk: int, before_15: bool = False) -> dict:
     """A's gaps and B's TTFT on 2 daemons with ``--prefill-chunk chunk`` (seconds, medians of
     ``RUNS``); ``before_15``: with the node settings before issue #15."""
     env, dtype = BEFORE_15 if before_15 else ({}, None)
-    with LocalCluster(2, extra_args=["--prefill-chunk", str(chunk)], env=env, dtype=dtype) as c:
+    # the prefix cache off: B's prompt is the same in every run, and a hit would skip its prefill
+    args = ["--prefill-chunk", str(chunk), "--prefix-cache-bytes", "0"]
+    with LocalCluster(2, extra_args=args, env=env, dtype=dtype) as c:
         url = c.api_urls[0]
         r = httpx.post(f"{url}/v1/completions", timeout=600, json={
             "prompt": PROMPT_B, "max_tokens": 1, "return_token_ids": True})
