@@ -27,6 +27,7 @@ from ringlet.daemon.engine.model_info import load_tokenizer, model_info
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
+from ringlet.daemon.ops.bootstrap import bootstrap_fetch
 from ringlet.daemon.ops.hub_run import hub_fetcher, resolve_run_model
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
@@ -315,73 +316,6 @@ async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _bootstrap_fetch(args, hub_name: str | None = None) -> None:
-    """``--fetch-model`` on a node without the model files: find a member (``--peers`` or
-    mDNS), pull the model's header (tokenizer, config) and first layer into the local
-    sparse copy, and serve from that copy (the rest is pulled per stage at prepare).
-    ``hub_name``: a Hub model (``ORG/NAME[@COMMIT]``) neither the Hub nor the cache has.
-
-    Raises:
-        RingletError: no member answered with the model.
-    """
-    from ringlet.daemon.cluster.discovery import Discovery
-    from ringlet.daemon.cluster.identity import NodeIdentity
-    from ringlet.daemon.cluster.static_peers import parse_peers
-    from ringlet.daemon.engine.sources import KNOWN_MODELS
-    from ringlet.daemon.errors import ModelNotFound
-    from ringlet.daemon.shards.transfer import cached_shard, fetch_shard_detailed
-    from ringlet.daemon.wire.transport import make_channel
-
-    try:
-        if hub_name is None:
-            resolve(args.model)
-            return  # the files are here after all
-    except ModelNotFound:
-        pass
-    name = (args.model or "smollm2-135m").lower() if (args.model or "smollm2-135m").lower() in KNOWN_MODELS \
-        else hub_name or Path(args.model).stem
-    cache_dir = (Path(args.data_dir).expanduser() if args.data_dir else machine_cache_dir()) / "shards"
-    local = cached_shard(cache_dir, name, (0, 1)) if hub_name is None else None
-    if local is None:
-        candidates = [f"{h}:{p}" for h, p in parse_peers(args.peers)] if args.peers else []
-        if not candidates and not args.no_mdns:
-            found: list[str] = []
-            data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
-            with NodeIdentity.load_or_create(data_dir) as ident:
-                disc = Discovery.for_identity(
-                    ident, args.cluster, args.port, args.api_port, interfaces=args.interface or None,
-                    on_peer=lambda a: found.extend(f"{h}:{a.grpc_port}" for h in a.addresses))
-                await disc.start()
-                deadline = time.monotonic() + 15
-                while not found and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
-                await disc.stop()
-            candidates = found
-        errors = []
-        for address in candidates:
-            channel = make_channel(transport_config(args, "bootstrap"), address)
-            try:
-                from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
-
-                result = await fetch_shard_detailed(pb_grpc.RingStub(channel), name, (0, 1), cache_dir,
-                                                    progress=sys.stderr.isatty())
-                local = result.location
-                args.fetch_events = [f"model header and layers [0, 1) from {address}: "
-                                     f"{result.bytes_fetched / 1e6:.1f} MB in {result.seconds:.2f} s, "
-                                     f"{result.chunks_resent} chunk(s) re-sent after a failed check"]
-                break
-            except Exception as exc:  # noqa: BLE001 - try the next member
-                errors.append(f"{address}: {exc}")
-            finally:
-                await channel.close()
-        if local is None:
-            raise RingletError(f"model {name!r} is not on this machine and no member served it "
-                               f"({'; '.join(errors) or 'no member found; pass --peers'})")
-    log.info("model %s: serving from the local partial copy %s (shards are pulled from members)", name, local.path)
-    args.fetched_location = local
-    args.fetch_cache_dir = cache_dir
-
-
 async def serve(args) -> int:
     """Run the daemon until SIGINT/SIGTERM. Returns the exit code."""
     tune_allocator()
@@ -389,9 +323,9 @@ async def serve(args) -> int:
     if args.plan and mode in ("tensor", "hybrid"):
         raise RingletError(f"--mode {mode} needs negotiated plans; drop --plan (a static plan is a pipeline)")
     if getattr(args, "fetch_model", False) and parse_ref(args.model) is None:
-        await _bootstrap_fetch(args)
+        await bootstrap_fetch(args)
     else:  # --model ORG/NAME[@REVISION]: the Hub (with --fetch-model or not), else members
-        await resolve_run_model(args, _bootstrap_fetch)
+        await resolve_run_model(args, bootstrap_fetch)
     config, context = build_config(args)
     node = Node(config)
     if getattr(args, "hub", None) is not None:  # each stage's files come from the Hub at prepare

@@ -171,3 +171,27 @@ def test_when_the_hub_fails_a_download_a_member_sends_the_files(tmp_path):
             assert all((snapshot / n).read_bytes() == files[n] for n in stage_file_names(start, end))
             assert_mlx_lm_output(c.api_urls[k], local)
 
+
+
+def test_a_node_without_the_hub_waits_for_a_member_that_is_still_starting(tmp_path):
+    """The member a node bootstraps from may come up after it (machines booted together):
+    the node keeps trying it, instead of giving up at the first refused connection."""
+    local = tmp_path / "local"
+    files = sharded_model_files(directory=local)
+    with FakeHub() as hub:
+        hub.add_commit(REPO, files)
+        with LocalCluster(1, model=REPO, dynamic=True, per_node_env=[node_env(hub, tmp_path, 0)]) as c:
+            c.wait_plan(stages=1)
+            member = f"127.0.0.1:{c.grpc_ports[0]}"
+            c.procs[0].send_signal(signal.SIGTERM)
+            c.procs[0].wait(timeout=30)
+            k = c.add_node(env=node_env(hub, tmp_path, 1, HF_HUB_OFFLINE="1"), extra_args=["--peers", member],
+                           wait=False)
+            time.sleep(4.0)  # it finds nobody at `member` for a while
+            assert c.procs[k].poll() is None, c.tail(k)
+            c.restart(0)
+            c.wait_plan(stages=2, timeout_s=90)
+            fetched = [e["message"] for e in c.cluster_info(k)["events"] if e["kind"] == "fetch"]
+            assert any(f"from {member}" in m for m in fetched), fetched
+            assert hub.requests("n1") == []
+            assert_mlx_lm_output(c.api_urls[k], local)
