@@ -20,6 +20,12 @@ embedding and one for the norm and head, with an index. Each node has its own em
   layers from it. Every Hub response is throttled to ``RATE`` bytes/s per request (the
   nodes download one file at a time, so that is the rate of each node's Hub link);
   the member-to-member transfer in (b) is loopback gRPC, not throttled, which favours (b).
+* ``netns``: the same two timings with every node in a network namespace of its own
+  (``tests/netns.py``), its link to the switch shaped with ``tc tbf`` to ``TBF_RATE``
+  both ways, and the Hub in the switch's namespace, unthrottled: each node's Hub
+  downloads and its member-to-member transfers share its one shaped link, as on a LAN.
+  To serving: from launching the daemons to a 3-stage plan committed on every node and
+  one completion answered through node 0. Needs root (skipped, and said, otherwise).
 
 Usage: ``.venv/bin/python bench/bench_hub.py`` (writes ``bench/results_hub.json``;
 ``main() -> dict`` for bench/run.py).
@@ -37,6 +43,8 @@ RESULTS = Path(__file__).resolve().parent / "results_hub.json"
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 LAYERS = 12
 RATE = 20_000_000  # bytes/s per Hub request
+TBF_RATE = "40mbit"  # each node's link in the netns variant: 5 MB/s each way
+REPO_ID = "bench-org/llama12"
 
 
 def _model() -> dict[str, bytes]:
@@ -72,6 +80,57 @@ def _bytes_per_node(hub, files: dict[str, bytes], cluster) -> list[dict]:
     return rows
 
 
+def _netns_to_serving(files: dict[str, bytes], every_node_from_hub: bool) -> dict:
+    """Seconds from launching 3 namespaced daemons to a committed 3-stage plan and one
+    answered completion; with ``every_node_from_hub`` false, node 0 alone reaches the Hub
+    and nodes 1 and 2 (``HF_HUB_OFFLINE=1``) start once it serves, fetching from it.
+    Also the weight bytes each node downloaded from the Hub."""
+    from hub_server import FakeHub
+    from netns import HUB_IP, NetnsLab
+
+    with tempfile.TemporaryDirectory() as tmp_dir, NetnsLab() as lab:
+        nodes = [lab.add_node(["--model", REPO_ID]) for _ in range(3)]
+        for i in range(3):
+            lab.shape(i, rate=TBF_RATE)
+        hub = FakeHub(host=HUB_IP)
+        lab.call(hub.__enter__)  # its socket opened inside the switch's namespace
+        try:
+            hub.add_commit(REPO_ID, files)
+            for i, d in enumerate(nodes):
+                offline = {} if every_node_from_hub or i == 0 else {"HF_HUB_OFFLINE": "1"}
+                d.env = _env(hub, Path(tmp_dir), i, **offline)
+            t0 = time.monotonic()
+            if every_node_from_hub:
+                lab.start_nodes(nodes, timeout_s=300)
+            else:
+                lab.start_nodes(nodes[:1], timeout_s=300)
+                lab.wait_converged(nodes[:1], stages=1, timeout_s=600)
+                lab.start_nodes(nodes[1:], timeout_s=300)
+            lab.wait_converged(nodes, stages=3, timeout_s=600)
+            r = lab.post(nodes[0], "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+            if r.status_code != 200:
+                raise RuntimeError(f"the cluster did not answer: {r.status_code} {r.text[:300]}")
+            seconds = time.monotonic() - t0
+            got = [sum(e.sent for e in hub.downloads(f"n{i}") if e.file.endswith(".safetensors")) for i in range(3)]
+        finally:
+            hub.__exit__(None, None, None)
+    return {"seconds": seconds, "hub_weight_bytes_per_node": got}
+
+
+def netns_times(files: dict[str, bytes]) -> dict:
+    """The ``netns`` figures of the module docstring, or why they were skipped."""
+    from netns import cleanup_stale, skip_reason
+
+    reason = skip_reason()
+    if reason:
+        return {"skipped": reason}
+    cleanup_stale()
+    each = _netns_to_serving(files, every_node_from_hub=True)
+    one = _netns_to_serving(files, every_node_from_hub=False)
+    return {"tbf_rate": TBF_RATE, "three_from_hub": each, "one_from_hub_two_from_it": one,
+            "ratio": one["seconds"] / each["seconds"]}
+
+
 def main() -> dict:
     sys.path.insert(0, str(TESTS))
     from hub_server import FakeHub
@@ -105,6 +164,7 @@ def main() -> dict:
                 c.wait_plan(stages=3, timeout_s=300)
                 out["time_1_from_hub_then_2_from_it_s"] = time.monotonic() - t0
     out["time_ratio"] = out["time_1_from_hub_then_2_from_it_s"] / out["time_3_from_hub_s"]
+    out["netns"] = netns_times(files)
     RESULTS.write_text(json.dumps(out, indent=1))
     for row in out["bytes"]:
         print(f"node {row['node']} layers {row['layers']}: {row['weights_downloaded_bytes'] / 1e6:.1f} MB of weights "
@@ -113,6 +173,14 @@ def main() -> dict:
               f"{row['small_file_bytes'] / 1e3:.1f} kB")
     print(f"to serving: 3 nodes from the Hub {out['time_3_from_hub_s']:.1f} s; 1 from the Hub, 2 from it "
           f"{out['time_1_from_hub_then_2_from_it_s']:.1f} s ({out['time_ratio']:.2f}x)")
+    ns = out["netns"]
+    if "skipped" in ns:
+        print(f"netns variant skipped: {ns['skipped']}")
+    else:
+        print(f"netns, every link tbf {ns['tbf_rate']}: 3 nodes from the Hub {ns['three_from_hub']['seconds']:.1f} s "
+              f"(Hub bytes per node {[round(b / 1e6, 1) for b in ns['three_from_hub']['hub_weight_bytes_per_node']]}"
+              f" MB); 1 from the Hub, 2 from it {ns['one_from_hub_two_from_it']['seconds']:.1f} s "
+              f"({ns['ratio']:.2f}x)")
     return out
 
 

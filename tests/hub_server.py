@@ -60,12 +60,15 @@ class Repo:
 
 
 class FakeHub:
-    """Model repositories over HTTP on 127.0.0.1 (see the module docstring).
+    """Model repositories over HTTP (see the module docstring), on ``host`` (default
+    127.0.0.1; a network namespace's bridge address when the server socket is opened by a
+    thread inside that namespace, as ``bench_hub`` does).
 
     Use as a context manager; :meth:`endpoint` gives the ``HF_ENDPOINT`` of a client.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.repos: dict[str, Repo] = {}
         self.log: list[Logged] = []
         self.rate_bytes_per_s: float | None = None
@@ -116,7 +119,7 @@ class FakeHub:
             def do_GET(self) -> None:  # noqa: N802
                 hub._handle(self, head=False)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((self.host, 0), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True).start()
         return self

@@ -185,6 +185,8 @@ class Daemon:
     link2: str | None = None
     #: where the test reaches its API, if not at :attr:`ip` (e.g. its route there was deleted)
     api_ip: str | None = None
+    #: more environment of its process (e.g. ``HF_ENDPOINT``)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def api_url(self) -> str:
@@ -372,7 +374,7 @@ class NetnsLab:
         self._logs.append(log)
         # `ip netns exec` execs the command: the pid is the daemon's own
         d.proc = subprocess.Popen(self.command(d), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1", **d.env), start_new_session=True)
 
     def stop(self, d: Daemon, timeout_s: float = 10.0) -> None:
         """SIGTERM daemon ``d``, SIGKILL after ``timeout_s``."""
