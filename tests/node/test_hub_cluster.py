@@ -11,8 +11,10 @@ same files.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -54,6 +56,19 @@ def assert_mlx_lm_output(url: str, local: Path) -> None:
     prompt_ids, ids = completion(url)
     reference = mlx_lm_greedy(local, prompt_ids, TOKENS)
     assert ids == reference[:len(ids)] and (len(ids) == TOKENS or ids[-1] == 2), (ids, reference)
+
+
+@contextlib.contextmanager
+def first_member(tmp_path: Path) -> Iterator[tuple[FakeHub, LocalCluster, Path, dict[str, bytes], str]]:
+    """The tiny model's commit on a local Hub, and a 1-node cluster that serves it from the
+    Hub (``n0``), plan committed: ``(hub, cluster, local copy, files, commit)``."""
+    local = tmp_path / "local"
+    files = sharded_model_files(directory=local)
+    with FakeHub() as hub:
+        sha = hub.add_commit(REPO, files)
+        with LocalCluster(1, model=REPO, dynamic=True, per_node_env=[node_env(hub, tmp_path, 0)]) as c:
+            c.wait_plan(stages=1)
+            yield hub, c, local, files, sha
 
 
 def weight_gets(hub: FakeHub, tag: str, since: int = 0) -> list[str]:
@@ -132,66 +147,51 @@ def test_a_member_of_another_revision_is_named_and_kept_out(tmp_path):
 
 
 def test_a_node_without_the_hub_pulls_from_a_member(tmp_path):
-    local = tmp_path / "local"
-    files = sharded_model_files(directory=local)
-    with FakeHub() as hub:
-        sha = hub.add_commit(REPO, files)
-        with LocalCluster(1, model=REPO, dynamic=True, per_node_env=[node_env(hub, tmp_path, 0)]) as c:
-            c.wait_plan(stages=1)
-            first = c.cluster_info(0)["node_id"]
-            k = c.add_node(env=node_env(hub, tmp_path, 1, HF_HUB_OFFLINE="1"))
-            c.wait_plan(stages=2, timeout_s=90)
-            assert hub.requests("n1") == []  # it never asked the Hub
-            info = c.cluster_info(k)
-            assert info["model"] == REPO
-            fetched = [e["message"] for e in info["events"] if e["kind"] == "fetch"]
-            assert fetched and all(first[:8] in m or "127.0.0.1" in m for m in fetched), fetched
-            assert_mlx_lm_output(c.api_urls[k], local)
-            assert not (tmp_path / "hf1" / "models--test-org--tiny" / "snapshots" / sha).exists()
+    with first_member(tmp_path) as (hub, c, local, _, sha):
+        first = c.cluster_info(0)["node_id"]
+        k = c.add_node(env=node_env(hub, tmp_path, 1, HF_HUB_OFFLINE="1"))
+        c.wait_plan(stages=2, timeout_s=90)
+        assert hub.requests("n1") == []  # it never asked the Hub
+        info = c.cluster_info(k)
+        assert info["model"] == REPO
+        fetched = [e["message"] for e in info["events"] if e["kind"] == "fetch"]
+        assert fetched and all(first[:8] in m or "127.0.0.1" in m for m in fetched), fetched
+        assert_mlx_lm_output(c.api_urls[k], local)
+        assert not (tmp_path / "hf1" / "models--test-org--tiny" / "snapshots" / sha).exists()
 
 
 def test_when_the_hub_fails_a_download_a_member_sends_the_files(tmp_path):
-    local = tmp_path / "local"
-    files = sharded_model_files(directory=local)
-    with FakeHub() as hub:
-        sha = hub.add_commit(REPO, files)
-        with LocalCluster(1, model=REPO, dynamic=True, per_node_env=[node_env(hub, tmp_path, 0)]) as c:
-            c.wait_plan(stages=1)
-            first = c.cluster_info(0)["node_id"]
-            hub.fail_downloads = True
-            k = c.add_node(env=node_env(hub, tmp_path, 1))
-            c.wait_plan(stages=2, timeout_s=90)
-            start, end = c.cluster_info(k)["layer_range"]
-            failed = [e for e in hub.downloads("n1") if e.file.endswith(".safetensors")]
-            assert failed and {e.status for e in failed} == {503}
-            events = [e["message"] for e in c.cluster_info(k)["events"] if e["kind"] == "download"]
-            assert any(f"from member(s) {first[:8]}" in m for m in events), events
-            snapshot = tmp_path / "hf1" / "models--test-org--tiny" / "snapshots" / sha
-            assert {p.name for p in snapshot.glob("*.safetensors")} == stage_file_names(start, end)
-            assert all((snapshot / n).read_bytes() == files[n] for n in stage_file_names(start, end))
-            assert_mlx_lm_output(c.api_urls[k], local)
+    with first_member(tmp_path) as (hub, c, local, files, sha):
+        first = c.cluster_info(0)["node_id"]
+        hub.fail_downloads = True
+        k = c.add_node(env=node_env(hub, tmp_path, 1))
+        c.wait_plan(stages=2, timeout_s=90)
+        start, end = c.cluster_info(k)["layer_range"]
+        failed = [e for e in hub.downloads("n1") if e.file.endswith(".safetensors")]
+        assert failed and {e.status for e in failed} == {503}
+        events = [e["message"] for e in c.cluster_info(k)["events"] if e["kind"] == "download"]
+        assert any(f"from member(s) {first[:8]}" in m for m in events), events
+        snapshot = tmp_path / "hf1" / "models--test-org--tiny" / "snapshots" / sha
+        assert {p.name for p in snapshot.glob("*.safetensors")} == stage_file_names(start, end)
+        assert all((snapshot / n).read_bytes() == files[n] for n in stage_file_names(start, end))
+        assert_mlx_lm_output(c.api_urls[k], local)
 
 
 
 def test_a_node_without_the_hub_waits_for_a_member_that_is_still_starting(tmp_path):
     """The member a node bootstraps from may come up after it (machines booted together):
     the node keeps trying it, instead of giving up at the first refused connection."""
-    local = tmp_path / "local"
-    files = sharded_model_files(directory=local)
-    with FakeHub() as hub:
-        hub.add_commit(REPO, files)
-        with LocalCluster(1, model=REPO, dynamic=True, per_node_env=[node_env(hub, tmp_path, 0)]) as c:
-            c.wait_plan(stages=1)
-            member = f"127.0.0.1:{c.grpc_ports[0]}"
-            c.procs[0].send_signal(signal.SIGTERM)
-            c.procs[0].wait(timeout=30)
-            k = c.add_node(env=node_env(hub, tmp_path, 1, HF_HUB_OFFLINE="1"), extra_args=["--peers", member],
-                           wait=False)
-            time.sleep(4.0)  # it finds nobody at `member` for a while
-            assert c.procs[k].poll() is None, c.tail(k)
-            c.restart(0)
-            c.wait_plan(stages=2, timeout_s=90)
-            fetched = [e["message"] for e in c.cluster_info(k)["events"] if e["kind"] == "fetch"]
-            assert any(f"from {member}" in m for m in fetched), fetched
-            assert hub.requests("n1") == []
-            assert_mlx_lm_output(c.api_urls[k], local)
+    with first_member(tmp_path) as (hub, c, local, _, _):
+        member = f"127.0.0.1:{c.grpc_ports[0]}"
+        c.procs[0].send_signal(signal.SIGTERM)
+        c.procs[0].wait(timeout=30)
+        k = c.add_node(env=node_env(hub, tmp_path, 1, HF_HUB_OFFLINE="1"), extra_args=["--peers", member],
+                       wait=False)
+        time.sleep(4.0)  # it finds nobody at `member` for a while
+        assert c.procs[k].poll() is None, c.tail(k)
+        c.restart(0)
+        c.wait_plan(stages=2, timeout_s=90)
+        fetched = [e["message"] for e in c.cluster_info(k)["events"] if e["kind"] == "fetch"]
+        assert any(f"from {member}" in m for m in fetched), fetched
+        assert hub.requests("n1") == []
+        assert_mlx_lm_output(c.api_urls[k], local)
