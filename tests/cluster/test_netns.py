@@ -335,8 +335,9 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
        one faster and re-plan on it (the measured fastest link is preferred).
     3. Mid-stream, host 1's route to that network is deleted. The stream through host 0
        ends with the undisturbed ids and no gap near the 30 s token timeout; host 1 is never
-       removed; the next epoch stands on the addresses that work; ``/v1/cluster`` and
-       ``ringlet status`` name the dead address, from where, and the flag that pins one.
+       removed; the next epoch stands on the addresses that work; ``/v1/cluster``,
+       ``ringlet status`` and ``ringlet doctor`` (on host 0) name the dead address, from
+       where, and the flag that pins one.
     4. Mid-stream, host 1's last route goes too: the stream fails well before the 30 s
        token timeout, with an error naming the address host 1 was last dialled at."""
     tokens = 40
@@ -412,6 +413,12 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
         assert status.returncode == 0, status.stdout + status.stderr
         assert f"unreachable: {dead} of {ids[victim.index][:8]} from {ids[api.index][:8]}: stopped answering (" \
             in status.stdout, status.stdout
+        doctor = subprocess.run(["ip", "netns", "exec", api.ns, sys.executable, "-m", "ringlet.daemon.ops.cli",
+                                 "doctor", "--json"], capture_output=True, text=True, timeout=120)
+        daemon_check = next(c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "daemon")
+        assert daemon_check["status"] == "WARN", daemon_check  # reached at another address: not in the plan
+        assert f"{dead} of {ids[victim.index][:8]} from {ids[api.index][:8]}" in daemon_check["summary"], daemon_check
+        assert "--advertise-host" in daemon_check["fix"], daemon_check
 
         # 4. no address of host 1 works any more: a clear error, not a 30 s wait
         stream = Stream(api.api_url, PROMPT, tokens, timeout_s=120, context=lambda: in_namespace(lab.hub))

@@ -214,9 +214,43 @@ def check_thunderbolt(ctx: Context) -> Check:
                  + ("; load thunderbolt-net for networking over them (modprobe thunderbolt-net)" if tb.peers else ""))
 
 
+def _routes_of(api_port: int) -> list[dict] | str:
+    """The running daemon's ``/v1/cluster`` ``routes`` (addresses members could not reach),
+    or why they could not be read."""
+    try:
+        import httpx
+
+        from ringlet.daemon.wire.auth import client_api_key
+
+        key = client_api_key()
+        resp = httpx.get(f"http://127.0.0.1:{api_port}/v1/cluster", timeout=3.0, trust_env=False,
+                         headers={"Authorization": f"Bearer {key}"} if key else {})
+        if resp.status_code != 200:
+            return f"/v1/cluster answered {resp.status_code} (set RINGLET_API_KEY if the node has API keys)"
+        routes = resp.json().get("routes") or []
+        return [r for r in routes if isinstance(r, dict)]
+    except Exception as exc:  # noqa: BLE001 - a check reports, it never raises
+        return f"could not read /v1/cluster: {type(exc).__name__}: {exc}"
+
+
 def check_daemon(ctx: Context) -> Check:
+    """Whether a daemon runs on this machine's API port and, if so, every address its
+    cluster could not reach (as ``ringlet status`` lists them: which address, of which
+    node, from which member, and the flag that pins a working one)."""
     running = _ringlet_on(ctx.api_port)
     if running is None:
         return Check("daemon", OK, f"no daemon answers on http://127.0.0.1:{ctx.api_port} (not running)")
-    return Check("daemon", OK, f"running on http://127.0.0.1:{ctx.api_port}: node {running.get('node_id', '?')}, "
-                 f"state {running.get('state', '?')}")
+    summary = (f"running on http://127.0.0.1:{ctx.api_port}: node {running.get('node_id', '?')}, "
+               f"state {running.get('state', '?')}")
+    routes = _routes_of(ctx.api_port)
+    if isinstance(routes, str):
+        return Check("daemon", WARN, f"{summary}; {routes}")
+    from ringlet.daemon.cluster.routes import status_lines
+
+    lines = status_lines(routes)
+    if not lines:
+        return Check("daemon", OK, f"{summary}; every member reaches every address it dials")
+    fix = next((r.get("fix") for r in routes if r.get("fix")), None)
+    bad = any(r.get("in_plan") or not r.get("via") for r in routes)
+    return Check("daemon", FAIL if bad else WARN, f"{summary}; " + "; ".join(lines), fix,
+                 details={"routes": routes})
