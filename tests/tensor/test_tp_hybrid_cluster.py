@@ -225,6 +225,9 @@ def test_losing_a_member_re_plans_a_pipeline_and_the_request_completes(quad):
     after = c.wait_plan(stages=3, nodes=survivors, timeout_s=60)
     assert (after["mode"], after["tp"]["mode"]) == ("pipeline", "pipeline")
     assert after["tp"]["refused"].startswith("hybrid mode refused: no split of 3 members into equal tensor groups")
+    # the groups' KV lived in their ranks and went with them: the fallback is counted where the request runs
+    migration = c.cluster_info(ids[groups[0][0]])["kv_migration"]
+    assert migration["resumed"] >= 1 and migration["full_reprefills"] >= 1, migration
     assert wait_dead(old_ranks, 15) == [], "rank processes of the hybrid plan are still running"
 
 
