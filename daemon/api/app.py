@@ -50,12 +50,17 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str]:
     """``(message, param)`` of a body that failed validation: an unknown field is
-    "unsupported field"; otherwise pydantic's reason, with the field's dotted path."""
+    "unsupported field"; a body that is not JSON says so, with the character where it
+    broke (``param`` empty); otherwise pydantic's reason, with the field's dotted path."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     if first.get("type") == "extra_forbidden":
         return f"unsupported field {loc!r}: ringlet does not support it (it is never ignored in silence)", loc
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset), not a field
+        where = first.get("loc", ("body", "?"))[-1]
+        reason = (first.get("ctx") or {}).get("error") or first.get("msg") or "malformed"
+        return f"invalid request: the body is not valid JSON ({reason} at character {where})", ""
     return f"invalid request: {loc or 'body'}: {first.get('msg', 'malformed body')}", loc
 
 

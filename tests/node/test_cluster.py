@@ -187,6 +187,9 @@ def test_malformed_json_and_huge_prompt(cluster):
     resp = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400
+    error = resp.json()["error"]  # the offset of the first bad character is 1, by hand
+    assert "not valid JSON" in error["message"] and "at character 1" in error["message"], error
+    assert not error["param"], error  # a position in the body, not a field
     resp = httpx.post(f"{url}/v1/completions", json={"prompt": [1] * 9000, "max_tokens": 1}, timeout=30)
     assert resp.status_code == 400 and "context" in resp.json()["error"]["message"]
     resp = httpx.post(f"{url}/v1/completions", json={"prompt": [10**9], "max_tokens": 1}, timeout=30)
