@@ -159,8 +159,18 @@ def _usable_nodes(nodes, cost: CostModel, policy: Policy, excluded: dict) -> tup
     return capable, usable
 
 
+#: The previous ring is dropped for its links only when the best ring's slowest forward
+#: link is at least this many times faster than the kept ring's. Measured bandwidths of
+#: one link differ from probe to probe, and a ring re-chosen on that noise moves layers
+#: and KV back and forth (seen on loopback: three plans in 2 s after a join, each
+#: swapping two stages). The same 2x as the rule for switching a peer's route
+#: (``SWITCH_FACTOR`` in ``daemon/cluster/routes.py``).
+RING_SWITCH_FACTOR = 2.0
+
+
 def _choose_with_previous(ctx: Context, previous: Plan, top_orders, notes: list[str]) -> Choice | None:
-    """Keep the old ring (new nodes inserted) unless re-choosing it is better by more than the tolerance."""
+    """Keep the old ring (new nodes inserted) unless re-choosing it is better by more than the
+    tolerance, or its slowest link is :data:`RING_SWITCH_FACTOR` times slower than the best ring's."""
     top = choose(ctx, top_orders)
     if ctx.policy.ring_order is not None:
         return top
@@ -169,9 +179,10 @@ def _choose_with_previous(ctx: Context, previous: Plan, top_orders, notes: list[
         notes.append("the ring was re-chosen: no node of the previous ring remains")
         return top
     best_bw = ctx.topology.key(top_orders[0]).bottleneck_bytes_per_s
-    admissible = [o for o in ins if ctx.topology.key(o).bottleneck_bytes_per_s >= best_bw]
+    admissible = [o for o in ins if ctx.topology.key(o).bottleneck_bytes_per_s * RING_SWITCH_FACTOR > best_bw]
     if not admissible:
-        notes.append("the ring was re-chosen: keeping the previous order would use a slower link")
+        notes.append(f"the ring was re-chosen: keeping the previous order would use a link at least "
+                     f"{RING_SWITCH_FACTOR:g}x slower")
         return top
     kept = choose(ctx, admissible)
     if kept is None:

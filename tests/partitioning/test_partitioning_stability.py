@@ -241,3 +241,23 @@ def test_insertion_orders():
         ("x", "y", "a", "b"), ("a", "x", "y", "b"), ("a", "b", "x", "y")]
     # Nobody left from the old ring.
     assert insertion_orders(("a",), {"x"}, cap=720) is None
+
+
+@pytest.mark.parametrize(("b_to_c", "kept"), [(7e9, True), (5.1e9, True), (4.9e9, False)])
+def test_the_ring_is_kept_unless_its_slowest_link_is_twice_as_slow(b_to_c, kept):
+    """A re-measured link changes the best ring only when the kept ring's slowest forward
+    link is at least 2x slower: A-B and A-C at 10 GB/s; the kept ring A, B, C runs over
+    B-C, the ring B, A, C avoids it (bottleneck 10 GB/s: 1.43x, 1.96x and 2.04x B-C's, by hand)."""
+    from ringlet.partitioning import LinkSpec
+
+    nodes = [NodeSpec(i, 10**6, 1.0, 1.0) for i in "ABC"]
+    m = model([1] * 12)
+    prev = make_plan(nodes, [], m, policy=Policy(ring_order=("A", "B", "C")))
+    links = [LinkSpec("A", "B", 10e9, 1e-4), LinkSpec("A", "C", 10e9, 1e-4), LinkSpec("B", "C", b_to_c, 1e-4)]
+    plan = make_plan(nodes, links, m, previous=prev)
+    validate_plan(plan, 12)
+    if kept:
+        assert plan.ring_order == ("A", "B", "C") and not any("re-chosen" in n for n in plan.notes), plan.notes
+    else:
+        assert plan.ring_order != ("A", "B", "C")
+        assert any("at least 2x slower" in n for n in plan.notes), plan.notes
