@@ -220,11 +220,11 @@ def _routes_of(api_port: int) -> list[dict] | str:
     try:
         import httpx
 
+        from ringlet.daemon.ops.client import auth_headers
         from ringlet.daemon.wire.auth import client_api_key
 
-        key = client_api_key()
         resp = httpx.get(f"http://127.0.0.1:{api_port}/v1/cluster", timeout=3.0, trust_env=False,
-                         headers={"Authorization": f"Bearer {key}"} if key else {})
+                         headers=auth_headers(client_api_key()))
         if resp.status_code != 200:
             return f"/v1/cluster answered {resp.status_code} (set RINGLET_API_KEY if the node has API keys)"
         routes = resp.json().get("routes") or []

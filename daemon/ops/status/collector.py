@@ -16,6 +16,7 @@ from collections import deque
 import httpx
 
 from ringlet.daemon.errors import RingletError
+from ringlet.daemon.ops.client import auth_headers
 from ringlet.daemon.ops.status.snapshot import build_snapshot
 from ringlet.daemon.ops.status.urls import default_api_url, member_api_url, normalize_api_url
 from ringlet.daemon.ops.status.values import as_int, as_str, dicts
@@ -60,7 +61,7 @@ class Collector:
         #: api_url -> gRPC address, from every answer so far
         self.addresses: dict[str, str] = {}
         self._client: httpx.AsyncClient | None = None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = auth_headers(api_key)
 
     async def _get(self, client: httpx.AsyncClient, url: str) -> dict:
         resp = await client.get(f"{url}/v1/cluster")
