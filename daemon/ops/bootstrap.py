@@ -51,26 +51,32 @@ async def _from_members(args, name: str, cache_dir: Path):
     Raises:
         RingletError: none did within :data:`WAIT_S`; names every address tried and why.
     """
+    from ringlet.daemon.cluster.advert import Advert
     from ringlet.daemon.cluster.discovery import Discovery
     from ringlet.daemon.cluster.identity import NodeIdentity
     from ringlet.daemon.cluster.static_peers import parse_peers
 
     found: list[str] = [f"{h}:{p}" for h, p in parse_peers(args.peers)] if args.peers else []
     errors: dict[str, str] = {}
-    tried: dict[str, float] = {}
+    tried: dict[str, float] = {}  # address -> when it was last tried (monotonic s)
+
+    def on_peer(advert: Advert) -> None:
+        for host in advert.addresses:
+            if (address := f"{host}:{advert.grpc_port}") not in found:
+                found.append(address)
+
     async with contextlib.AsyncExitStack() as stack:
         if not found and not args.no_mdns:
             data_dir = Path(args.data_dir).expanduser() if args.data_dir else None
             ident = stack.enter_context(NodeIdentity.load_or_create(data_dir))
             disc = Discovery.for_identity(
-                ident, args.cluster, args.port, args.api_port, interfaces=args.interface or None,
-                on_peer=lambda a: found.extend(f"{h}:{a.grpc_port}" for h in a.addresses
-                                               if f"{h}:{a.grpc_port}" not in found))
+                ident, args.cluster, args.port, args.api_port, interfaces=args.interface or None, on_peer=on_peer)
             await disc.start()
             stack.push_async_callback(disc.stop)
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            due = [a for a in list(found) if time.monotonic() - tried.get(a, -RETRY_S) >= RETRY_S]
+            now = time.monotonic()
+            due = [a for a in list(found) if a not in tried or now - tried[a] >= RETRY_S]
             for address in due:
                 tried[address] = time.monotonic()
                 try:
