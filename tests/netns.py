@@ -246,12 +246,16 @@ class NetnsLab:
         if self._made_hub:
             return
         self._add_namespace(self.hub)
-        sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        # plain flooding switch: no IGMP snooping state to warm up for mDNS
-        sh("ip", "-n", self.hub, "link", "set", "br0", "type", "bridge", "mcast_snooping", "0")
-        sh("ip", "-n", self.hub, "addr", "add", f"{HUB_IP}/24", "dev", "br0")
-        sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        self._add_bridge("br0", f"{HUB_IP}/24")
         self._made_hub = True
+
+    def _add_bridge(self, name: str, address: str) -> None:
+        """A switch ``name`` in the hub namespace, holding ``address`` (the test's own)."""
+        sh("ip", "-n", self.hub, "link", "add", name, "type", "bridge")
+        # plain flooding switch: no IGMP snooping state to warm up for mDNS
+        sh("ip", "-n", self.hub, "link", "set", name, "type", "bridge", "mcast_snooping", "0")
+        sh("ip", "-n", self.hub, "addr", "add", address, "dev", name)
+        sh("ip", "-n", self.hub, "link", "set", name, "up")
 
     def node_ns(self, i: int) -> str:
         return f"{self.prefix}n{i}"
@@ -309,10 +313,7 @@ class NetnsLab:
         hub namespace, :data:`SUBNET2`): its address there is ``SUBNET2.<i+1>``, returned
         and kept as :attr:`Daemon.ip2`. Call before :meth:`start`."""
         if not self._made_bridge2:
-            sh("ip", "-n", self.hub, "link", "add", "br1", "type", "bridge")
-            sh("ip", "-n", self.hub, "link", "set", "br1", "type", "bridge", "mcast_snooping", "0")
-            sh("ip", "-n", self.hub, "addr", "add", f"{SUBNET2}.254/24", "dev", "br1")
-            sh("ip", "-n", self.hub, "link", "set", "br1", "up")
+            self._add_bridge("br1", f"{SUBNET2}.254/24")
             self._made_bridge2 = True
         hub_end, ip = f"{self.hub_veth(d.index)}b", f"{SUBNET2}.{d.index + 1}"
         sh("ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", dev, "netns", d.ns)

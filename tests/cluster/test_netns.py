@@ -8,10 +8,12 @@ interface: every address lives in namespaces the lab creates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 from netns import SUBNET, SUBNET2, NetnsLab, cleanup_stale, in_namespace, skip_reason, summarise
@@ -49,6 +51,21 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.1f} MB/s"
 
 
+@contextlib.contextmanager
+def _logs_on_failure(lab: NetnsLab, ref: subprocess.Popen | None = None) -> Iterator[None]:
+    """Print the nodes' log tails when the block fails; stop ``ref`` (a :func:`_reference`
+    run) if it still runs, whatever happened."""
+    try:
+        yield
+    except BaseException:
+        print(lab.dump_logs(40))
+        raise
+    finally:
+        if ref is not None and ref.poll() is None:
+            ref.kill()
+            ref.wait()
+
+
 # --------------------------------------------------------------------------- issue 4
 
 
@@ -63,7 +80,7 @@ def test_shaped_node_links_are_measured_slow(lab: NetnsLab):
     shaped = nodes[3]
     lab.shape(shaped.index, rate=SHAPED_RATE)
     t0 = time.monotonic()
-    try:
+    with _logs_on_failure(lab):
         lab.start_nodes(nodes)
         healthy = time.monotonic() - t0
 
@@ -125,9 +142,6 @@ def test_shaped_node_links_are_measured_slow(lab: NetnsLab):
             time.sleep(0.5)
         for i, v in views.items():
             assert slow[i] == expected, (i, v["links"])
-    except BaseException:
-        print(lab.dump_logs(40))
-        raise
 
 
 def test_two_daemons_on_one_machine_see_a_loopback_link_from_both_ends(lab: NetnsLab):
@@ -139,7 +153,7 @@ def test_two_daemons_on_one_machine_see_a_loopback_link_from_both_ends(lab: Netn
     b = lab.add_node(["--dtype", "native"], share_namespace_with=a)
     c = lab.add_node(["--dtype", "native"])
     nodes = [a, b, c]
-    try:
+    with _logs_on_failure(lab):
         lab.start_nodes(nodes)
         deadline = time.monotonic() + 90
         while True:
@@ -160,18 +174,19 @@ def test_two_daemons_on_one_machine_see_a_loopback_link_from_both_ends(lab: Netn
         for i, v in views.items():
             kinds = {frozenset((link["a"], link["b"])): link["kind"] for link in v["links"]}
             assert kinds == {k: "loopback" if k == same_machine else "ethernet" for k in kinds}, (i, kinds)
-    except BaseException:
-        print(lab.dump_logs(40))
-        raise
 
 
 # --------------------------------------------------------------------------- issue 5 item 7
 
 
-def _reference(max_tokens: int) -> subprocess.Popen:
-    """``ringlet generate`` (one process, no network) for the undisturbed ids, started now."""
-    return subprocess.Popen([sys.executable, "-m", "ringlet.daemon.ops.cli", "generate", "--json", "--max-tokens",
-                             str(max_tokens), PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _reference(max_tokens: int, *args: str) -> subprocess.Popen:
+    """``ringlet generate`` (one process, no network; more options ``args``) for the
+    undisturbed ids, started now."""
+    return subprocess.Popen([sys.executable, "-m", "ringlet.daemon.ops.cli", "generate", "--json", *args,
+                             "--max-tokens", str(max_tokens), PROMPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 
 
 def _events(views: dict, kind: str, about: str, after: float) -> list[float]:
@@ -185,7 +200,7 @@ def test_cut_link_mid_stream_then_restore_rejoins(lab: NetnsLab):
     is cut mid-stream: the stream completes with the undisturbed ids and no gap of
     5 s; the link is restored and the node rejoins without a restart."""
     ref = _reference(LONG)
-    try:
+    with _logs_on_failure(lab, ref):
         # a pipeline of 3 stages: auto mode may pick tensor parallelism on these links
         # (the tensor tests cover a lost rank), and then there is no middle stage to cut
         nodes = lab.start_all(3, args=["--mode", "pipeline"])
@@ -282,13 +297,6 @@ def test_cut_link_mid_stream_then_restore_rejoins(lab: NetnsLab):
             if resp.status_code != 200 or resp.json()["choices"][0]["token_ids"] != expected[:8]:
                 problems.append(f"after the rejoin, node {middle.index} answered {resp.status_code}: {resp.text}")
         assert not problems, "\n".join(problems)
-    except BaseException:
-        print(lab.dump_logs(40))
-        raise
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait()
 
 
 # --------------------------------------------------------------------------- issue 18
@@ -341,9 +349,7 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
     4. Mid-stream, host 1's last route goes too: the stream fails well before the 30 s
        token timeout, with an error naming the address host 1 was last dialled at."""
     tokens = 40
-    ref = subprocess.Popen([sys.executable, "-m", "ringlet.daemon.ops.cli", "generate", "--json", "--dtype", "native",
-                            "--max-tokens", str(tokens), PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    ref = _reference(tokens, "--dtype", "native")  # 80 MB nodes keep the Q4 weights
     both = (("lan1", "192.168.50.1/24"), ("docker0", "172.17.0.1/16"))
     args = ["--mode", "pipeline", "--memory-limit", "80MB", "--context", "512", "--link-refresh-s", "3"]
     nodes = [lab.add_node(args, bridges=both, wildcard=True, link_name="eth0") for _ in range(2)]
@@ -359,7 +365,7 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
     def at(d, subnet: str) -> str:
         return f"{d.ip if subnet == SUBNET else d.ip2}:7100"
 
-    try:
+    with _logs_on_failure(lab, ref):
         lab.start_nodes(nodes)
         views = lab.wait_converged(nodes, stages=2, timeout_s=90)
         assert subnets(views) <= {SUBNET, SUBNET2}, views[0]["plan"]  # neither lan1 nor docker0
@@ -430,13 +436,6 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
         print(f"host 1's last route deleted after 5 tokens: the stream ended {ended:.1f} s later: {stream.error}")
         assert stream.error is not None and at(victim, first) in stream.error, (stream.error, stream.finish)
         assert ended < 20, stream.error
-    except BaseException:
-        print(lab.dump_logs(40))
-        raise
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait()
 
 
 def sh_status(lab: NetnsLab, d) -> subprocess.CompletedProcess:
