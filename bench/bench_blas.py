@@ -25,8 +25,11 @@ from bench_spine import stream_times
 
 from ringlet.daemon.ops.demo import LocalCluster
 
+#: What the nodes ran before issue #15: MLX's bundled reference BLAS and the GGUF's own Q4
+#: weights, as ``(environment, --dtype)``; bench_concurrency and bench_prefill measure it too.
+BEFORE_ISSUE_15: tuple[dict[str, str], str] = ({"RINGLET_BLAS": "none"}, "native")
 SETTINGS = [
-    ("reference BLAS, Q4", {"RINGLET_BLAS": "none"}, "native"),
+    ("reference BLAS, Q4", *BEFORE_ISSUE_15),
     ("reference BLAS, float32", {"RINGLET_BLAS": "none"}, "float32"),
     ("OpenBLAS, Q4", {}, "native"),
     ("OpenBLAS, auto", {}, "auto"),

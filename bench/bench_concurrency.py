@@ -39,7 +39,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_spine  # noqa: E402 - the bench directory is on the path only after the line above
+import bench_blas  # noqa: E402 - the bench directory is on the path only after the line above
+import bench_spine  # noqa: E402
 
 from ringlet.daemon.ops.demo import LocalCluster  # noqa: E402
 
@@ -65,7 +66,7 @@ PROMPTS = [
 # (MLX's bundled reference BLAS, the GGUF's own Q4 weights). The second runs on 2 stages only.
 SETTINGS: dict[str, tuple[dict[str, str], str | None]] = {
     "default": ({}, None),
-    "reference BLAS, Q4 (before #15)": ({"RINGLET_BLAS": "none"}, "native"),
+    "reference BLAS, Q4 (before #15)": bench_blas.BEFORE_ISSUE_15,
 }
 DEFINITION = ("aggregate decode tokens/s = sum over requests of (completion tokens - 1) / (last token of any "
               "request - earliest first token of any request), arrival times at the client; TTFT = mean over "

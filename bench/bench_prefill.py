@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+from bench_blas import BEFORE_ISSUE_15
 from bench_spine import stream_times
 
 from ringlet.daemon.ops.demo import LocalCluster
@@ -73,15 +74,11 @@ def one_run(url: str) -> dict:
             "b_ttft_s": b_times[0] - t_send}
 
 
-# What the nodes ran before issue #15 (MLX's bundled reference BLAS, the GGUF's Q4 weights),
-# measured beside the default in the same run, chunked only.
-BEFORE_15 = ({"RINGLET_BLAS": "none"}, "native")
-
-
 def measure(chunk: int, before_15: bool = False) -> dict:
     """A's gaps and B's TTFT on 2 daemons with ``--prefill-chunk chunk`` (seconds, medians of
-    ``RUNS``); ``before_15``: with the node settings before issue #15."""
-    env, dtype = BEFORE_15 if before_15 else ({}, None)
+    ``RUNS``); ``before_15``: with the node settings before issue #15 (measured beside the
+    default in the same run, chunked only)."""
+    env, dtype = BEFORE_ISSUE_15 if before_15 else ({}, None)
     # the prefix cache off: B's prompt is the same in every run, and a hit would skip its prefill
     args = ["--prefill-chunk", str(chunk), "--prefix-cache-bytes", "0"]
     with LocalCluster(2, extra_args=args, env=env, dtype=dtype) as c:
