@@ -56,10 +56,6 @@ def _model() -> dict[str, bytes]:
     return sharded_model_files(config=config)
 
 
-def _env(hub, tmp: Path, i: int, **more: str) -> dict[str, str]:
-    return {"HF_ENDPOINT": hub.endpoint(f"n{i}"), "HF_HUB_CACHE": str(tmp / f"hf{i}"), **more}
-
-
 def _bytes_per_node(hub, files: dict[str, bytes], cluster) -> list[dict]:
     from tiny_models import stage_file_names
 
@@ -85,7 +81,7 @@ def _netns_to_serving(files: dict[str, bytes], every_node_from_hub: bool) -> dic
     answered completion; with ``every_node_from_hub`` false, node 0 alone reaches the Hub
     and nodes 1 and 2 (``HF_HUB_OFFLINE=1``) start once it serves, fetching from it.
     Also the weight bytes each node downloaded from the Hub."""
-    from hub_server import FakeHub
+    from hub_server import FakeHub, node_env
     from netns import HUB_IP, NetnsLab
 
     with tempfile.TemporaryDirectory() as tmp_dir, NetnsLab() as lab:
@@ -98,7 +94,7 @@ def _netns_to_serving(files: dict[str, bytes], every_node_from_hub: bool) -> dic
             hub.add_commit(REPO_ID, files)
             for i, d in enumerate(nodes):
                 offline = {} if every_node_from_hub or i == 0 else {"HF_HUB_OFFLINE": "1"}
-                d.env = _env(hub, Path(tmp_dir), i, **offline)
+                d.env = node_env(hub, Path(tmp_dir), i, **offline)
             t0 = time.monotonic()
             if every_node_from_hub:
                 lab.start_nodes(nodes, timeout_s=300)
@@ -133,7 +129,7 @@ def netns_times(files: dict[str, bytes]) -> dict:
 
 def main() -> dict:
     sys.path.insert(0, str(TESTS))
-    from hub_server import FakeHub
+    from hub_server import FakeHub, node_env
 
     from ringlet.daemon.ops.demo import LocalCluster
 
@@ -147,7 +143,7 @@ def main() -> dict:
             hub.rate_bytes_per_s = RATE
             t0 = time.monotonic()
             with LocalCluster(3, model="bench-org/llama12", dynamic=True,
-                              per_node_env=[_env(hub, tmp / "a", i) for i in range(3)]) as c:
+                              per_node_env=[node_env(hub, tmp / "a", i) for i in range(3)]) as c:
                 c.wait_plan(stages=3, timeout_s=300)
                 out["time_3_from_hub_s"] = time.monotonic() - t0
                 out["bytes"] = _bytes_per_node(hub, files, c)
@@ -156,11 +152,11 @@ def main() -> dict:
             hub.rate_bytes_per_s = RATE
             t0 = time.monotonic()
             with LocalCluster(1, model="bench-org/llama12", dynamic=True,
-                              per_node_env=[_env(hub, tmp / "b", 0)]) as c:
+                              per_node_env=[node_env(hub, tmp / "b", 0)]) as c:
                 c.wait_plan(stages=1, timeout_s=300)
                 out["time_1_from_hub_s"] = time.monotonic() - t0
                 for i in (1, 2):
-                    c.add_node(env=_env(hub, tmp / "b", i, HF_HUB_OFFLINE="1"), wait=False)
+                    c.add_node(env=node_env(hub, tmp / "b", i, HF_HUB_OFFLINE="1"), wait=False)
                 c.wait_plan(stages=3, timeout_s=300)
                 out["time_1_from_hub_then_2_from_it_s"] = time.monotonic() - t0
     out["time_ratio"] = out["time_1_from_hub_then_2_from_it_s"] / out["time_3_from_hub_s"]

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 
@@ -259,6 +260,13 @@ class FakeHub:
         except (BrokenPipeError, ConnectionResetError):
             pass
         entry.done = True
+
+
+def node_env(hub: FakeHub, tmp: Path, i: int, **more: str) -> dict[str, str]:
+    """The environment of daemon ``i`` of a cluster on ``hub``: its own endpoint tag ``n<i>``
+    (so the log says which node asked for what), its own Hugging Face cache under ``tmp``,
+    and ``more``."""
+    return {"HF_ENDPOINT": hub.endpoint(f"n{i}"), "HF_HUB_CACHE": str(tmp / f"hf{i}"), **more}
 
 
 def point_hub_client(monkeypatch, endpoint: str, cache: str, offline: bool = False) -> None:

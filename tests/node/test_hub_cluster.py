@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
-from hub_server import FakeHub
+from hub_server import FakeHub, node_env
 from tiny_models import sharded_model_files, stage_file_names
 
 from ringlet.daemon.ops.demo import LocalCluster
@@ -28,10 +28,6 @@ REPO = "test-org/tiny"
 SMALL = {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"}
 PROMPT = "Hello, ring"
 TOKENS = 24
-
-
-def node_env(hub: FakeHub, tmp: Path, i: int, **more: str) -> dict[str, str]:
-    return {"HF_ENDPOINT": hub.endpoint(f"n{i}"), "HF_HUB_CACHE": str(tmp / f"hf{i}"), **more}
 
 
 def mlx_lm_greedy(directory: Path, prompt_ids: list[int], n: int) -> list[int]:
