@@ -66,32 +66,13 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
           "probes/test_probe_speed_local.py")
 
 
-#: Scheduling only: the parallel phase's slowest files, slowest first (seconds of one
-#: worker, measured 2026-12-02: 223, 160, 148, 118, 83, 82, 71, 51, 43, 41). Collected
-#: first, they start first on the two workers (xdist's loadfile hands files out in
-#: collection order), so that the small files fill in at the end and both workers finish
-#: together; in alphabetical order the three slowest came last on one worker, which then
-#: ran ~110 s longer than the other.
-SLOWEST_FIRST = ("engine/test_prefix_cache.py", "node/test_resharding.py", "node/test_node_loss.py",
-                 "engine/test_concurrency.py", "api/test_openai_agents.py", "node/test_hub_cluster.py",
-                 "node/test_cluster.py", "cluster/test_membership.py", "api/test_responses.py",
-                 "node/test_kv_migration.py")
-
-
-def _schedule_rank(item) -> int:
-    rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
-    return SLOWEST_FIRST.index(rel) if rel in SLOWEST_FIRST else len(SLOWEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark the files in :data:`SERIAL` ``serial``. ``make test`` runs the unmarked files
     on 2 pytest-xdist workers (``-n 2 --dist loadfile``: each file whole on one worker,
     so its module fixtures start once and its tests run in order), then the ``serial``
     ones in two pytest processes side by side: the tensor files one after the other in
-    one, the rest (which mostly wait on links, heartbeats and tmux) in the other. The
-    files of :data:`SLOWEST_FIRST` are collected first."""
+    one, the rest (which mostly wait on links, heartbeats and tmux) in the other."""
     for item in items:
         rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if rel.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
-    items.sort(key=_schedule_rank)  # stable: each file's tests stay together and in order
