@@ -35,7 +35,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 
 from .spec import LinkSpec, Policy
@@ -96,8 +95,6 @@ class Topology:
         self.activation_bytes = activation_bytes
         fb = PairLink(policy.fallback_bandwidth_bytes_per_s, policy.fallback_latency_s, "fallback", False)
         n = len(self.ids)
-        self.graph = nx.Graph()
-        self.graph.add_nodes_from(self.ids)
         best: dict[tuple[str, str], LinkSpec] = {}
         for link in sorted(links, key=lambda x: (x.pair, -x.bandwidth_bytes_per_s, x.latency_s, x.kind)):
             if link.a not in self.index or link.b not in self.index:
@@ -108,8 +105,6 @@ class Topology:
             ):
                 best[link.pair] = link
         self.direct = best
-        for (a, b), link in sorted(best.items()):
-            self.graph.add_edge(a, b, bandwidth=link.bandwidth_bytes_per_s, latency=link.latency_s, kind=link.kind)
         # Forward pair options (hidden-state payload): direct link if it is not slower than the fallback.
         self.pairs: dict[tuple[str, str], PairLink] = {}
         self.fwd_bw = np.full((n, n), math.inf)
@@ -298,6 +293,8 @@ class Topology:
                 return list(range(n))  # every order ties; the id order is the smallest
             # Every pair is alike for hidden states: only the return route can differ.
             return self._best_cut(list(range(n)))
+        import networkx as nx  # beyond the exact limit only: importing it costs a process ~0.2 s
+
         full = nx.Graph()
         for i in range(n):
             for j in range(i + 1, n):
