@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,19 +21,11 @@ from ringlet.daemon.cluster.static_plan import even_plan
 from ringlet.daemon.engine.model_info import model_info
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.errors import RingletError
+from ringlet.daemon.wire.ports import free_ports
+
+__all__ = ["LocalCluster", "free_ports", "run_demo"]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 class LocalCluster:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
-import socket
 from pathlib import Path
 from typing import Protocol
 
 from ringlet.daemon.tensor.group_errors import TPGroupError
+from ringlet.daemon.wire import ports
 
 
 class RankHandle(Protocol):
@@ -84,20 +83,14 @@ async def start_rank_process(argv: list[str], env: dict[str, str], log_path: Pat
     return LocalRankHandle(proc)
 
 
-def free_port_block(n: int, host: str = "127.0.0.1", tries: int = 50) -> int:
-    """A base port such that ``base .. base+n-1`` can all be bound on ``host`` right now."""
-    for _ in range(tries):
-        base = 20000 + secrets.randbelow(40000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise TPGroupError(f"no block of {n} free ports on {host}")
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """A base port such that ``base .. base+n-1`` can all be bound on ``host`` right now,
+    outside the kernel's ephemeral range (:func:`ringlet.daemon.wire.ports.free_port_block`).
+
+    Raises:
+        TPGroupError: no such block was found.
+    """
+    try:
+        return ports.free_port_block(n, host)
+    except OSError as exc:
+        raise TPGroupError(str(exc)) from exc

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 from ringlet.daemon.cluster.membership import Member, Membership
 from ringlet.daemon.cluster.negotiation import Negotiator
 from ringlet.daemon.cluster.router import Router
+from ringlet.daemon.wire.ports import free_ports
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan
@@ -71,9 +71,8 @@ class Ring(pb_grpc.RingServicer):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1, outside the ephemeral range (no client connection takes it)."""
+    return free_ports(1)[0]
 
 
 @contextlib.asynccontextmanager

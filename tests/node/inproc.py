@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from dataclasses import replace
 
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.node import Node, NodeConfig
+from ringlet.daemon.wire.ports import free_ports
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1, outside the ephemeral range (no client connection takes it)."""
+    return free_ports(1)[0]
 
 
 def plan(epoch: int, *stages: tuple[Node, int, int], previous: ServingPlan | None = None,
