@@ -65,14 +65,20 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
           "tensor/test_tp_hybrid_cluster.py", "cluster/test_netns.py", "ops/test_dashboard_cluster.py",
           "probes/test_probe_speed_local.py")
 
+#: Test files that mostly wait (heartbeats, mDNS rounds, handshake retries) and compute
+#: little: they also carry the ``serial`` mark, to run in the lane beside the tensor files,
+#: which is otherwise done ~70 s before them, instead of in the parallel phase, whose two
+#: workers keep both cores busy.
+WAITING = ("cluster/test_membership.py",)
+
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the files in :data:`SERIAL` ``serial``. ``make test`` runs the unmarked files
-    on 2 pytest-xdist workers (``-n 2 --dist loadfile``: each file whole on one worker,
-    so its module fixtures start once and its tests run in order), then the ``serial``
-    ones in two pytest processes side by side: the tensor files one after the other in
-    one, the rest (which mostly wait on links, heartbeats and tmux) in the other."""
+    """Mark the files in :data:`SERIAL` and :data:`WAITING` ``serial``. ``make test`` runs
+    the unmarked files on 2 pytest-xdist workers (``-n 2 --dist loadfile``: each file whole
+    on one worker, so its module fixtures start once and its tests run in order), then the
+    ``serial`` ones in two pytest processes side by side: the tensor files one after the
+    other in one, the rest (which mostly wait on links, heartbeats and tmux) in the other."""
     for item in items:
         rel = Path(str(item.fspath)).relative_to(TESTS).as_posix()
-        if rel.startswith(SERIAL):
+        if rel.startswith(SERIAL + WAITING):
             item.add_marker(pytest.mark.serial)

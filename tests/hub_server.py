@@ -122,7 +122,9 @@ class FakeHub:
 
         self._server = ThreadingHTTPServer((self.host, 0), Handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True).start()
+        # a short poll: shutdown() waits for the loop's next look (0.5 s by default)
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-hub",
+                         daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,8 +3,8 @@ stream completes equal to an undisturbed run; the survivors rebuild only the los
 layers from the boundary activations the stage before kept, or, with none kept, prefill
 again from scratch, as counted.
 
-Expected token ids come from ``ringlet generate`` (one process, no network) for the
-same prompt, whose float32 path is checked against transformers in test_reference.
+Expected token ids: the transformers reference (``REFERENCE``, float32) for the same
+prompt, so the clusters run in float32.
 """
 
 from __future__ import annotations
@@ -15,19 +15,21 @@ import time
 
 import httpx
 import pytest
-from conftest import greedy_ids, index_of
+from conftest import REFERENCE, index_of
 from streaming import Stream
 
 from ringlet.daemon.ops.demo import LocalCluster
 
-PROMPT = "Once upon a time"
+RAW = next(c for c in REFERENCE if c.get("raw") == "Once upon a time")
+PROMPT = RAW["raw"]
 TOKENS = 30
 
 
 @pytest.fixture(scope="module")
 def undisturbed() -> list[int]:
-    """Greedy ids of one undisturbed single-process run (``ringlet generate``)."""
-    return greedy_ids(PROMPT, TOKENS)
+    """The greedy ids of an undisturbed run: transformers' (float32) for :data:`PROMPT`."""
+    assert len(RAW["completion_ids"]) >= TOKENS
+    return RAW["completion_ids"][:TOKENS]
 
 
 #: A ~2,000-token conversation (2,160 tokens of SmolLM2's tokenizer, counted by hand once).
@@ -50,7 +52,7 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
     (``--boundary-cache-bytes 0``), the request prefills again from scratch, counted as a
     full re-prefill."""
     extra = [] if states == "kept" else ["--boundary-cache-bytes", "0"]
-    with LocalCluster(3, dynamic=True, extra_args=extra) as c:
+    with LocalCluster(3, dtype="float32", dynamic=True, extra_args=extra) as c:
         plan = c.wait_plan(stages=3)
         middle = index_of(c, plan["plan"][1]["node_id"])
         lost_layers = plan["plan"][1]["end"] - plan["plan"][1]["start"]
@@ -107,7 +109,7 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
 
 def test_repeated_kills_lose_no_request(undisturbed):
     expected = undisturbed[:10]
-    with LocalCluster(3, dynamic=True) as c:
+    with LocalCluster(3, dtype="float32", dynamic=True) as c:
         c.wait_plan(stages=3)
         stop = threading.Event()
 
