@@ -3,10 +3,22 @@
 #: Most decode steps one stage runs as one batched forward (``--max-batch``).
 DEFAULT_MAX_BATCH = 8
 
-#: Prompt tokens per prefill chunk (``--prefill-chunk``). A chunk holds a stage's
-#: worker for one forward, so other requests' decode steps wait at most one chunk;
-#: 512 is mlx-lm's own ``prefill_step_size`` for batched generation.
+#: Prompt tokens per prefill chunk (``--prefill-chunk``) on a GPU. A chunk holds a
+#: stage's worker for one forward, so other requests' decode steps wait at most one
+#: chunk; 512 is mlx-lm's own ``prefill_step_size`` for batched generation.
 DEFAULT_PREFILL_CHUNK = 512
+
+#: The same on a CPU. MLX's CPU attention computes a chunk's scores against the whole
+#: context (masked, not skipped) and its ``exp`` runs at ~20 ns an element, so smaller
+#: chunks do less of that work; and a ring's stages overlap on more, smaller chunks.
+#: Measured here (SmolLM2-135M, float32, 1,492-token prompt, 1 thread a process):
+#: 256 against 512 costs 9% less CPU and, on 3 stages, 20% less time to first token.
+CPU_PREFILL_CHUNK = 256
+
+
+def default_prefill_chunk(on_cpu: bool) -> int:
+    """Prompt tokens per prefill chunk when ``--prefill-chunk`` is not given."""
+    return CPU_PREFILL_CHUNK if on_cpu else DEFAULT_PREFILL_CHUNK
 
 #: Bytes of boundary activations a stage keeps (``--boundary-cache-bytes``, 1 GiB): the
 #: hidden states of 100k tokens of a 4,096-wide bfloat16 model (Llama 3 8B: 8 KiB a
