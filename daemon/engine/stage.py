@@ -29,88 +29,14 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ringlet.daemon.engine import gguf as gguf_source
+from ringlet.daemon.engine.prune import Identity, LastPosition, StageEmbedding, inner_module, prune, reindex
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
 
 log = logging.getLogger(__name__)
 
-#: Architectures whose inner forward rescales the embedding output (e.g. Gemma's
-#: ``h * sqrt(hidden_size)``): a pass-through embedding would apply it twice on
-#: later stages, so they can only run as a single stage.
-NO_SPLIT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "recurrent_gemma"})
-
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-
-
-class _StageEmbedding(nn.Module):
-    """Stands in for ``embed_tokens``: embeds on the first stage, passes hidden states
-    through elsewhere; ``as_linear`` (tied head) projects only on the last stage."""
-
-    def __init__(self, real: nn.Module | None, embed_input: bool, head_output: bool):
-        super().__init__()
-        if real is not None:
-            self.real = real
-        self._embed_input = embed_input
-        self._head_output = head_output
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.real(x) if self._embed_input else x
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return self.real.as_linear(x) if self._head_output else x
-
-
-class _Identity(nn.Module):
-    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        return x
-
-
-def _inner(model: nn.Module) -> nn.Module:
-    """The sub-module that owns the decoder layer list (``model.model`` in mlx-lm)."""
-    layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
-    for _, module in model.named_modules():
-        owned = getattr(module, "layers", None)
-        if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
-            return module
-    raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
-
-
-def _reindex(inner: nn.Module) -> None:
-    """Some models index the cache list by a layer position computed for the full model
-    (``fa_idx``, ``swa_idx``): point them into ``inner.layers`` as it is now."""
-    if hasattr(inner, "fa_idx") and all(hasattr(layer, "use_sliding") for layer in inner.layers):
-        kinds = [layer.use_sliding for layer in inner.layers]
-        inner.fa_idx = kinds.index(False) if False in kinds else 0
-        if getattr(inner, "swa_idx", None) is not None:
-            inner.swa_idx = kinds.index(True) if True in kinds else 0
-
-
-def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool]:
-    """Prune an (unevaluated) mlx-lm model in place to the stage ``[start, end)``.
-
-    Returns ``(first, last)``.
-
-    Raises:
-        PlanError: bad range, or a split of an architecture that cannot be split.
-    """
-    inner = _inner(model)
-    num_layers = len(inner.layers)
-    validate_range(start, end, num_layers)
-    first, last = start == 0, end == num_layers
-    if not (first and last) and model_type in NO_SPLIT_MODEL_TYPES:
-        raise PlanError(f"architecture {model_type!r} cannot be split into stages yet; run it on one node")
-    inner.layers = inner.layers[start:end]
-    _reindex(inner)
-    tied = not hasattr(model, "lm_head")
-    real = inner.embed_tokens
-    keep_embedding = first or (last and tied)
-    inner.embed_tokens = _StageEmbedding(real if keep_embedding else None, first, last)
-    if not last:
-        inner.norm = _Identity()
-        if hasattr(model, "lm_head"):
-            model.lm_head = _Identity()
-    return first, last
 
 
 def token_id_error(ids: list[int], vocab_size: int | None) -> str | None:
@@ -196,21 +122,42 @@ class Stage(StageRange):
 
         return make_prompt_cache(self.model)
 
-    def __call__(self, x: mx.array, cache: list, head: bool = True) -> mx.array:
+    def __call__(self, x: mx.array, cache: list, head: bool | None = None) -> mx.array:
         """Run the stage.
 
         Args:
             x: token ids ``(batch, tokens)`` int32 on the first stage, hidden states
                 ``(batch, tokens, hidden_size)`` on the others.
             cache: this request's cache from :meth:`make_cache` (updated in place).
-            head: unused here (the output is lazy: a caller that needs only the cache
-                evaluates it with :meth:`settle`); a tensor-group stage skips the head.
+            head: ``None``: the model's own forward, every position's output. ``True``
+                (the engine, sampling the next token): on the last stage, only the last
+                position's logits are computed -- a prefill chunk of T tokens would
+                otherwise project all T onto the vocabulary (SmolLM2-135M: 57 of its 269
+                MFLOP a token) to keep one row. ``False``: only the cache is needed (the
+                output is lazy; :meth:`settle` evaluates the cache alone), as a
+                tensor-group stage skips the head.
 
         Returns:
-            Hidden states ``(batch, tokens, hidden_size)``, or logits
-            ``(batch, tokens, vocab)`` on the last stage. Lazy: evaluate it.
+            Hidden states ``(batch, tokens, hidden_size)``, or logits on the last stage:
+            ``(batch, tokens, vocab)``, or ``(batch, 1, vocab)`` with ``head=True``
+            (when the architecture projects through ``lm_head`` or a tied embedding's
+            ``as_linear``, as mlx-lm's do; otherwise every position). Lazy: evaluate it.
         """
-        return self.model(x, cache=cache)
+        if not (head and self.last and x.shape[1] > 1):
+            return self.model(x, cache=cache)
+        inner = inner_module(self.model)
+        embedding, lm_head = inner.embed_tokens, self.model.get("lm_head")
+        try:
+            if isinstance(embedding, StageEmbedding):
+                embedding.last_only = True
+            if isinstance(lm_head, nn.Module):
+                self.model.lm_head = LastPosition(lm_head)
+            return self.model(x, cache=cache)
+        finally:
+            if isinstance(embedding, StageEmbedding):
+                embedding.last_only = False
+            if isinstance(lm_head, nn.Module):
+                self.model.lm_head = lm_head
 
     @contextlib.contextmanager
     def span(self, lo: int, hi: int) -> Iterator[None]:
@@ -226,18 +173,18 @@ class Stage(StageRange):
         """
         if not self.start <= lo < hi <= self.end:
             raise PlanError(f"layers [{lo}, {hi}) are not within this stage's [{self.start}, {self.end})")
-        inner = _inner(self.model)
+        inner = inner_module(self.model)
         saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", "fa_idx", "swa_idx")
                  if hasattr(inner, name)}
         head = self.model.get("lm_head")
         try:
             inner.layers = saved["layers"][lo - self.start:hi - self.start]
-            _reindex(inner)
+            reindex(inner)
             real = getattr(saved["embed_tokens"], "real", None) if lo == 0 else None
-            inner.embed_tokens = _StageEmbedding(real, embed_input=lo == 0, head_output=False)
-            inner.norm = _Identity()
+            inner.embed_tokens = StageEmbedding(real, embed_input=lo == 0, head_output=False)
+            inner.norm = Identity()
             if head is not None:
-                self.model.lm_head = _Identity()
+                self.model.lm_head = Identity()
             yield
         finally:
             for name, value in saved.items():
@@ -287,13 +234,13 @@ def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage
     that were reused (their tensors must not be read again)."""
     if reuse is None:
         return set()
-    inner, old_inner = _inner(model), _inner(reuse.model)
+    inner, old_inner = inner_module(model), inner_module(reuse.model)
     done: set[str] = set()
     for g in range(max(start, reuse.start), min(end, reuse.end)):
         inner.layers[g - start] = old_inner.layers[g - reuse.start]
         done.add(f"model.layers.{g - start}.")
     new_embed, old_embed = inner.embed_tokens, old_inner.embed_tokens
-    if "real" in new_embed and isinstance(old_embed, _StageEmbedding) and "real" in old_embed:
+    if "real" in new_embed and isinstance(old_embed, StageEmbedding) and "real" in old_embed:
         new_embed.real = old_embed.real
         done.add("model.embed_tokens.")
     if reuse.last and end == num_layers:
@@ -405,7 +352,7 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
         _cast(model, dtype)
     reused = _reuse(model, start, end, num_layers, reuse)
     try:
-        layers = _inner(model).layers
+        layers = inner_module(model).layers
         for i, layer in enumerate(layers):  # layer by layer, for progress
             mx.eval(layer.parameters())
             if progress is not None:

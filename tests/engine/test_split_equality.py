@@ -94,3 +94,23 @@ def test_a_stage_holds_only_its_layers(arch, tmp_path):
     assert names, "the stage holds nothing"
     assert all(n.startswith("model.layers.0.") or n.startswith("model.layers.1.") for n in names), sorted(names)[:5]
     assert len(middle.model.layers) == 2
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_the_engines_head_call_projects_only_the_last_position(arch, tmp_path):
+    """``head=True`` (how the engine asks a last stage for the next token's logits) gives
+    the last position only, ``(1, 1, vocab)``, equal to that row of mlx-lm's own logits,
+    for tied (qwen3 here) and untied heads; the stage's other calls are unchanged."""
+    path = make_tiny_model(arch, tmp_path / arch)
+    expected = reference_logits(path)[0][0, -1]  # the prefill's last row
+    location = resolve(str(path))
+    for start in range(NUM_LAYERS):  # the last stage of every 2-stage split, and the whole model
+        first = load_stage(location, 0, start) if start else None
+        last = load_stage(location, start, NUM_LAYERS)
+        x = mx.array([PROMPT])
+        if first is not None:
+            x = first(x, first.make_cache())
+        got = last(x, last.make_cache(), head=True)
+        assert got.shape == (1, 1, expected.shape[-1]), (start, got.shape)
+        assert mx.allclose(got[0, -1], expected, rtol=1e-5, atol=1e-5).item(), start
+        assert last(x, last.make_cache()).shape[1] == len(PROMPT)  # head=None: every position

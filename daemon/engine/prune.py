@@ -1,0 +1,107 @@
+"""Pruning an unevaluated mlx-lm model to a stage's layer range ``[start, end)``.
+
+The decoder layer list is sliced; on a stage that is not first the embedding becomes a
+pass-through (the forward takes hidden states where it took token ids); on a stage that
+is not last the final norm and the head become identities (it returns hidden states).
+Nothing here reads or allocates a weight: MLX arrays are lazy until evaluated.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ringlet.daemon.engine.stage_tensors import validate_range
+from ringlet.daemon.errors import ModelFormatError, PlanError
+
+#: Architectures whose inner forward rescales the embedding output (e.g. Gemma's
+#: ``h * sqrt(hidden_size)``): a pass-through embedding would apply it twice on
+#: later stages, so they can only run as a single stage.
+NO_SPLIT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "recurrent_gemma"})
+
+
+class StageEmbedding(nn.Module):
+    """Stands in for ``embed_tokens``: embeds on the first stage, passes hidden states
+    through elsewhere; ``as_linear`` (tied head) projects only on the last stage, and
+    only the last position while ``last_only`` is set (:meth:`Stage.__call__`)."""
+
+    def __init__(self, real: nn.Module | None, embed_input: bool, head_output: bool):
+        super().__init__()
+        if real is not None:
+            self.real = real
+        self._embed_input = embed_input
+        self._head_output = head_output
+        self.last_only = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.real(x) if self._embed_input else x
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not self._head_output:
+            return x
+        return self.real.as_linear(x[:, -1:, :] if self.last_only else x)
+
+
+class Identity(nn.Module):
+    """Stands in for a final norm or head that a stage does not run: returns its input."""
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        return x
+
+
+class LastPosition(nn.Module):
+    """An untied head applied to the last position only: ``(B, T, H) -> (B, 1, vocab)``."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.head(x[:, -1:, :])
+
+
+def inner_module(model: nn.Module) -> nn.Module:
+    """The sub-module that owns the decoder layer list (``model.model`` in mlx-lm)."""
+    layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
+    for _, module in model.named_modules():
+        owned = getattr(module, "layers", None)
+        if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
+            return module
+    raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
+
+
+def reindex(inner: nn.Module) -> None:
+    """Some models index the cache list by a layer position computed for the full model
+    (``fa_idx``, ``swa_idx``): point them into ``inner.layers`` as it is now."""
+    if hasattr(inner, "fa_idx") and all(hasattr(layer, "use_sliding") for layer in inner.layers):
+        kinds = [layer.use_sliding for layer in inner.layers]
+        inner.fa_idx = kinds.index(False) if False in kinds else 0
+        if getattr(inner, "swa_idx", None) is not None:
+            inner.swa_idx = kinds.index(True) if True in kinds else 0
+
+
+def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool]:
+    """Prune an (unevaluated) mlx-lm model in place to the stage ``[start, end)``.
+
+    Returns ``(first, last)``.
+
+    Raises:
+        PlanError: bad range, or a split of an architecture that cannot be split.
+    """
+    inner = inner_module(model)
+    num_layers = len(inner.layers)
+    validate_range(start, end, num_layers)
+    first, last = start == 0, end == num_layers
+    if not (first and last) and model_type in NO_SPLIT_MODEL_TYPES:
+        raise PlanError(f"architecture {model_type!r} cannot be split into stages yet; run it on one node")
+    inner.layers = inner.layers[start:end]
+    reindex(inner)
+    tied = not hasattr(model, "lm_head")
+    real = inner.embed_tokens
+    keep_embedding = first or (last and tied)
+    inner.embed_tokens = StageEmbedding(real if keep_embedding else None, first, last)
+    if not last:
+        inner.norm = Identity()
+        if hasattr(model, "lm_head"):
+            model.lm_head = Identity()
+    return first, last
