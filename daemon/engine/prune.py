@@ -8,6 +8,9 @@ Nothing here reads or allocates a weight: MLX arrays are lazy until evaluated.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -105,3 +108,24 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         if hasattr(model, "lm_head"):
             model.lm_head = Identity()
     return first, last
+
+
+@contextlib.contextmanager
+def last_position_only(model: nn.Module) -> Iterator[None]:
+    """Within the block, a pruned last stage's forward projects only the last position onto
+    the vocabulary: its logits are ``(batch, 1, vocab)``, the same values as the last row of
+    all of them. Applies where the architecture projects through ``lm_head`` or a tied
+    embedding's ``as_linear`` (mlx-lm's models do); elsewhere every position still is.
+    The model is restored on leaving (one forward at a time per model)."""
+    embedding, lm_head = inner_module(model).embed_tokens, model.get("lm_head")
+    try:
+        if isinstance(embedding, StageEmbedding):
+            embedding.last_only = True
+        if isinstance(lm_head, nn.Module):
+            model.lm_head = LastPosition(lm_head)
+        yield
+    finally:
+        if isinstance(embedding, StageEmbedding):
+            embedding.last_only = False
+        if isinstance(lm_head, nn.Module):
+            model.lm_head = lm_head

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ringlet.daemon.engine import gguf as gguf_source
-from ringlet.daemon.engine.prune import Identity, LastPosition, StageEmbedding, inner_module, prune, reindex
+from ringlet.daemon.engine.prune import Identity, StageEmbedding, inner_module, last_position_only, prune, reindex
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
@@ -145,19 +145,8 @@ class Stage(StageRange):
         """
         if not (head and self.last and x.shape[1] > 1):
             return self.model(x, cache=cache)
-        inner = inner_module(self.model)
-        embedding, lm_head = inner.embed_tokens, self.model.get("lm_head")
-        try:
-            if isinstance(embedding, StageEmbedding):
-                embedding.last_only = True
-            if isinstance(lm_head, nn.Module):
-                self.model.lm_head = LastPosition(lm_head)
+        with last_position_only(self.model):
             return self.model(x, cache=cache)
-        finally:
-            if isinstance(embedding, StageEmbedding):
-                embedding.last_only = False
-            if isinstance(lm_head, nn.Module):
-                self.model.lm_head = lm_head
 
     @contextlib.contextmanager
     def span(self, lo: int, hi: int) -> Iterator[None]:
