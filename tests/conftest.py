@@ -65,11 +65,11 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
           "tensor/test_tp_hybrid_cluster.py", "cluster/test_netns.py", "ops/test_dashboard_cluster.py",
           "probes/test_probe_speed_local.py")
 
-#: Test files that mostly wait (heartbeats, mDNS rounds, handshake retries) and compute
-#: little: they also carry the ``serial`` mark, to run in the lane beside the tensor files,
-#: which is otherwise done ~70 s before them, instead of in the parallel phase, whose two
-#: workers keep both cores busy.
-WAITING = ("cluster/test_membership.py",)
+#: Test files that mostly wait (heartbeats, mDNS rounds, handshake retries, systemd's
+#: verifier) and compute little: they also carry the ``serial`` mark, to run in the lane
+#: beside the tensor files, which is otherwise done ~70 s before them, instead of in the
+#: parallel phase, whose two workers keep both cores busy.
+WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "ops/test_service.py")
 
 
 def pytest_collection_modifyitems(config, items):
