@@ -36,11 +36,33 @@ def ephemeral_range() -> tuple[int, int]:
 
 def _candidates(n: int) -> range:
     """Where blocks of ``n`` ports are drawn from: below the ephemeral range when it leaves
-    room for that, else above it (ports there are never handed out either)."""
+    room for that, else above it (ports there are never handed out either); empty when
+    the range covers nearly every port."""
     first, last = ephemeral_range()
     if first - LOWEST >= 100 * n:
         return range(LOWEST, first - n + 1)
     return range(last + 1, 65536 - n + 1)
+
+
+def _kernel_block(n: int, host: str) -> int:
+    """A block of ``n`` ports around one the kernel picks (inside the ephemeral range:
+    the fallback when nothing lies outside it)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n <= 65536 and all(_bindable(host, p) for p in range(base, base + n)):
+            return base
+    raise OSError(f"no block of {n} free TCP ports on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port_block(n: int, host: str = "127.0.0.1", tries: int = 200) -> int:
@@ -51,6 +73,8 @@ def free_port_block(n: int, host: str = "127.0.0.1", tries: int = 200) -> int:
         OSError: no such block was found in ``tries`` random draws.
     """
     pool = _candidates(n)
+    if not pool:
+        return _kernel_block(n, host)
     for _ in range(tries):
         base = pool[secrets.randbelow(len(pool))]
         socks: list[socket.socket] = []

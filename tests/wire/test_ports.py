@@ -65,3 +65,16 @@ def test_no_free_block_is_one_clear_error(monkeypatch):
         monkeypatch.setattr(ports, "_candidates", lambda n: range(taken, taken + 1))
         with pytest.raises(OSError, match="no block of 1 free TCP ports on 127.0.0.1"):
             ports.free_port_block(1, tries=5)
+
+
+def test_a_range_covering_every_port_falls_back_to_the_kernels_choice(monkeypatch, tmp_path):
+    """With the ephemeral range at 1024-65535 nothing lies outside it: ports still come,
+    free, from the kernel."""
+    fake = tmp_path / "ip_local_port_range"
+    fake.write_text("1024\t65535\n")
+    monkeypatch.setattr(ports, "_RANGE_FILE", fake)
+    assert not ports._candidates(1)
+    got = ports.free_ports(5)
+    assert len(set(got)) == 5 and all(_bindable(p) for p in got)
+    base = ports.free_port_block(3)
+    assert all(_bindable(p) for p in range(base, base + 3))
