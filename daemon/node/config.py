@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, default_prefill_chunk
 from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.wire.serving_plan import StageSpec
 from ringlet.daemon.wire.transport import TransportConfig
@@ -52,7 +52,8 @@ class NodeConfig:
             stage's tensors from a member into the local sparse copy before loading.
         max_batch: the most decode steps a stage runs as one forward (1: no batching).
         prefill_chunk: prompt tokens per prefill chunk; stage 0 sends each chunk on
-            as soon as it is computed, so stages prefill in a pipeline.
+            as soon as it is computed, so stages prefill in a pipeline. ``None``: this
+            device's default (:func:`ringlet.daemon.engine.defaults.default_prefill_chunk`).
         vocab_size: the tokenizer's vocabulary (token ids at or past it are refused).
         context_tokens: the model's context length, tokens.
         dtype_choice: how ``--dtype`` resolved (:meth:`ringlet.daemon.engine.dtype.DtypeChoice.to_dict`),
@@ -85,7 +86,7 @@ class NodeConfig:
     resume_attempts: int = 8
     fetch: Callable[[int, int], Awaitable[None]] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | None = None
     vocab_size: int | None = None
     context_tokens: int | None = None
     dtype_choice: dict | None = None
@@ -96,6 +97,12 @@ class NodeConfig:
     prefix_cache_dir: Path | None = None
     kv_migration: bool = True
     boundary_cache_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk is None:
+            from ringlet.daemon.engine.dtype import on_cpu  # imports MLX: only when needed
+
+            self.prefill_chunk = default_prefill_chunk(on_cpu())
 
     @property
     def address(self) -> str:

@@ -92,8 +92,6 @@ def _generate(args) -> int:
 
     location = whole_model(args.model)  # before the engine's imports (seconds): a bad model fails at once
     info = model_info(location)
-    from ringlet.daemon.engine.defaults import default_prefill_chunk
-    from ringlet.daemon.engine.dtype import on_cpu
     from ringlet.daemon.engine.sampling import SamplingParams
     from ringlet.daemon.node import Node, NodeConfig
     from ringlet.daemon.ops.runner import node_dtype
@@ -109,7 +107,6 @@ def _generate(args) -> int:
     if not 0 <= args.temperature <= 2:
         raise RingletError("--temperature must be within [0, 2]")
     config = NodeConfig(host="local", port=0, model=location, dtype=choice.dtype, dtype_choice=choice.to_dict(),
-                        prefill_chunk=default_prefill_chunk(on_cpu()),
                         plan=[StageSpec(address="local:0", start=0, end=info.num_layers)])
 
     async def run() -> list[int]:

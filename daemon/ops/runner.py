@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ringlet.daemon.cluster.addresses import dial_addresses, log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
-from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, default_prefill_chunk
-from ringlet.daemon.engine.dtype import DtypeChoice, on_cpu, resolve_dtype
+from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
+from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
 from ringlet.daemon.engine.hub import parse_ref
 from ringlet.daemon.engine.memory_tuning import tune_allocator
 from ringlet.daemon.engine.model_info import load_tokenizer, model_info
@@ -70,7 +70,7 @@ def build_config(args) -> tuple[NodeConfig, int]:
                       usable_memory_bytes=parse_size(getattr(args, "memory_limit", None)),
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
-                      prefill_chunk=getattr(args, "prefill_chunk", None) or default_prefill_chunk(on_cpu()),
+                      prefill_chunk=getattr(args, "prefill_chunk", None),
                       transport=transport_config(args, getattr(args, "node_id", "") or address),
                       vocab_size=info.vocab_size, context_tokens=info.context_tokens), \
         info.context_tokens
