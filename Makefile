@@ -21,7 +21,9 @@ bytecode: $(STAMP)
 
 # MLX's CPU backend runs on the optimized BLAS ringlet loads (daemon/probes/blas.py):
 # Debian's OpenBLAS, installed here when running as root with apt; elsewhere ringlet
-# says once that it falls back to MLX's bundled reference BLAS, and how to fix it.
+# says once that it falls back to MLX's bundled reference BLAS, and how to fix it. A C
+# compiler builds the 2 kB library that sends decode's matrix-vector products to sgemv
+# (daemon/probes/gemv_forward.c); without one they stay on sgemm, ~2x slower.
 BLAS_PKG := libopenblas0-pthread
 blas:
 	@if [ "$$(uname -s)" = Linux ] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0'; then \
@@ -29,6 +31,11 @@ blas:
 	    echo "installing $(BLAS_PKG)"; apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BLAS_PKG) >/dev/null; \
 	  else echo "note: $(BLAS_PKG) is missing: MLX will run on its slow reference BLAS (apt-get install $(BLAS_PKG))"; fi; \
+	fi
+	@if [ "$$(uname -s)" = Linux ] && ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing gcc"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null; \
+	  else echo "note: no C compiler: decode's matrix-vector products stay on sgemm (apt-get install gcc)"; fi; \
 	fi
 
 $(STAMP): pyproject.toml

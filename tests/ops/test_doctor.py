@@ -258,6 +258,17 @@ def test_blas_and_dtype_are_reported_with_the_fix_on_the_slow_path(tmp_path):
     if ctypes.util.find_library("openblas"):
         assert checks["blas"]["status"] == OK and "openblas" in checks["blas"]["summary"].lower()
         assert checks["blas"]["details"]["library"] in checks["blas"]["details"]["mapped"]
+        assert "through its sgemv" in checks["blas"]["summary"]
+        # a machine without a C compiler (and nothing built yet): the decode path's fix
+        bare = tmp_path / "bare"
+        (bare / "bin").mkdir(parents=True)
+        nocc = subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "doctor"], capture_output=True,
+                              text=True, timeout=180, env={**env, "HOME": str(bare), "PATH": str(bare / "bin"),
+                                                           "CC": "/nonexistent/cc"})
+        block = re.search(r"^WARN\s+blas\b.*?(?=^(?:OK|WARN|FAIL)\s)", nocc.stdout, flags=re.M | re.S)
+        assert block, nocc.stdout
+        text = " ".join(block.group(0).split())
+        assert "through its sgemm" in text and "no C compiler" in text and "apt-get install gcc" in text
     env["RINGLET_BLAS"] = str(tmp_path / "missing-libblas.so")
     bad = subprocess.run([sys.executable, "-m", "ringlet.daemon.ops.cli", "doctor"], capture_output=True,
                          text=True, timeout=180, env=env)

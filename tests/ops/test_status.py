@@ -300,6 +300,10 @@ def test_compute_column_and_the_fix_for_a_slow_path():
     text = format_status(snap)
     assert "float32/openblas" in text and "native/reference-BLAS" in text
     assert "slow path on 127.0.0.1:7101: apt-get install libopenblas0-pthread; --dtype native" in text
+    # an optimized BLAS whose matrix-vector products could not be sent to sgemv (no compiler)
+    infos[urls[0]]["blas"]["gemv_fix"] = "apt-get install gcc (...)"
+    n0 = build_snapshot("http://a0", infos, {})["nodes"][0]
+    assert (n0["compute"], n0["compute_fix"]) == ("float32 · openblas", "apt-get install gcc (...)")
 
 
 def test_batch_column_dash_when_idle_or_unknown():

@@ -106,6 +106,7 @@ def test_a_daemon_reports_its_blas_and_dtype_and_falls_back_when_told_to():
         g = httpx.get(good.api_urls[0] + "/v1/cluster", timeout=5).json()
         b = httpx.get(bad.api_urls[0] + "/v1/cluster", timeout=5).json()
         assert g["blas"]["kind"] == "optimized" and g["blas"]["library"] in g["blas"]["mapped"]
+        assert g["blas"]["gemv_forward"] in g["blas"]["mapped"]  # decode's products through sgemv
         assert g["dtype"]["requested"] == "auto" and g["dtype"]["loaded"] == "float32"  # a CPU, the model fits
         assert b["blas"]["kind"] == "bundled" and "/nonexistent/lib.so" in b["blas"]["reason"]
         assert not any("openblas" in p for p in b["blas"]["mapped"] if "scipy_openblas" not in p)

@@ -8,7 +8,8 @@ from ringlet.daemon.ops.doctor.base import FAIL, OK, WARN, Check, Context
 
 
 def check_blas(ctx: Context) -> Check:
-    """OK on an optimized (or the platform's) BLAS; WARN, with the fix, on MLX's bundled one."""
+    """OK on an optimized (or the platform's) BLAS; WARN, with the fix, on MLX's bundled one
+    or when decode's matrix-vector products cannot go to sgemv for want of a compiler."""
     from ringlet.daemon.probes import blas
 
     r = blas.load()  # `ringlet doctor` loaded it already, before MLX; this only reads the report
@@ -18,7 +19,11 @@ def check_blas(ctx: Context) -> Check:
     if r.kind == "optimized":
         threads = f", {r.threads} threads" if r.threads else ""
         core = f", OPENBLAS_CORETYPE={r.coretype}" if r.coretype else ""
-        return Check("blas", OK, f"MLX's CPU matmuls run on {r.library}{threads}{core}", details=details)
+        where = f"MLX's CPU matmuls run on {r.library}{threads}{core}"
+        if r.gemv_forward:
+            return Check("blas", OK, f"{where}; matrix-vector products (decode) through its sgemv", details=details)
+        slow = f"{where}; matrix-vector products (decode) through its sgemm, ~2x slower: {r.gemv_reason}"
+        return Check("blas", WARN if r.gemv_fix else OK, slow, r.gemv_fix, details=details)
     return Check("blas", WARN, f"MLX's CPU matmuls run on its bundled reference BLAS (~30x slower): {r.reason}",
                  r.fix, details=details)
 

@@ -370,6 +370,8 @@ def compute_fields(info: dict) -> dict:
     fixes = []
     if kind == "bundled" and blas.get("fix"):
         fixes.append(str(blas["fix"]))
+    if kind == "optimized" and blas.get("gemv_fix"):
+        fixes.append(str(blas["gemv_fix"]))
     if dtype.get("slow_path"):
         fixes.append(str(dtype.get("reason")))
     return {"compute": " · ".join(parts) or None, "compute_fix": "; ".join(fixes) or None}
