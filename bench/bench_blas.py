@@ -4,7 +4,10 @@ in the same run under four settings, through the same HTTP API:
 * ``reference BLAS, Q4``: ``RINGLET_BLAS=none --dtype native`` (ringlet before this work);
 * ``reference BLAS, float32``: ``RINGLET_BLAS=none --dtype float32``;
 * ``OpenBLAS, Q4``: ``--dtype native`` (MLX's quantized CPU matmul uses no BLAS);
-* ``OpenBLAS, auto``: the default (``--dtype auto`` = float32 on this CPU).
+* ``OpenBLAS, auto, sgemm only``: ``RINGLET_GEMV_FORWARD=0``, float32 with every
+  matmul on OpenBLAS's sgemm (ringlet before decode's products went to sgemv);
+* ``OpenBLAS, auto``: the default (``--dtype auto`` = float32 on this CPU; M == 1
+  products through sgemv, :mod:`ringlet.daemon.probes.gemv_forward`).
 
 Measured: decode tokens/s (48 tokens after a short prompt) and the TTFT of a ~500-token
 prompt, the median of ``RUNS``; ratios against the first setting. The prefix cache is
@@ -32,6 +35,7 @@ SETTINGS = [
     ("reference BLAS, Q4", *BEFORE_ISSUE_15),
     ("reference BLAS, float32", {"RINGLET_BLAS": "none"}, "float32"),
     ("OpenBLAS, Q4", {}, "native"),
+    ("OpenBLAS, auto, sgemm only", {"RINGLET_GEMV_FORWARD": "0"}, "auto"),
     ("OpenBLAS, auto", {}, "auto"),
 ]
 RUNS = 2
@@ -56,14 +60,15 @@ def measure(env: dict[str, str], dtype: str) -> dict:
 
         info = httpx.get(f"{url}/v1/cluster", timeout=10).json()
     return {"decode_tokens_per_s": statistics.median(decode), "ttft_500_s": statistics.median(ttft),
-            "blas": info["blas"]["kind"], "dtype": info["dtype"]["loaded"]}
+            "blas": info["blas"]["kind"] + (" + sgemv" if info["blas"].get("gemv_forward") else ""),
+            "dtype": info["dtype"]["loaded"]}
 
 
 def main() -> dict:
     results = {}
     for name, env, dtype in SETTINGS:
         results[name] = measure(env, dtype)
-        print(f"  {name:26s} decode {results[name]['decode_tokens_per_s']:6.1f} tok/s   "
+        print(f"  {name:28s} decode {results[name]['decode_tokens_per_s']:6.1f} tok/s   "
               f"TTFT(500 tok) {results[name]['ttft_500_s']:6.2f} s   [{results[name]['blas']}, "
               f"{results[name]['dtype']}]")
     base = results[SETTINGS[0][0]]
@@ -71,7 +76,7 @@ def main() -> dict:
         r = results[name]
         r["decode_ratio"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         r["prefill_ratio"] = base["ttft_500_s"] / r["ttft_500_s"]
-        print(f"  {name:26s} decode x{r['decode_ratio']:.2f}   500-token prefill x{r['prefill_ratio']:.2f}")
+        print(f"  {name:28s} decode x{r['decode_ratio']:.2f}   500-token prefill x{r['prefill_ratio']:.2f}")
     Path(__file__).with_name("results_blas.json").write_text(json.dumps(results, indent=1))
     return results
 
