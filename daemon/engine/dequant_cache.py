@@ -17,7 +17,11 @@ pays it. So the result is kept:
   only a read;
 - within a byte budget (``--weights-cache-bytes``, default :data:`DEFAULT_BUDGET_BYTES`,
   never more than a quarter of the filesystem's free space; ``0`` turns it off). The
-  least recently used files go first; a hit marks its file used.
+  least recently used files go first; a hit marks its file used;
+- a key's folder records its GGUF file (``source.json``: path, size, mtime); when a new
+  key is written, the folders of files that are gone or have changed since (a model
+  package reinstalled, a checkout deleted) are removed at once, rather than waiting
+  for the budget to push them out.
 
 A file that cannot be read, or that lacks a tensor asked for, is ignored and written
 again. Failing to write is never an error: the weights are in memory.
@@ -26,6 +30,7 @@ again. Failing to write is never an error: the weights are in memory.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -42,6 +47,8 @@ ENV = "RINGLET_WEIGHTS_CACHE_BYTES"
 #: Default budget, bytes: the float32 weights of a stage of a ~8B-parameter model.
 DEFAULT_BUDGET_BYTES = 32 * 10**9
 FORMAT = 1
+#: The file in a key's folder that names its GGUF file.
+SOURCE = "source.json"
 #: Folder names of the float dtypes (the inverse of :data:`ringlet.daemon.engine.stage.DTYPES`,
 #: which this module, imported by the GGUF reader that ``stage`` imports, cannot import).
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -80,6 +87,8 @@ class DequantCache:
         from ringlet.daemon.engine.gguf_index import cache_file
 
         entry = cache_file(gguf_path, "dequant", suffix="")
+        self.gguf_path = Path(gguf_path)
+        self.entry = entry
         self.root = entry.parent
         self.folder = entry / f"v{FORMAT}-{_DTYPE_NAMES[dtype]}"
 
@@ -141,7 +150,42 @@ class DequantCache:
         if error is not None:
             log.debug("cannot cache dequantized weights %s: %s", group, error)
             return
+        if not (self.entry / SOURCE).is_file():
+            self._record_source()
+            self._sweep_stale()
         self._evict(limit)
+
+    def _record_source(self) -> None:
+        from ringlet.daemon.paths import write_atomically
+
+        try:
+            st = self.gguf_path.stat()
+        except OSError:
+            return
+        record = {"path": str(self.gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        write_atomically(self.entry / SOURCE, lambda tmp: Path(tmp).write_text(json.dumps(record)))
+
+    def _sweep_stale(self) -> None:
+        """Remove every other key's folder whose recorded GGUF file is gone or changed.
+        Folders without a record (older ringlet) are left to the budget."""
+        for folder in self.root.iterdir():
+            if folder == self.entry or not folder.is_dir():
+                continue
+            try:
+                record = json.loads((folder / SOURCE).read_text())
+                path, size, mtime_ns = Path(record["path"]), int(record["size"]), int(record["mtime_ns"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            try:
+                st = path.stat()
+                stale = (st.st_size, st.st_mtime_ns) != (size, mtime_ns)
+            except FileNotFoundError:
+                stale = True
+            except OSError:
+                continue
+            if stale:
+                log.info("removing dequantized weights of %s (the file is gone or changed)", path)
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _evict(self, limit: int) -> None:
         """Delete the least recently used files of every cached model until the cache

@@ -7,6 +7,7 @@ against transformers in test_reference); the budget arithmetic is the files' siz
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -87,3 +88,33 @@ def test_the_cache_keeps_to_its_budget_and_zero_writes_nothing(cache_home, defau
     monkeypatch.delenv(dequant_cache.ENV)
     load_stage(default_location, 20, 21, dtype=None)
     assert "blk.20.safetensors" not in files(cache_home)
+
+
+def test_the_weights_of_a_replaced_or_deleted_file_are_removed(cache_home, default_location, tmp_path):
+    """A reinstalled model package (same path, new mtime) or a deleted copy leaves a key
+    nobody can hit: writing the next key removes it. Expected folders by hand: one per
+    live file."""
+    import os
+    import shutil
+
+    from ringlet.daemon.engine.sources import ModelLocation
+
+    copy = tmp_path / "models" / "copy.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(default_location.path, copy)
+    at_copy = ModelLocation(name="copy", kind="gguf", path=copy)
+    load_stage(at_copy, 0, 1, dtype="float32")
+    (first,) = list(cache_home.iterdir())
+    record = json.loads((first / dequant_cache.SOURCE).read_text())
+    assert record == {"path": str(copy.resolve()), "size": copy.stat().st_size, "mtime_ns": copy.stat().st_mtime_ns}
+
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "reinstalled": same path, newer file
+    load_stage(at_copy, 0, 1, dtype="float32")
+    (second,) = list(cache_home.iterdir())  # the first key's folder is gone
+    assert second != first and (second / "v1-float32" / "blk.0.safetensors").is_file()
+
+    copy.unlink()  # the copy deleted; the bundled file's first write sweeps its key
+    load_stage(default_location, 0, 1, dtype="float32")
+    (third,) = list(cache_home.iterdir())
+    assert json.loads((third / dequant_cache.SOURCE).read_text())["path"] == str(Path(default_location.path).resolve())
