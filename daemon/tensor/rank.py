@@ -22,6 +22,7 @@ from ringlet.daemon.tensor.side_channel import (
     DTYPE_CODES,
     F_HEAD,
     F_HIDDEN,
+    F_LAST,
     F_NEW_CACHE,
     H_ARG,
     H_FLAGS,
@@ -147,7 +148,7 @@ class Rank:
             self.caches[slot] = make_prompt_cache(self.model)
         cache = self.caches[slot]
         head = self.rank == 0 and bool(flags & F_HEAD)
-        out = self._run(x, cache, head)
+        out = self._run(x, cache, head, last_only=bool(flags & F_LAST))
         mx.eval(out)
         return out if self.rank == 0 and (head or self.stage_mode) else None
 
@@ -160,8 +161,14 @@ class Rank:
         x = mx.array(np.frombuffer(data, dtype=np.float32).reshape(*lead, self.hidden_size))
         return x.astype(getattr(mx, DTYPE_CODES[int(header[H_TOK])]))
 
-    def _run(self, x, cache, head: bool):
-        """The model (with its head), the stage's hidden states, or the headless inner model."""
+    def _run(self, x, cache, head: bool, last_only: bool = False):
+        """The model (with its head: over the last position only when ``last_only``), the
+        stage's hidden states, or the headless inner model."""
+        if head and last_only:
+            from ringlet.daemon.engine.prune import last_position_only
+
+            with last_position_only(self.model):
+                return self.model(x, cache=cache)
         if head or (self.rank == 0 and self.stage_mode and not self.last):
             return self.model(x, cache=cache)  # a stage that is not the last has no head: hidden states
         if self.inner is not None:
@@ -182,11 +189,12 @@ class Rank:
         x = self._hidden(hidden, (n, 1), header) if flags & F_HIDDEN else mx.array([[t] for t in ints[n:]],
                                                                                    dtype=mx.int32)
         head = self.rank == 0 and bool(flags & F_HEAD)
+        last_only = bool(flags & F_LAST)
         caches = [self.caches[s] for s in slots]
         if mergeable(caches):
-            out = forward_merged(lambda y, merged: self._run(y, merged, head), x, caches)
+            out = forward_merged(lambda y, merged: self._run(y, merged, head, last_only), x, caches)
         else:
-            out = mx.concatenate([self._run(x[i:i + 1], caches[i], head) for i in range(n)], axis=0)
+            out = mx.concatenate([self._run(x[i:i + 1], caches[i], head, last_only) for i in range(n)], axis=0)
             mx.eval(out)
         return out if self.rank == 0 and (head or self.stage_mode) else None
 

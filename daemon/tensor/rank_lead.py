@@ -29,6 +29,7 @@ from ringlet.daemon.tensor.side_channel import (
     DTYPE_CODES,
     F_HEAD,
     F_HIDDEN,
+    F_LAST,
     F_NEW_CACHE,
     OP_BENCH,
     OP_BSTEP,
@@ -124,7 +125,7 @@ class LeadRank(Rank):
                                 "msg": f"no KV cache for slot {missing[0]} in this group"})
                 continue
             slot = slots[0]
-            flags = (F_NEW_CACHE if new else 0) | (F_HEAD if head and self.last else 0)
+            flags = (F_NEW_CACHE if new else 0) | (F_HEAD | F_LAST if head and self.last else 0)
             data: bytes | None = msg.get("_data")
             if "slots" in msg:  # a batched decode step: one token (or hidden state) per slot
                 if data is not None:
@@ -290,7 +291,8 @@ class LeadRank(Rank):
             feed, r.pending = r.pending[:n], r.pending[n:]
             r.fed += feed
             last = not r.pending
-            flags = (0 if r.started else F_NEW_CACHE) | (F_HEAD if last else 0)
+            head_flags = F_HEAD | (0 if r.kind == "logits" else F_LAST)  # logits(): every position
+            flags = (0 if r.started else F_NEW_CACHE) | (head_flags if last else 0)
             logits = run([OP_STEP, slot, flags, n, feed[0] if n == 1 else 0, 0, free], feed)
             r.started = True
             if not last:

@@ -37,6 +37,9 @@ OP_STEP, OP_FREE, OP_STOP, OP_BENCH, OP_BSTEP = 1, 2, 4, 5, 6
 #: ``arg``; forget entry ``arg``
 OP_SAVE, OP_LOAD, OP_DROP = 7, 8, 9
 F_NEW_CACHE, F_HEAD, F_HIDDEN = 1, 2, 4
+#: With ``F_HEAD``: rank 0's head projects only the last position onto the vocabulary (a
+#: step whose logits are sampled from; ``TPGroup.logits`` asks for every position).
+F_LAST = 8
 #: Activation dtypes of hidden states on the wire (they travel as float32, which holds each exactly).
 DTYPE_CODES = ("float32", "float16", "bfloat16")
 
