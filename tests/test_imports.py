@@ -33,9 +33,17 @@ def test_a_gguf_stage_loads_without_transformers_and_mlx_lm_names_still_resolve(
 
 def test_the_first_lookups_from_several_threads_all_resolve():
     """Eight threads ask for package-level names at once: the package body runs once and
-    every thread gets its name (none an AttributeError from a half-run body)."""
+    every thread gets its name (none an AttributeError from a half-run body).
+
+    The snippet leaves with ``os._exit`` after flushing, as ringlet's own entry point
+    does (``ops.cli.entry``): a thread that ran MLX's code keeps a thread-local destructor
+    that takes the GIL (``__call_tls_dtors`` -> ``PyGILState_Ensure``, seen in gdb); when
+    it runs after the main thread has begun finalizing, the process aborts with
+    "terminate called without an active exception" (4 runs in 20 on a busy machine),
+    after all the output this test reads."""
     out = run("""
-        import threading, ringlet.daemon, mlx_lm
+        import os, sys, threading, ringlet.daemon, mlx_lm
+        assert "mlx_lm.utils" not in sys.modules  # the package body has not run yet
         got, errors = [], []
         def ask(name):
             try:
@@ -51,6 +59,8 @@ def test_the_first_lookups_from_several_threads_all_resolve():
             mlx_lm.no_such_name
         except AttributeError as exc:
             print("AttributeError", exc)
+        sys.stdout.flush()
+        os._exit(0)
     """)
     assert out.splitlines() == [
         str(sorted(["load", "generate", "convert", "stream_generate"] * 2)) + " []",
