@@ -1,10 +1,10 @@
 /* ringlet: cblas_sgemm that hands matrix-vector products to cblas_sgemv.
  *
  * MLX's CPU backend computes every float32 matmul with cblas_sgemm, a decode step's
- * (1 x K) @ (K x N) products too. OpenBLAS before 0.3.28 (Debian 12 ships 0.3.21) packs
- * the whole weight matrix for such a call and reaches ~9 GB/s here; its sgemv streams
- * the same matrix at ~20 GB/s (2 threads, 576 x 1536 float32; bench_blas). OpenBLAS
- * itself forwards these calls from 0.3.28 on some architectures (OpenBLAS PR #4814).
+ * (1 x K) @ (K x N) products too. OpenBLAS 0.3.21 (Debian 12's) packs the whole weight
+ * matrix for such a call and reaches ~9 GB/s here; its sgemv streams the same matrix at
+ * ~20 GB/s (2 threads, 576 x 1536 float32; bench/README.md). OpenBLAS itself forwards
+ * these calls from 0.3.28 on some architectures (OpenBLAS PR #4814).
  *
  * This library exports only cblas_sgemm. ringlet loads it into the global symbol scope
  * before the BLAS it checked, so libmlx.so binds cblas_sgemm here, and binds the real

@@ -1,8 +1,8 @@
 """Matrix-vector products through ``sgemv``: a decode step's matmuls at memory speed.
 
 MLX's CPU backend computes every float32 matmul with ``cblas_sgemm``, a decode step's
-``(1, K) @ (K, N)`` products too. OpenBLAS before 0.3.28 (Debian 12 ships 0.3.21) packs
-the whole weight matrix for such a call: 9.1 GB/s here on 60 different 576 x 1536
+``(1, K) @ (K, N)`` products too. OpenBLAS 0.3.21 (Debian 12's) packs the whole weight
+matrix for such a call: 9.1 GB/s here on 60 different 576 x 1536
 float32 weights (2 threads), where its ``cblas_sgemv`` streams the same weights at
 20.3 GB/s; one decode step of SmolLM2-135M in float32 took 65 ms, 44 ms with the products
 forwarded (see ``bench/bench_blas.py``). Newer OpenBLAS forwards these calls itself on
@@ -35,6 +35,9 @@ SOURCE = Path(__file__).with_name("gemv_forward.c")
 #: What makes the build possible where it is not (Debian/Ubuntu).
 FIX = "apt-get install gcc (ringlet builds a 2 kB library once, to run decode matmuls through sgemv)"
 _BUILD_TIMEOUT_S = 60.0
+#: No libc (the library calls only the two pointers it is bound to), so no stack
+#: protector either (its failure handler is libc's).
+CFLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-fno-stack-protector")
 # cblas enum values (cblas.h)
 _ROW, _COL, _NT, _T = 101, 102, 111, 112
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
@@ -65,7 +68,8 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
         source = SOURCE.read_bytes()
     except OSError as exc:
         return None, f"cannot read {SOURCE}: {exc.strerror}"
-    name = f"ringlet-blas-gemv-{hashlib.sha256(source).hexdigest()[:16]}.so"  # "blas": listed as mapped BLAS
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    name = f"ringlet-blas-gemv-{key}.so"  # "blas" in the name: listed among the mapped BLAS
     target = (cache_dir or machine_cache_dir() / "blas") / name
     if target.is_file():
         return target, None
@@ -75,7 +79,7 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
     failure: list[str] = []
 
     def compile_to(tmp: str) -> None:
-        argv = [cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-o", tmp, str(SOURCE)]
+        argv = [cc, *CFLAGS, "-o", tmp, str(SOURCE)]
         run = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)  # noqa: S603 - no shell
         if run.returncode != 0:
             failure.append((run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1])

@@ -139,8 +139,7 @@ def test_the_check_catches_a_forwarder_that_scales_wrongly(tmp_path):
     cc = gemv_forward._compiler()
     if cc is None:
         pytest.skip("no C compiler")
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-o", str(lib), str(tmp_path / "mutant.c")],
-                   check=True)
+    subprocess.run([cc, *gemv_forward.CFLAGS, "-o", str(lib), str(tmp_path / "mutant.c")], check=True)
     mutant = ctypes.CDLL(str(lib))  # local: nothing in this process binds to it
     blas = ctypes.CDLL(ctypes.util.find_library("openblas"))
     mutant.ringlet_gemv_forward_bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
