@@ -195,9 +195,8 @@ def load(threads: int | None = None, *, warn=None) -> BlasReport:
                                   f"CPU matmuls run ~30x slower. Fix: {FIX}")
         return _report
     forward, forward_reason = gemv_forward.install(lib)  # global before the BLAS: libmlx binds its sgemm
-    forward_fix = None
+    forward_fix = gemv_forward.fix_for(forward_reason)
     if forward_reason is not None and not gemv_forward.disabled():
-        forward_fix = gemv_forward.FIX if "compiler" in forward_reason else None
         (warn or log.warning)(f"ringlet: decode matmuls run through sgemm, ~2x slower than sgemv ({forward_reason})"
                               + (f". Fix: {forward_fix}" if forward_fix else ""))
     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # promote: libmlx.so binds cblas_* to it

@@ -34,6 +34,8 @@ ENV = "RINGLET_GEMV_FORWARD"
 SOURCE = Path(__file__).with_name("gemv_forward.c")
 #: What makes the build possible where it is not (Debian/Ubuntu).
 FIX = "apt-get install gcc (ringlet builds a 2 kB library once, to run decode matmuls through sgemv)"
+#: The reason :func:`build` gives when no compiler is found: the one :data:`FIX` fixes.
+NO_COMPILER = "no C compiler (cc, gcc or clang) to build it"
 _BUILD_TIMEOUT_S = 60.0
 #: No libc (the library calls only the two pointers it is bound to), so no stack
 #: protector either (its failure handler is libc's).
@@ -75,7 +77,7 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
         return target, None
     cc = _compiler()
     if cc is None:
-        return None, "no C compiler (cc, gcc or clang) to build it"
+        return None, NO_COMPILER
     failure: list[str] = []
 
     def compile_to(tmp: str) -> None:
@@ -122,6 +124,12 @@ def _check(sgemm) -> str | None:
                         return (f"a {m}x{k}x{n} {layout}-major product (transposes {ta}, {tb}) is wrong "
                                 f"(max abs error {err:.3g})")
     return None
+
+
+def fix_for(reason: str | None) -> str | None:
+    """What to do about a reason :func:`install` gave: :data:`FIX` when the machine has no
+    compiler, else ``None`` (turned off on purpose, or nothing a user can install fixes)."""
+    return FIX if reason == NO_COMPILER else None
 
 
 def install(blas: ctypes.CDLL) -> tuple[Path | None, str | None]:
