@@ -3,6 +3,13 @@
 #: Most decode steps one stage runs as one batched forward (``--max-batch``).
 DEFAULT_MAX_BATCH = 8
 
+#: The longest a decode step waits, seconds, for the rest of its decode group (or of the
+#: batch the previous stage ran it in) to reach the stage. The steps of one batch leave a
+#: stage together and arrive within ~1-3 ms of each other on loopback under load (measured
+#: in bench_concurrency's 4-concurrent point); a member that has finished is released
+#: before its group's next step, so the full wait is paid only when one is lost.
+DEFAULT_GROUP_WAIT_S = 0.010
+
 #: Prompt tokens per prefill chunk (``--prefill-chunk``) on a GPU. A chunk holds a
 #: stage's worker for one forward, so other requests' decode steps wait at most one
 #: chunk; 512 is mlx-lm's own ``prefill_step_size`` for batched generation.

@@ -10,20 +10,21 @@ every forward checks that the sender's ``offset`` equals the number of tokens in
 cache, so a desynchronised ring fails the request instead of computing garbage.
 
 Scheduling (:meth:`StageEngine.submit`): work waits in one first-come-first-served
-queue. Each round the scheduler takes the oldest item; if it is a one-token step
-(a decode step), every other one-token step waiting joins it, up to ``max_batch``,
-and they run as one batched forward: the requests' KV caches (of different lengths)
-are merged into mlx-lm's left-padded ``BatchKVCache`` for the forward and split
-back afterwards. A multi-token step (a prefill chunk; stage 0 cuts long prompts
-into chunks, see :mod:`ringlet.daemon.node`) runs alone, so a long prefill holds
-the worker one chunk at a time and the decode steps of other requests run between
-its chunks. A release overtakes the queue: it drops the request's waiting work too.
+queue. Each round the scheduler takes the oldest item. A multi-token step (a prefill
+chunk; stage 0 cuts long prompts into chunks, see :mod:`ringlet.daemon.node`) runs
+alone, so a long prefill holds the worker one chunk at a time and the decode steps of
+other requests run between its chunks. A one-token step (a decode step) runs in one
+batched forward with the steps :func:`.batching.choose_batch` picks, in a *decode
+group* (:mod:`.decode_groups`): requests that step together keep their KV caches
+merged from one step to the next. A release overtakes the queue: it drops the
+request's waiting work too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -34,16 +35,17 @@ from typing import Any
 import mlx.core as mx
 
 from ringlet.daemon.engine import kv_handoff
+from ringlet.daemon.engine.batching import Work, choose_batch
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore, Recording
-from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
+from ringlet.daemon.engine.decode_groups import DecodeGroups
+from ringlet.daemon.engine.defaults import DEFAULT_GROUP_WAIT_S, DEFAULT_MAX_BATCH
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.sampling import GrammarTokenizer, RequestSampler, SamplingParams
-from ringlet.daemon.engine.stage import Stage, StageRange, forward_merged, mergeable, token_id_error
+from ringlet.daemon.engine.stage import Stage, StageRange, mergeable, token_id_error
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
 log = logging.getLogger(__name__)
-
 
 
 class RequestError(Exception):
@@ -67,32 +69,6 @@ class RequestRetry(RequestError):
     """The request's KV cache on this stage is gone but the plan still stands (a tensor
     group restarted): stage 0 may resume the request on the same plan by prefilling it
     again (``Activation.retry``)."""
-
-
-@dataclass
-class _Work:
-    """One queued step (or release) of one request."""
-
-    request_id: str
-    future: asyncio.Future
-    step: int = 0
-    offset: int = 0
-    payload: list[int] | pb.Tensor | None = None
-    sampling: SamplingParams | None = None
-    more: bool = False
-    release: bool = False
-    prefix_ids: list[int] | None = None  # first chunk of a request reusing a cached prefix
-    scope: str = ""  # its prefix cache scope (first chunk), or the ids to store (release)
-    token_ids: list[int] | None = None
-    ids: list[int] | None = None  # the token ids a hidden-states payload stands for
-
-    @property
-    def tokens(self) -> int:
-        if isinstance(self.payload, list):
-            return len(self.payload)
-        if isinstance(self.payload, pb.Tensor) and len(self.payload.shape) >= 2:
-            return int(self.payload.shape[1])
-        return 0
 
 
 @dataclass
@@ -123,24 +99,36 @@ class StageEngine:
         prefix: the stage's prefix store (default: one with no budget, holding nothing).
         boundaries: the hidden states a stage that is not last sent on, kept to rebuild
             the next layers' KV if their node is lost (default: a store with no budget).
+        group_wait_s: the longest a decode step waits, seconds, for the rest of its batch
+            (its decode group, or the batch the previous stage named) to arrive.
+
+    Attributes:
+        ring_depth: stages in the plan served (set by the node): stage 0 forms at most
+            ``ceil(requests / ring_depth)``-request batches.
     """
 
     def __init__(self, stage: StageRange | None, executor: concurrent.futures.ThreadPoolExecutor,
                  max_tensor_bytes: int = codec.DEFAULT_MAX_TENSOR_BYTES, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefix: PrefixStore | None = None, boundaries: BoundaryStore | None = None):
+                 prefix: PrefixStore | None = None, boundaries: BoundaryStore | None = None,
+                 group_wait_s: float = DEFAULT_GROUP_WAIT_S):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.stage = stage
         self.executor = executor
         self.max_tensor_bytes = max_tensor_bytes
         self.max_batch = max_batch
+        self.group_wait_s = group_wait_s
+        self.ring_depth = 1
+        self._groups = DecodeGroups()
+        #: request id -> the requests its latest step was computed with (itself included)
+        self._batch_of: dict[str, tuple[str, ...]] = {}
         # the prefix store of a layer stage (finished requests' KV, by token ids)
         self._prefix = prefix if prefix is not None else PrefixStore(0)
         self.boundaries = boundaries if boundaries is not None else BoundaryStore(0)
         if isinstance(stage, Stage):
             self.boundaries.retain(stage.end)
         self._requests: dict[str, _RequestState] = {}
-        self._queue: deque[_Work] = deque()
+        self._queue: deque[Work] = deque()
         self._wakeup: asyncio.Event | None = None
         self._dispatcher: asyncio.Task | None = None
         #: decode batch size -> forwards run with that many requests (since start)
@@ -176,8 +164,15 @@ class StageEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV caches of the requests in flight on this stage (not the
         prefix store's entries)."""
-        return sum(c.nbytes for state in list(self._requests.values()) for c in state.cache
-                   if getattr(c, "keys", None) is not None)
+        own = sum(c.nbytes for state in list(self._requests.values()) for c in list(state.cache)
+                  if getattr(c, "keys", None) is not None)
+        return own + self._groups.nbytes()
+
+    def batch_of(self, request_id: str) -> tuple[str, ...]:
+        """The requests the latest step of ``request_id`` was computed with, itself
+        included, in one forward (read on the event loop once the step's future is
+        done; sent on as ``Activation.batch_ids``)."""
+        return self._batch_of.get(request_id, (request_id,))
 
     @property
     def queued(self) -> int:
@@ -192,7 +187,8 @@ class StageEngine:
 
     def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
                sampling: SamplingParams | None, more: bool = False, prefix_ids: list[int] | None = None,
-               scope: str = "", ids: list[int] | None = None) -> asyncio.Future:
+               scope: str = "", ids: list[int] | None = None,
+               siblings: list[str] | None = None) -> asyncio.Future:
         """Queue one forward of this stage for one request.
 
         Args:
@@ -211,6 +207,8 @@ class StageEngine:
             scope: the request's prefix cache scope (first chunk).
             ids: on a later stage, the token ids ``payload``'s hidden states stand for
                 (``Activation.token_ids``); the request's cache then knows its tokens.
+            siblings: on a later stage, the requests the previous stage computed this
+                step with (``Activation.batch_ids``); this stage batches the same ones.
 
         Returns:
             A future with the encoded hidden states ``(1, tokens, hidden_size)`` for
@@ -220,9 +218,10 @@ class StageEngine:
             request or offset mismatch), RequestDropped (released, or the plan
             changed, before the step ran), PrefixMiss (the store lacks ``prefix_ids``).
         """
-        work = _Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more,
+        work = Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more,
                      prefix_ids=list(prefix_ids) if prefix_ids else None, scope=scope,
-                     ids=list(ids) if ids is not None else None)
+                     ids=list(ids) if ids is not None else None,
+                     siblings=tuple(siblings) if siblings else None, queued_at=time.monotonic())
         self._enqueue(work)
         return work.future
 
@@ -231,7 +230,7 @@ class StageEngine:
         running now (if any); with ``token_ids`` (every token in the cache, and maybe
         more), keep the cache in the prefix store first. The future's result says
         whether a cache was held."""
-        work = _Work(request_id, asyncio.get_running_loop().create_future(), release=True,
+        work = Work(request_id, asyncio.get_running_loop().create_future(), release=True,
                      token_ids=list(token_ids) if token_ids else None)
         self._enqueue(work)
         return work.future
@@ -244,15 +243,15 @@ class StageEngine:
         self._drop(lambda w: True, "the plan changed")
         return await self.run(self.swap, stage, keep)
 
-    def _enqueue(self, work: _Work) -> None:
+    def _enqueue(self, work: Work) -> None:
         self._queue.append(work)
         if self._dispatcher is None or self._dispatcher.done():
             self._wakeup = asyncio.Event()
             self._dispatcher = asyncio.ensure_future(self._dispatch())
         self._wakeup.set()
 
-    def _drop(self, which: Callable[[_Work], bool], why: str) -> None:
-        keep: deque[_Work] = deque()
+    def _drop(self, which: Callable[[Work], bool], why: str) -> None:
+        keep: deque[Work] = deque()
         for work in self._queue:
             if work.release or not which(work):
                 keep.append(work)
@@ -260,29 +259,22 @@ class StageEngine:
                 work.future.set_exception(RequestDropped(f"request {work.request_id}: {why}"))
         self._queue = keep
 
-    def _take_round(self) -> tuple[list[_Work], list[_Work]]:
-        """Releases to apply now, and the steps of the next forward (FCFS)."""
+    def _take_round(self) -> tuple[list[Work], list[Work], float]:
+        """Releases to apply now, the steps of the next forward, and (when that is
+        empty) how long to wait, seconds, for the rest of the first step's batch."""
         releases = [w for w in self._queue if w.release]
         if releases:
             released = {w.request_id for w in releases}
             self._queue = deque(w for w in self._queue if not w.release)
             self._drop(lambda w: w.request_id in released, "released")
         if not self._queue:
-            return releases, []
-        first = self._queue.popleft()
-        batch = [first]
-        if first.tokens == 1 and not first.more and self.max_batch > 1:
-            seen = {first.request_id}
-            rest: deque[_Work] = deque()
-            for work in self._queue:
-                if (len(batch) < self.max_batch and work.tokens == 1 and not work.more
-                        and work.request_id not in seen):
-                    batch.append(work)
-                    seen.add(work.request_id)
-                else:
-                    rest.append(work)
-            self._queue = rest
-        return releases, batch
+            return releases, [], 0.0
+        cap = min(self.max_batch, max(1, -(-len(self._requests) // max(1, self.ring_depth))))
+        batch, wait = choose_batch(self._queue, self._groups.members, self._requests, self.max_batch, cap,
+                                   self.group_wait_s, time.monotonic())
+        taken = {id(w) for w in batch}
+        self._queue = deque(w for w in self._queue if id(w) not in taken)
+        return releases, batch, wait
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -291,7 +283,7 @@ class StageEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            releases, batch = self._take_round()
+            releases, batch, wait = self._take_round()
             if releases:
                 try:
                     held = await loop.run_in_executor(self.executor, self._release_many, releases)
@@ -307,6 +299,10 @@ class StageEngine:
                     results = [exc] * len(batch)
                 for work, result in zip(batch, results, strict=True):
                     _resolve(work.future, result)
+            elif wait > 0:  # the rest of the first step's batch is on its way
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), wait)
 
     @property
     def prefix(self) -> PrefixStore:
@@ -323,6 +319,8 @@ class StageEngine:
         With ``keep``, its requests in flight and prefix entries come back first as pieces
         (:func:`ringlet.daemon.engine.kv_handoff.park`), with its boundary activations;
         without, the store keeps what covers the new range."""
+        self._groups.dissolve_all()
+        self._batch_of.clear()
         parked = kv_handoff.park(self.stage, self._requests, self._prefix) if keep else []
         boundaries = kv_handoff.park_boundaries(self._requests, self.boundaries,
                                                 stage.end if isinstance(stage, Stage) else None)
@@ -337,13 +335,15 @@ class StageEngine:
 
     def kv_pieces(self) -> list:
         """The KV held now, as pieces (worker thread); nothing is dropped."""
+        self._groups.dissolve_all()
         return kv_handoff.park(self.stage, self._requests, self._prefix, clear=False)
 
-    def _state(self, work: _Work) -> _RequestState:
+    def _state(self, work: Work) -> _RequestState:
         request_id, step, offset, sampling = work.request_id, work.step, work.offset, work.sampling
         if self.stage is None:
             raise RequestError("this node holds no stage of the current plan")
         if step == 0 and (offset == 0 or work.prefix_ids):
+            self._groups.dissolve([request_id])  # the id's old cache, if it was still held
             if offset == 0:
                 cache = self.stage.make_cache()
             elif len(work.prefix_ids) != offset:
@@ -398,7 +398,7 @@ class StageEngine:
             return None
         return state.sampler(out[0, -1], state.tokens or ())
 
-    def _run_batch(self, batch: list[_Work]) -> list[Any]:
+    def _run_batch(self, batch: list[Work]) -> list[Any]:
         """Run the steps of one round (worker thread): one multi-token step, or up to
         ``max_batch`` one-token steps of different requests as one forward. Returns
         each step's result or exception, in order."""
@@ -416,8 +416,17 @@ class StageEngine:
                 ready.append((i, state, x))
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 results[i] = exc
-        if len(ready) > 1 and mergeable([state.cache for _, state, _ in ready]):
-            self._forward_batched(ready, results)
+        keys = [batch[i].request_id for i, _, _ in ready]
+        self._batch_of.update(dict.fromkeys(keys, tuple(keys)))
+        out = None
+        if len(ready) > 1:  # one forward, in a decode group (None: caches that cannot merge)
+            x = mx.concatenate([x for _, _, x in ready], axis=0)
+            out = self._groups.forward(self.stage, keys, x, [state.cache for _, state, _ in ready], mergeable)
+        else:
+            self._groups.dissolve(keys)  # a step alone needs the request's own cache
+        if out is not None:
+            for row, (i, state, _) in enumerate(ready):
+                results[i] = self._finish_one(state, out[row:row + 1], 1, False)
         elif len(ready) > 1 and hasattr(self.stage, "forward_many"):  # a tensor group batches in its ranks
             outs = self.stage.forward_many([x for _, _, x in ready], [state.cache for _, state, _ in ready])
             for (i, state, _), out in zip(ready, outs, strict=True):
@@ -439,20 +448,14 @@ class StageEngine:
             self.recent_batches.append((time.monotonic(), len(ready)))
         return results
 
-    def _forward_batched(self, ready: list[tuple[int, _RequestState, mx.array]], results: list[Any]) -> None:
-        """One forward for several one-token steps, their KV caches merged
-        (:func:`ringlet.daemon.engine.stage.forward_merged`)."""
-        x = mx.concatenate([x for _, _, x in ready], axis=0)
-        out = forward_merged(self.stage, x, [state.cache for _, state, _ in ready])
-        for row, (i, state, _) in enumerate(ready):
-            results[i] = self._finish_one(state, out[row:row + 1], 1, False)
-
-    def _release_many(self, releases: list[_Work]) -> list[bool]:
+    def _release_many(self, releases: list[Work]) -> list[bool]:
         return [self.release(w.request_id, w.token_ids) for w in releases]
 
     def release(self, request_id: str, token_ids: list[int] | None = None) -> bool:
         """Drop a request's KV cache (worker thread), keeping it in the prefix store first
         when ``token_ids`` name its tokens. Returns whether it was held."""
+        self._groups.dissolve([request_id])
+        self._batch_of.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is None:
             return False

@@ -56,22 +56,6 @@ def mergeable(caches: list[list]) -> bool:
     return all(cache and all(type(c) is KVCache for c in cache) for cache in caches)
 
 
-def forward_merged(forward: Callable[[mx.array, list], mx.array], x: mx.array, caches: list[list]) -> mx.array:
-    """One forward of several requests' one-token steps (mlx-lm's batching machinery):
-    their caches (of different lengths, :func:`mergeable`) are merged layer by layer into
-    left-padded ``BatchKVCache``s, ``forward(x, merged)`` runs on ``x`` ``(n, 1, ...)``,
-    and each request's cache list is replaced, in place, by its row split back out.
-    Returns the evaluated output ``(n, 1, ...)``."""
-    from mlx_lm.models.cache import BatchKVCache
-
-    merged = [BatchKVCache.merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
-    out = forward(x, merged)
-    mx.eval(out)
-    for row, cache in enumerate(caches):
-        cache[:] = [c.extract(row) for c in merged]
-    return out
-
-
 class StageRange:
     """What a stage's layer range says about it; needs ``start``, ``end`` (the half-open
     range ``[start, end)``), ``num_layers`` and ``config`` (mlx-lm ``config.json`` form)."""

@@ -80,10 +80,15 @@ class Rank:
         self.caches: dict[int, list] = {}
         # imported here, not at the top: it imports MLX, which must come after the worker
         # has loaded the optimized BLAS (ringlet.daemon.probes.blas.load)
+        from ringlet.daemon.engine.decode_groups import DecodeGroups
         from ringlet.daemon.tensor.rank_prefix import ShardEntries
 
         #: this rank's shards of the group's prefix cache entries
         self.kept = ShardEntries()
+        #: slots that decode together keep their caches merged (every rank forms the same
+        #: groups: all run the same headers); a slot's own cache is whole again (dissolve)
+        #: before anything uses it alone
+        self.groups = DecodeGroups()
         self.stage_mode = False
         self.first = self.last = True
         self.hidden_size = 0
@@ -144,6 +149,7 @@ class Rank:
             x = self._hidden(hidden, (1, n), header)
         else:
             x = mx.array([[int(header[H_TOK])]] if n == 1 else [tokens], dtype=mx.int32)
+        self.groups.dissolve([slot])
         if flags & F_NEW_CACHE:
             self.caches[slot] = make_prompt_cache(self.model)
         cache = self.caches[slot]
@@ -176,13 +182,14 @@ class Rank:
         return self.model(x, cache=cache)
 
     def step_batch(self, header, ints: list[int], hidden: bytes | None):
-        """One decode step of ``n`` slots as one forward (stage mode): their KV caches are
-        merged into left-padded ``BatchKVCache``s and split back afterwards; caches that are
+        """One decode step of ``n`` slots as one forward (stage mode), in a decode group
+        (:mod:`ringlet.daemon.engine.decode_groups`: their KV caches stay merged in
+        left-padded ``BatchKVCache``s while the same slots step together); caches that are
         not plain ``KVCache`` (rotating, quantized) run one slot after another instead.
         Returns rank 0's output ``(n, 1, hidden_size | vocab)`` or None."""
         import mlx.core as mx
 
-        from ringlet.daemon.engine.stage import forward_merged, mergeable
+        from ringlet.daemon.engine.stage import mergeable
 
         flags, n = int(header[H_FLAGS]), int(header[H_N])
         slots = ints[:n]
@@ -191,9 +198,9 @@ class Rank:
         head = self.rank == 0 and bool(flags & F_HEAD)
         last_only = bool(flags & F_LAST)
         caches = [self.caches[s] for s in slots]
-        if mergeable(caches):
-            out = forward_merged(lambda y, merged: self._run(y, merged, head, last_only), x, caches)
-        else:
+        out = self.groups.forward(lambda y, merged: self._run(y, merged, head, last_only), slots, x, caches,
+                                  mergeable)
+        if out is None:
             out = mx.concatenate([self._run(x[i:i + 1], caches[i], head, last_only) for i in range(n)], axis=0)
             mx.eval(out)
         return out if self.rank == 0 and (head or self.stage_mode) else None
@@ -213,8 +220,11 @@ class Rank:
         """Run whatever a header says on this rank (all ranks call this in lockstep)."""
         free = int(header[H_FREE])
         if free >= 0:
+            self.groups.dissolve([free])
             self.caches.pop(free, None)
         op = int(header[H_OP])
+        if op in (OP_SAVE, OP_LOAD, OP_FREE):  # these use or replace one slot's own cache
+            self.groups.dissolve([int(header[H_SLOT])])
         if op == OP_STEP:
             return self.step(header, tokens, hidden)
         if op == OP_BSTEP:

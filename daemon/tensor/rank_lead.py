@@ -101,6 +101,7 @@ class LeadRank(Rank):
                 slot = int(msg["slot"])
                 if slot in self.caches:
                     self.side.send([OP_FREE, slot, 0, 0, 0, 0, -1])
+                    self.groups.dissolve([slot])
                     self.caches.pop(slot, None)
                 continue
             if t == "pdrop":  # forget a prefix cache entry (every rank its shard)
