@@ -273,6 +273,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         # new plan must see the new plan and a fresh plan-changed event together, or the
         # old event would end it at once as changed again (CI saw that on a join).
         self.plan = plan
+        if self.engine is not None:
+            self.engine.ring_depth = len(plan.stages)  # stage 0 forms this many decode groups at least
         changed, self._plan_changed = self._plan_changed, asyncio.Event()
         self.index = plan.index_of(self.node_id, self.config.address)
         for gen in list(self._generations.values()):

@@ -153,7 +153,8 @@ class Head:
                 self._on_token(gen, out)
                 return
             message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
-                                    hidden=out, stage=1, sent_at=time.time(), more=more, token_ids=piece)
+                                    hidden=out, stage=1, sent_at=time.time(), more=more, token_ids=piece,
+                                    batch_ids=self.engine.batch_of(gen.request_id))
             if step == 0 and k == 0:
                 message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
                 message.cache_scope = gen.scope

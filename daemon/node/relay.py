@@ -80,7 +80,8 @@ class Relay:
         sampling = sampling_from_pb(message.sampling) if message.HasField("sampling") else None
         future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more,
                                     prefix_ids=list(message.prefix_ids), scope=message.cache_scope,
-                                    ids=list(message.token_ids) if message.token_ids else None)
+                                    ids=list(message.token_ids) if message.token_ids else None,
+                                    siblings=list(message.batch_ids) or None)
         self._spawn(self._complete(message, future))
 
     def _spawn(self, coro) -> None:
@@ -108,7 +109,8 @@ class Relay:
         if out is None:
             return  # the last stage took a prefill chunk that more chunks follow
         nxt = pb.Activation(request_id=rid, epoch=message.epoch, step=message.step, offset=message.offset,
-                            stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time(), more=message.more)
+                            stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time(), more=message.more,
+                            batch_ids=self.engine.batch_of(rid))
         if isinstance(out, int):
             nxt.token = out
             if (scores := scores_to_pb(out)) is not None:

@@ -61,7 +61,7 @@ class TokenScores(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind", "scores")
+    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind", "scores", "batch_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class Activation(_message.Message):
     PREFIX_HOLDS_FIELD_NUMBER: _ClassVar[int]
     BEHIND_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     step: int
@@ -102,7 +103,8 @@ class Activation(_message.Message):
     prefix_holds: int
     behind: bool
     scores: TokenScores
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
+    batch_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ..., batch_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HopAck(_message.Message):
     __slots__ = ("received",)
