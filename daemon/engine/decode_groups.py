@@ -3,10 +3,11 @@
 A batched decode step runs mlx-lm's left-padded ``BatchKVCache``. Building one
 (``BatchKVCache.merge``) copies every member's whole KV cache into a padded buffer,
 and splitting it back (``extract``) copies it again: work that grows with the
-context, on every step, for every member. Measured on SmolLM2-135M, float32, 18
-layers, one thread (``bench/README.md``): a step of 4 requests at 60 tokens of
-context took 59 ms merged and split per step against 44 ms on a kept batch; at 1000
-tokens 170 ms against 57 ms, where one request alone takes 30 ms.
+context, on every step, for every member. Measured by ``bench/bench_groups.py``
+(SmolLM2-135M, float32, 18 layers, one thread): a step of 4 requests at 60 tokens of
+context took 57 ms merged and split against 42 ms on a kept group; at 1,000 tokens
+120 ms against 57 ms, and 8 requests 432 ms against 89 ms (one request alone: 24 and
+30 ms).
 
 So a group is kept while the same requests step together: the first step merges
 their caches once, later steps of exactly those requests run on the group's caches,
