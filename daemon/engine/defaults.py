@@ -5,9 +5,10 @@ DEFAULT_MAX_BATCH = 8
 
 #: The longest a decode step waits, seconds, for the rest of its decode group (or of the
 #: batch the previous stage ran it in) to reach the stage. The steps of one batch leave a
-#: stage together and arrive within ~1-3 ms of each other on loopback under load (measured
-#: in bench_concurrency's 4-concurrent point); a member that has finished is released
-#: before its group's next step, so the full wait is paid only when one is lost.
+#: stage together, one message after another on the same hop stream, so they normally
+#: arrive moments apart; a member that has finished is released before its group's next
+#: step, so the whole wait is paid only when a member is lost. 10 ms is about a quarter
+#: of one stage's batched decode step on this development machine (35-45 ms, bench_groups).
 DEFAULT_GROUP_WAIT_S = 0.010
 
 #: Prompt tokens per prefill chunk (``--prefill-chunk``) on a GPU. A chunk holds a
