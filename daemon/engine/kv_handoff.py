@@ -26,11 +26,13 @@ from ringlet.daemon.engine.prefix_store import PrefixStore, snapshot, storable
 @dataclass
 class Installed:
     """What :func:`install` put in the store: sequences (of them, requests in flight),
-    their tokens and bytes, and the pieces left out (no full cover of the range)."""
+    their tokens (of them, the requests in flight's) and bytes, and the pieces left out
+    (no full cover of the range)."""
 
     sequences: int = 0
     inflight: int = 0
     tokens: int = 0
+    inflight_tokens: int = 0
     nbytes: int = 0
     left_out: int = 0
 
@@ -97,5 +99,6 @@ def install(store: PrefixStore, pieces: list[Piece], start: int, end: int) -> In
             done.sequences += 1
             done.inflight += piece.inflight
             done.tokens += len(piece.tokens)
+            done.inflight_tokens += len(piece.tokens) if piece.inflight else 0
             done.nbytes += piece.nbytes
     return done

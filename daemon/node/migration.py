@@ -224,8 +224,8 @@ class Migration:
                 report["kv_bytes_received"] += nbytes
             installed = await self.engine.run(kv_handoff.install, self.engine.prefix, pieces, *new_range)
             report.update(sequences=installed.sequences, inflight=installed.inflight, tokens=installed.tokens,
-                          bytes=installed.nbytes, left_out=installed.left_out,
-                          seconds=round(time.perf_counter() - t0, 3))
+                          inflight_tokens=installed.inflight_tokens, bytes=installed.nbytes,
+                          left_out=installed.left_out, seconds=round(time.perf_counter() - t0, 3))
             self.kv_migration["kv_bytes_received"] += report["kv_bytes_received"]
             log.info("epoch %d: KV kept for %d sequence(s) (%d in flight, %d tokens) over layers [%d, %d); "
                      "received %.1f MB from %d holder(s)%s in %.2f s", plan.epoch, installed.sequences,
