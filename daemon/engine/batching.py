@@ -11,9 +11,10 @@ another. So:
   ``wait_s`` for the rest: every stage runs the batches stage 0 formed;
 * otherwise (stage 0) a step of a request in a decode group runs with its group,
   waiting the same way for members still to come;
-* otherwise it takes other one-token steps of requests in no group, up to ``cap``:
-  ``ceil(requests here / stages)`` (the scheduler's ``ring_depth``), so 4 requests on
-  2 stages make 2 groups of 2, and both stages always have one to run.
+* and at stage 0 one-token steps of requests in no group join the batch (a group, or
+  a new one), up to ``cap``: ``ceil(requests here / stages)`` (the scheduler's
+  ``ring_depth``), so 4 requests on 2 stages make 2 groups of 2, and both stages
+  always have one to run.
 
 Measured (``bench_concurrency``, 2 stages, this machine): 4 concurrent requests gave
 1.34x the 1-request tokens/s when every waiting step joined one batch, merged and split
@@ -98,11 +99,11 @@ def choose_batch(queue: Iterable[Work], group_of: Callable[[str], tuple | None],
         wait = first.queued_at + wait_s - now
         if wait > 0 and any(m not in queued and m in requests for m in wanted):
             return [], wait
-    else:  # stage 0: steps of requests in no group batch together, up to the cap
+    if first.siblings is None:  # stage 0: steps of requests in no group join, up to the cap
         for work in steps:
             if len(chosen) >= cap:
                 break
             if (work.decode and work.request_id not in chosen and not work.siblings
-                    and (work is first or group_of(work.request_id) is None)):
+                    and group_of(work.request_id) is None):
                 chosen[work.request_id] = work
     return list(chosen.values()), 0.0

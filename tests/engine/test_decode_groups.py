@@ -134,3 +134,22 @@ def test_a_step_waits_for_the_batch_the_previous_stage_named_but_not_for_release
     together, alone = _engine_run(location, body, group_wait_s=30.0)
     assert together == (("a", "b"), ("a", "b"))
     assert alone == ("c",)
+
+
+def test_stage0_lets_new_requests_join_a_group_below_the_cap(location):
+    """On one stage (cap: every request) a request that starts after a group formed joins
+    it at its first decode step, instead of running beside it alone."""
+    async def body(engine):
+        tokens = {r: await engine.submit(r, 0, 0, p, None) for r, p in zip(["r0", "r1"], PROMPTS, strict=False)}
+        await asyncio.gather(*(engine.submit(r, 1, len(p), [tokens[r]], None)
+                               for r, p in zip(["r0", "r1"], PROMPTS, strict=False)))
+        formed = engine.batch_of("r0")
+        tokens["r2"] = await engine.submit("r2", 0, 0, PROMPTS[2], None)
+        await asyncio.gather(engine.submit("r0", 2, len(PROMPTS[0]) + 1, [7], None),
+                             engine.submit("r1", 2, len(PROMPTS[1]) + 1, [7], None),
+                             engine.submit("r2", 1, len(PROMPTS[2]), [tokens["r2"]], None))
+        return formed, engine.batch_of("r2")
+
+    formed, joined = _engine_run(location, body)
+    assert formed == ("r0", "r1")
+    assert joined == ("r0", "r1", "r2")
