@@ -38,14 +38,9 @@ def _median_step(run) -> float:
 def _clone(cache: list) -> list:
     """The same KV in new ``KVCache`` objects (MLX arrays are immutable: an update makes a
     new array, so sharing them is safe)."""
-    from mlx_lm.models.cache import KVCache
+    from ringlet.daemon.engine.prefix_store import caches_from
 
-    out = []
-    for layer in cache:
-        c = KVCache()
-        c.keys, c.values, c.offset = layer.keys, layer.values, layer.offset
-        out.append(c)
-    return out
+    return caches_from([(c.keys, c.values) for c in cache], cache[0].offset)
 
 
 def _alone(stage, x, cache: list) -> float:

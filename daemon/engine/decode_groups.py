@@ -43,9 +43,6 @@ class DecodeGroups:
         group = self._of.get(key)
         return group.keys if group is not None else None
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._of
-
     def __len__(self) -> int:
         """Groups held."""
         return len({id(g) for g in self._of.values()})
