@@ -11,10 +11,11 @@ another. So:
   ``wait_s`` for the rest: every stage runs the batches stage 0 formed;
 * otherwise (stage 0) a step of a request in a decode group runs with its group,
   waiting the same way for members still to come;
-* and at stage 0 one-token steps of requests in no group join the batch (a group, or
-  a new one), up to ``cap``: ``ceil(requests here / stages)`` (the scheduler's
-  ``ring_depth``), so 4 requests on 2 stages make 2 groups of 2, and both stages
-  always have one to run.
+* and at stage 0 the whole groups whose steps are all waiting, then one-token steps of
+  requests in no group, join the batch (a group, or a new one), up to ``cap``:
+  ``ceil(requests here / stages)`` (the scheduler's ``ring_depth``), so 4 requests on 2
+  stages make 2 groups of 2, and both stages always have one to run. Groups that formed
+  while fewer requests had arrived (below the cap) merge into one that is not.
 
 Measured (``bench_concurrency``, 2 stages, this machine): 4 concurrent requests gave
 1.34x the 1-request tokens/s when every waiting step joined one batch, merged and split
@@ -75,7 +76,7 @@ def choose_batch(queue: Iterable[Work], group_of: Callable[[str], tuple | None],
         requests: the requests with a KV cache here (a member not among them is gone:
             nobody waits for it).
         max_batch: the most steps in one forward.
-        cap: the most steps in a batch that stage 0 forms (ungrouped requests).
+        cap: the most steps in a batch that stage 0 forms (from groups and ungrouped requests).
         wait_s: the longest the oldest step waits for the rest of its batch, seconds,
             counted from when it was queued.
         now: ``time.monotonic()``.
@@ -99,11 +100,17 @@ def choose_batch(queue: Iterable[Work], group_of: Callable[[str], tuple | None],
         wait = first.queued_at + wait_s - now
         if wait > 0 and any(m not in queued and m in requests for m in wanted):
             return [], wait
-    if first.siblings is None:  # stage 0: steps of requests in no group join, up to the cap
+    if first.siblings is None:  # stage 0: other whole groups, then requests in no group, join up to the cap
+        decode = {w.request_id: w for w in steps if w.decode and not w.siblings}
+        for work in steps:
+            other = group_of(work.request_id) if work.request_id in decode else None
+            if (other is not None and work.request_id not in chosen and len(chosen) + len(other) <= cap
+                    and all(m in decode for m in other)):
+                chosen.update((m, decode[m]) for m in other)
         for work in steps:
             if len(chosen) >= cap:
                 break
             if (work.decode and work.request_id not in chosen and not work.siblings
                     and group_of(work.request_id) is None):
                 chosen[work.request_id] = work
-    return list(chosen.values()), 0.0
+    return [w for w in steps if chosen.get(w.request_id) is w], 0.0

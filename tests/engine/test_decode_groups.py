@@ -153,3 +153,26 @@ def test_stage0_lets_new_requests_join_a_group_below_the_cap(location):
     formed, joined = _engine_run(location, body)
     assert formed == ("r0", "r1")
     assert joined == ("r0", "r1", "r2")
+
+
+def test_stage0_merges_groups_below_the_cap_when_all_their_steps_wait(location):
+    """Groups that formed while the cap was lower (2 groups of 2 on a 2-stage ring) become
+    one group of 4 once the cap allows it (here the ring shrinks to 1 stage: cap 4) and
+    every member's step is waiting; the merged group is then kept."""
+    async def body(engine):
+        engine.ring_depth = 2
+        ids = ["r0", "r1", "r2", "r3"]
+        tokens = [await engine.submit(r, 0, 0, p, None) for r, p in zip(ids, PROMPTS, strict=True)]
+        await asyncio.gather(*(engine.submit(r, 1, len(p), [t], None)
+                               for r, p, t in zip(ids, PROMPTS, tokens, strict=True)))
+        before = {engine.batch_of(r) for r in ids}
+        engine.ring_depth = 1
+        for step in (2, 3):
+            await asyncio.gather(*(engine.submit(r, step, len(p) + step - 1, [7], None)
+                                   for r, p in zip(ids, PROMPTS, strict=True)))
+        return before, {engine.batch_of(r) for r in ids}, dict(engine.batch_histogram)
+
+    before, after, histogram = _engine_run(location, body)
+    assert sorted(len(g) for g in before) == [2, 2]
+    assert len(after) == 1 and set(next(iter(after))) == {"r0", "r1", "r2", "r3"}
+    assert histogram == {2: 2, 4: 2}
