@@ -96,16 +96,21 @@ def _engine_run(location, body, **kwargs):
     return asyncio.run(go())
 
 
+async def _two_groups_of_two(engine, ids: list[str]) -> set:
+    """Prefill ``ids`` (one per prompt) and run their first decode step on a 2-stage ring:
+    stage 0 forms 2 groups of 2. Returns the groups."""
+    engine.ring_depth = 2
+    first = [await engine.submit(r, 0, 0, p, None) for r, p in zip(ids, PROMPTS, strict=True)]
+    await asyncio.gather(*(engine.submit(r, 1, len(p), [t], None) for r, p, t in zip(ids, PROMPTS, first, strict=True)))
+    return {engine.batch_of(r) for r in ids}
+
+
 def test_stage0_forms_one_group_per_stage_and_keeps_it(location):
     """4 requests on a 2-stage ring: stage 0 batches them in 2 groups of 2, so both stages
     have a batch to run; the next step keeps the same groups whatever order the steps come in."""
     async def body(engine):
-        engine.ring_depth = 2
         ids = ["r0", "r1", "r2", "r3"]
-        first = [await engine.submit(r, 0, 0, p, None) for r, p in zip(ids, PROMPTS, strict=True)]
-        await asyncio.gather(*(engine.submit(r, 1, len(p), [t], None)
-                               for r, p, t in zip(ids, PROMPTS, first, strict=True)))
-        groups = {engine.batch_of(r) for r in ids}
+        groups = await _two_groups_of_two(engine, ids)
         order = [ids[0], ids[2], ids[1], ids[3]]
         await asyncio.gather(*(engine.submit(r, 2, len(PROMPTS[ids.index(r)]) + 1, [7], None) for r in order))
         return groups, {engine.batch_of(r) for r in ids}, dict(engine.batch_histogram)
@@ -160,12 +165,8 @@ def test_stage0_merges_groups_below_the_cap_when_all_their_steps_wait(location):
     one group of 4 once the cap allows it (here the ring shrinks to 1 stage: cap 4) and
     every member's step is waiting; the merged group is then kept."""
     async def body(engine):
-        engine.ring_depth = 2
         ids = ["r0", "r1", "r2", "r3"]
-        tokens = [await engine.submit(r, 0, 0, p, None) for r, p in zip(ids, PROMPTS, strict=True)]
-        await asyncio.gather(*(engine.submit(r, 1, len(p), [t], None)
-                               for r, p, t in zip(ids, PROMPTS, tokens, strict=True)))
-        before = {engine.batch_of(r) for r in ids}
+        before = await _two_groups_of_two(engine, ids)
         engine.ring_depth = 1
         for step in (2, 3):
             await asyncio.gather(*(engine.submit(r, step, len(p) + step - 1, [7], None)
