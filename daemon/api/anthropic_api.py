@@ -18,13 +18,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ringlet.daemon.api.anthropic_schema import CountTokensRequest, MessagesRequest, tool_input
 from ringlet.daemon.api.errors import ApiError
+from ringlet.daemon.api.fields import Ignored
 from ringlet.daemon.api.openai_api import SSE_HEADERS
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.request import Finished, ReasoningDelta, Started, TextDelta, ToolCall, Usage
+from ringlet.daemon.api.seal import Sealer
 from ringlet.daemon.errors import GenerationError
 
 
@@ -50,11 +52,19 @@ def frame(event: dict[str, Any]) -> str:
 
 
 class _Blocks:
-    """Content blocks built from the events, for the whole message and the stream alike."""
+    """Content blocks built from the events, for the whole message and the stream alike.
 
-    def __init__(self) -> None:
+    Args:
+        seal: seals each thinking block's text into its ``signature``.
+        omit_thinking: ``thinking.display`` ``"omitted"``: thinking blocks carry no
+            text (only the signature, which still seals it).
+    """
+
+    def __init__(self, seal: Sealer | None = None, omit_thinking: bool = False) -> None:
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # type of the block being written
+        self.seal, self.omit_thinking = seal, omit_thinking
+        self._thought = ""  # the open thinking block's whole text
 
     def add(self, event) -> list[dict[str, Any]]:
         """The stream events one pipeline event makes (and the blocks updated)."""
@@ -65,8 +75,10 @@ class _Blocks:
             out.append(self._delta({"type": "text_delta", "text": event.text}))
         elif isinstance(event, ReasoningDelta) and event.text:
             out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            self.blocks[-1]["thinking"] += event.text
-            out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+            self._thought += event.text
+            if not self.omit_thinking:
+                self.blocks[-1]["thinking"] += event.text
+                out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
         elif isinstance(event, ToolCall):
             out += self._close()
             block = {"type": "tool_use", "id": "toolu_" + event.id.removeprefix("call_"), "name": event.name,
@@ -96,7 +108,9 @@ class _Blocks:
             return []
         out = []
         if self.open == "thinking":
-            out.append(self._delta({"type": "signature_delta", "signature": ""}))
+            signature = self.seal.seal("thinking", self._thought) if self.seal is not None else ""
+            self.blocks[-1]["signature"], self._thought = signature, ""
+            out.append(self._delta({"type": "signature_delta", "signature": signature}))
         out.append({"type": "content_block_stop", "index": len(self.blocks) - 1})
         self.open = None
         return out
@@ -105,38 +119,43 @@ class _Blocks:
 def register(app: FastAPI, pipeline: Pipeline) -> None:
     """Add the two endpoints to ``app``."""
 
+    seal: Sealer | None = getattr(app.state, "sealer", None)
+
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         scope = app.state.cache_scope(request)
         try:
-            prepared = await pipeline.admit(body.model, body.request, scope)
+            prepared = await pipeline.admit(body.model, lambda: body.request(seal), scope)
         except ApiError as exc:  # the internal name of output_config.format
             if exc.param == "response_format":
                 exc.message, exc.param = exc.message.replace("response_format", "output_config.format"), \
                     "output_config.format"
             raise
+        hints = Ignored("messages", prepared.request.ignored +
+                        (["anthropic-beta"] if "anthropic-beta" in request.headers else [])).headers()
         head = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
                 "model": body.model or pipeline.model_name}
-        events = pipeline.run(prepared, scope)
+        events = pipeline.run(prepared)
+        blocks = _Blocks(seal, body.thinking is not None and body.thinking.display == "omitted")
         if not body.stream:
             try:
-                return await _whole(events, head)
+                return JSONResponse(await _whole(events, head, blocks), headers=hints)
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
-        return StreamingResponse(_stream(events, head, request), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(_stream(events, head, request, blocks), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **hints})
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         pipeline.check_model(body.model)
-        request = body.internal()
+        request = body.internal(seal)
         await pipeline.ready()
         ids, _ = pipeline.prompt_ids(request)
         return {"input_tokens": len(ids)}
 
 
-async def _whole(events: AsyncIterator, head: dict[str, Any]) -> dict[str, Any]:
-    blocks, finished, usage, prompt = _Blocks(), None, None, 0
+async def _whole(events: AsyncIterator, head: dict[str, Any], blocks: _Blocks) -> dict[str, Any]:
+    finished, usage, prompt = None, None, 0
     async with contextlib.aclosing(events) as stream:
         async for event in stream:
             if isinstance(event, Started):
@@ -147,12 +166,14 @@ async def _whole(events: AsyncIterator, head: dict[str, Any]) -> dict[str, Any]:
                 usage = event
             else:
                 blocks.add(event)
+    blocks._close()  # seals a thinking block that ended the message
     return {**head, "content": blocks.blocks, "stop_reason": stop_reason(finished),
             "stop_sequence": finished.stop_string, "usage": usage_json(usage, prompt)}
 
 
-async def _stream(events: AsyncIterator, head: dict[str, Any], request: Request) -> AsyncIterator[str]:
-    blocks, finished, prompt = _Blocks(), None, 0
+async def _stream(events: AsyncIterator, head: dict[str, Any], request: Request,
+                  blocks: _Blocks) -> AsyncIterator[str]:
+    finished, prompt = None, 0
     try:
         async with contextlib.aclosing(events) as stream:
             async for event in stream:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from ringlet.daemon.api import anthropic_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.pipeline import Pipeline
+from ringlet.daemon.api.seal import Sealer
 from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire.limits import ApiLimits, install
@@ -62,6 +63,16 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
         reason = (first.get("ctx") or {}).get("error") or first.get("msg") or "malformed"
         return f"invalid request: the body is not valid JSON ({reason} at character {where})", ""
     return f"invalid request: {loc or 'body'}: {first.get('msg', 'malformed body')}", loc
+
+
+def seal_material(node: Node) -> bytes:
+    """What the reasoning seal's key derives from: the cluster secret, else the cluster
+    id (every member has it; see :mod:`ringlet.daemon.api.seal`)."""
+    transport = getattr(node.config, "transport", None)
+    secret = getattr(transport, "secret", None)
+    if secret:
+        return bytes(secret)
+    return ("ringlet cluster " + str(getattr(node, "cluster_id", "") or "")).encode()
 
 
 def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_tokens: int,
@@ -122,6 +133,7 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
         return hashlib.sha256(b"ringlet prefix scope\0" + raw).hexdigest()[:32]
 
     app.state.cache_scope = cache_scope
+    app.state.sealer = Sealer(seal_material(node), model_name)
     pipeline = Pipeline(node, tokenizer, model_name, context_tokens, limits)
     app.state.pipeline = pipeline
     # the API surfaces: each an adapter over the pipeline (one line each)

@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ringlet.daemon.api.errors import ApiError
+from ringlet.daemon.api.fields import Ignored
 from ringlet.daemon.api.openai_schema import ChatRequest, CompletionRequest
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.request import (
@@ -72,18 +73,19 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
     async def respond(kind: str, body: ChatRequest | CompletionRequest, request: Request, scope: str):
         prepared = await pipeline.admit(body.model, body.internal, scope)
         internal = prepared.request
+        hints = Ignored("chat.completions" if kind == "chat" else "completions", internal.ignored).headers()
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         head = {"id": rid, "created": created, "model": pipeline.model_name}
-        events = pipeline.run(prepared, scope)
+        events = pipeline.run(prepared)
         if not body.stream:
             try:
-                return await _whole(kind, internal, events, head)
+                return JSONResponse(await _whole(kind, internal, events, head), headers=hints)
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(_stream(kind, internal, events, head, include_usage, request),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **hints})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):

@@ -1,10 +1,13 @@
 """Request bodies of OpenAI's chat completions and completions, and their conversion
 to the internal :class:`GenerationRequest`.
 
-Every field OpenAI defines that ringlet does not honour is refused with a 400 naming it
-(``extra="forbid"``, and explicit checks for fields with an unsupported value); nothing
-is ignored in silence. ``user`` and ``metadata`` are accepted: they carry no meaning for
-the generation.
+The field policy (:mod:`ringlet.daemon.api.fields`, ``docs/api.md``): a field that
+cannot change the tokens (``user``, ``metadata``, ``service_tier``,
+``safety_identifier``, ``store: false``, ``prediction``, ``verbosity``...) is accepted
+and named in the ``ringlet-ignored`` header; a field that would change the answer and
+that ringlet cannot honour is a 400 naming it (``extra="forbid"`` for unknown fields,
+and explicit checks for unsupported values). ``prompt_cache_key`` scopes the prefix
+cache.
 """
 
 from __future__ import annotations
@@ -174,6 +177,31 @@ def response_format_from(value: dict[str, Any] | None, param: str = "response_fo
                    param=param)
 
 
+#: fields of both bodies that cannot change the tokens: accepted, named in ringlet-ignored
+HINT_FIELDS = ("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_retention")
+#: the same, of chat completions only (``store`` only when false: true is refused)
+CHAT_HINT_FIELDS = ("store", "verbosity", "prediction", "web_search_options")
+#: ``reasoning_effort`` / ``reasoning.effort`` -> the chat template's ``enable_thinking``
+EFFORT_THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+
+
+def effort_thinking(effort: Any, param: str) -> bool:
+    """Whether a reasoning effort turns the template's thinking on (400 for an unknown level).
+    The levels from ``low`` up are not told apart."""
+    if not isinstance(effort, str) or effort not in EFFORT_THINKING:
+        raise ApiError(400, f"{param} must be one of {', '.join(EFFORT_THINKING)}, not {effort!r}", param=param)
+    return EFFORT_THINKING[effort]
+
+
+def tool_hints(tools: list[Tool], choice: str, parallel: bool, strict: list[bool]) -> list[str]:
+    """The tool settings that are hints for this request: ``parallel_tool_calls: false``
+    and ``strict`` schemas are enforced only when a call is forced (the grammar then
+    allows one call, valid against its schema); otherwise they are not applied."""
+    if not tools or choice not in ("auto", "none"):
+        return []
+    return (["parallel_tool_calls"] if not parallel else []) + (["strict"] if any(strict) else [])
+
+
 class _Common(_Strict):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -192,7 +220,17 @@ class _Common(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     return_token_ids: bool = False  # extension (as in vLLM): the completion's token ids
+
+    def hints(self) -> list[str]:
+        """The accepted hints this body carries (``ringlet-ignored``)."""
+        names = [f for f in HINT_FIELDS if getattr(self, f, None) is not None]
+        names += [f"stream_options.{k}" for k in (self.stream_options or {}) if k != "include_usage"]
+        return names
 
     @field_validator("stop")
     @classmethod
@@ -217,7 +255,8 @@ class _Common(_Strict):
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                     seed=self.seed, stop=list(self.stop or []), n=self.n, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                    logit_bias=bias, return_token_ids=self.return_token_ids)
+                    logit_bias=bias, return_token_ids=self.return_token_ids, ignored=self.hints(),
+                    cache_key=self.prompt_cache_key or "")
 
 
 class ChatRequest(_Common):
@@ -233,24 +272,38 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     store: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
     def internal(self) -> GenerationRequest:
         """The internal request (400 for a field that cannot be honoured)."""
         if self.store:
             raise unsupported("store", "ringlet keeps no completions")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise unsupported("modalities", "the served model writes text only")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         kwargs = dict(self.chat_template_kwargs or {})
         if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs)):
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
                            param="chat_template_kwargs")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", effort_thinking(self.reasoning_effort, "reasoning_effort"))
         tools = tools_from(self.tools)
+        choice = choice_from(self.tool_choice, tools)
+        common = self.common()
+        common["ignored"] += [f for f in CHAT_HINT_FIELDS if getattr(self, f) is not None]
+        common["ignored"] += tool_hints(tools, choice, self.parallel_tool_calls,
+                                        [bool(d.function.strict) for d in self.tools or ()])
         return GenerationRequest(
             messages=[m.for_template() for m in self.messages], tools=tools,
-            tool_choice=choice_from(self.tool_choice, tools), parallel_tool_calls=self.parallel_tool_calls,
+            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format_from(self.response_format), template_kwargs=kwargs,
             max_tokens=self.max_completion_tokens or self.max_tokens,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None, **self.common())
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None, **common)
 
 
 class CompletionRequest(_Common):

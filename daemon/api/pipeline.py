@@ -11,6 +11,7 @@ format), log-probabilities, and the finish reason of each of ``n`` choices.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +47,17 @@ class Prepared:
     sampling: SamplingParams
     tool_format: prompting.ToolFormat | None
     thinking: bool  # the prompt leaves a think block open: the output starts as reasoning
+
+
+def keyed_scope(scope: str, cache_key: str) -> str:
+    """The prefix-cache scope of a request that names a ``prompt_cache_key``: a digest of
+    the API key's scope and the cache key, so entries are shared only by requests with
+    both equal (OpenAI: requests with the same key share a cache). ``scope`` unchanged
+    when ``cache_key`` is empty. 32 hex digits, as the API key scopes are."""
+    if not cache_key:
+        return scope
+    raw = scope.encode() + b"\0" + cache_key.encode("utf-8", "surrogateescape")
+    return hashlib.sha256(b"ringlet prompt_cache_key\0" + raw).hexdigest()[:32]
 
 
 class Pipeline:
@@ -125,7 +137,7 @@ class Pipeline:
         """
         self.check_model(model)
         request = convert()
-        request.cache_scope = scope
+        request.cache_scope = keyed_scope(scope, request.cache_key)
         await self.ready()
         return self.prepare(request)
 
@@ -157,14 +169,16 @@ class Pipeline:
 
     # --- running ------------------------------------------------------------------------
 
-    async def run(self, prepared: Prepared, scope: str = "") -> AsyncIterator[Event]:
+    async def run(self, prepared: Prepared, scope: str | None = None) -> AsyncIterator[Event]:
         """The events of a prepared request: :class:`Started`, then per choice its
-        deltas and :class:`Finished`, then :class:`Usage`.
+        deltas and :class:`Finished`, then :class:`Usage`. ``scope`` is the prefix-cache
+        scope (default: the request's own, set by :meth:`admit`).
 
         Raises:
             GenerationError: the ring failed the request (after its retries).
         """
         req = prepared.request
+        scope = req.cache_scope if scope is None else scope
         yield Started(len(prepared.prompt_ids), tuple(prepared.prompt_ids),
                       self.tokenizer.decode(prepared.prompt_ids) if req.echo else "")
         info: dict = {}
@@ -275,6 +289,8 @@ class Pipeline:
     def _parse_calls(fmt: prompting.ToolFormat, body: str, tools: list) -> list[tuple[str, str]] | None:
         """``(name, arguments JSON)`` of the calls in a call body, or ``None`` when it is
         not a call (the parser raises, or names no function)."""
+        if (custom := prompting.parse_custom_call(body, tools)) is not None:
+            return [custom]
         try:
             parsed = fmt.parse(body, [t.as_openai() for t in tools] or None)
         except Exception:  # noqa: BLE001 - a parser raises on text that is not a call

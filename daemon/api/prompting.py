@@ -25,7 +25,7 @@ from typing import Any
 from mlx_lm.tool_parsers import json_tools
 
 from ringlet.daemon.api.errors import ApiError
-from ringlet.daemon.api.request import GenerationRequest, Tool
+from ringlet.daemon.api.request import CUSTOM_INPUT, GenerationRequest, Tool
 from ringlet.daemon.engine import grammar as grammars
 
 JSON_CALL_START, JSON_CALL_END = json_tools.tool_call_start, json_tools.tool_call_end
@@ -75,11 +75,35 @@ def native_format(tokenizer) -> ToolFormat | None:
     return ToolFormat(module.tool_call_start, getattr(module, "tool_call_end", "") or "", module.parse_tool_call, True)
 
 
-def tool_instructions(tools: list[Tool], choice: str) -> str:
-    """The system-prompt text that teaches a model ringlet's tool-call format."""
+def forced_custom(request: GenerationRequest) -> Tool | None:
+    """The custom tool with a grammar that the request forces a call to, if any: its call
+    is written raw (``<tool_call>name`` newline, the input, ``</tool_call>``) so the
+    grammar can apply to the input itself."""
+    if not forced(request):
+        return None
+    tool = next((t for t in request.tools if t.name == request.tool_choice), None)
+    return tool if tool is not None and tool.custom and tool.grammar else None
+
+
+def parse_custom_call(body: str, tools: list[Tool]) -> tuple[str, str] | None:
+    """``(name, arguments JSON)`` of a raw custom call body (``name`` newline input),
+    or ``None`` when ``body`` is not one."""
+    name, newline, text = body.partition("\n")
+    tool = next((t for t in tools if t.custom and t.name == name), None)
+    if tool is None or not newline:
+        return None
+    return name, json.dumps({CUSTOM_INPUT: text}, ensure_ascii=False)
+
+
+def tool_instructions(tools: list[Tool], choice: str, raw: Tool | None = None) -> str:
+    """The system-prompt text that teaches a model ringlet's tool-call format (``raw``:
+    a forced custom tool whose input is written raw)."""
     lines = [json.dumps(t.as_openai()["function"]) for t in tools]
     must = {"auto": "Call a function only when it helps to answer.",
             "required": "You must call one of these functions."}.get(choice, f"You must call the function {choice}.")
+    if raw is not None:
+        must = (f"You must call the function {raw.name}, writing its input as it is, not as JSON:\n"
+                f"{JSON_CALL_START}{raw.name}\n<its input>{JSON_CALL_END}")
     return ("You can call these functions. Their signatures, in JSON Schema:\n<tools>\n" + "\n".join(lines)
             + "\n</tools>\nTo call a function, answer with\n" + JSON_CALL_START
             + '{"name": "<function name>", "arguments": <an object of its arguments>}' + JSON_CALL_END
@@ -92,7 +116,8 @@ def _json_calls(message: dict[str, Any]) -> str:
     return "\n".join(filter(None, [message.get("content") or "", *calls]))
 
 
-def _in_json_format(messages: list[dict[str, Any]], tools: list[Tool], choice: str) -> list[dict[str, Any]]:
+def _in_json_format(messages: list[dict[str, Any]], tools: list[Tool], choice: str,
+                    raw: Tool | None = None) -> list[dict[str, Any]]:
     """The conversation with tools, calls and results as text in ringlet's format."""
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -103,7 +128,7 @@ def _in_json_format(messages: list[dict[str, Any]], tools: list[Tool], choice: s
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     if tools and choice != "none":
-        text = tool_instructions(tools, choice)
+        text = tool_instructions(tools, choice, raw)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:
@@ -132,7 +157,8 @@ def chat_prompt(tokenizer, request: GenerationRequest) -> tuple[list[int], ToolF
             kwargs["tools"] = [t.as_openai() for t in request.tools]
         rendered, fmt = messages, (native if tools_on else None)
     else:
-        rendered = _in_json_format(messages, request.tools if tools_on else [], request.tool_choice)
+        rendered = _in_json_format(messages, request.tools if tools_on else [], request.tool_choice,
+                                   forced_custom(request))
         fmt = JSON_FORMAT if tools_on else None
     try:
         ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **kwargs)
@@ -152,6 +178,11 @@ def output_grammar(request: GenerationRequest) -> str:
         if request.response_format is not None:
             raise ApiError(400, "response_format cannot be combined with a forced tool call "
                                 "(tool_choice 'required' or a named function)", param="response_format")
+        if (raw := forced_custom(request)) is not None:
+            try:
+                return grammars.custom_call_grammar(raw.name, raw.grammar, JSON_CALL_START, JSON_CALL_END)
+            except grammars.GrammarError as exc:
+                raise ApiError(400, f"the custom tool's grammar cannot be used: {exc}", param="tools") from None
         tools = request.tools if request.tool_choice == "required" else \
             [t for t in request.tools if t.name == request.tool_choice]
         calls = [(t.name, t.parameters) for t in tools]

@@ -18,19 +18,41 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 8
 
 
+#: the one parameter a free-form (custom) tool is called with, as the model sees it
+CUSTOM_INPUT = "input"
+#: between a namespace and a function's name in the name the model sees
+NAMESPACE_SEPARATOR = "__"
+
+
 @dataclass(frozen=True)
 class Tool:
     """A function the model may call.
 
     Attributes:
-        name: the function's name (``[A-Za-z0-9_-]{1,64}``, as OpenAI requires).
+        name: the name the model sees and calls (``[A-Za-z0-9_-]{1,64}``, as OpenAI
+            requires); a Responses ``namespace`` tool's functions are flattened to
+            ``<namespace>__<name>``.
         description: what it does, for the prompt ("" when not given).
         parameters: a JSON Schema of its arguments object.
+        namespace: the Responses namespace the function came in ("" for none); its calls
+            go back to the client as ``name`` :attr:`client_name` in that namespace.
+        custom: a Responses ``custom`` tool: free-form text input, which the model
+            passes as the one string argument ``input``.
+        grammar: a custom tool's Lark grammar its input must follow ("" for free text);
+            enforced when the call is forced.
     """
 
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    namespace: str = ""
+    custom: bool = False
+    grammar: str = ""
+
+    @property
+    def client_name(self) -> str:
+        """The name the client gave the function (within its namespace)."""
+        return self.name.removeprefix(self.namespace + NAMESPACE_SEPARATOR) if self.namespace else self.name
 
     def as_openai(self) -> dict[str, Any]:
         """The tool in OpenAI's ``{"type": "function", "function": {...}}`` shape, which
@@ -80,6 +102,10 @@ class GenerationRequest:
         echo: (completions) put the prompt in front of the text.
         cache_scope: the prefix-cache scope (an API key's digest, or "").
         return_token_ids: (extension, as in vLLM) report prompt and completion token ids.
+        ignored: the accepted hints the body carried (dotted field paths, tool types),
+            for the ``ringlet-ignored`` header (:mod:`ringlet.daemon.api.fields`).
+        cache_key: the client's ``prompt_cache_key``: it scopes the prefix cache as an
+            API key does ("" for none).
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -105,6 +131,8 @@ class GenerationRequest:
     echo: bool = False
     cache_scope: str = ""
     return_token_ids: bool = False
+    ignored: list[str] = field(default_factory=list)
+    cache_key: str = ""
 
 
 # --- the event stream ------------------------------------------------------------------

@@ -21,13 +21,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from ringlet.daemon.api.errors import ApiError
+from ringlet.daemon.api.fields import Ignored
 from ringlet.daemon.api.openai_api import SSE_HEADERS
 from ringlet.daemon.api.pipeline import Pipeline
-from ringlet.daemon.api.request import Event, Finished, GenerationRequest, ReasoningDelta, TextDelta, ToolCall, Usage
+from ringlet.daemon.api.request import (
+    CUSTOM_INPUT,
+    Event,
+    Finished,
+    GenerationRequest,
+    ReasoningDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    Usage,
+)
 from ringlet.daemon.api.responses_schema import ResponsesRequest
+from ringlet.daemon.api.seal import Sealer
 from ringlet.daemon.errors import GenerationError
 
 
@@ -54,8 +66,7 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
 def echo_fields(body: ResponsesRequest, internal: GenerationRequest) -> dict[str, Any]:
     """The request settings a ``response`` object repeats (with their effective values)."""
     fmt = (body.text or {}).get("format") or {"type": "text"}
-    tools = [{"type": "function", "name": d["name"], "description": d.get("description"),
-              "parameters": d.get("parameters"), "strict": d.get("strict")} for d in body.tools or ()]
+    tools = [dict(d) for d in body.tools or ()]
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {}, "parallel_tool_calls": internal.parallel_tool_calls,
             "previous_response_id": None, "reasoning": body.reasoning, "temperature": internal.temperature,
@@ -78,13 +89,21 @@ class OutputBuilder:
 
     Whitespace-only text before a message starts is held back: it joins the message
     when visible text follows, and is dropped when a function call follows.
+
+    Args:
+        tools: the request's tools: a call to a namespace's function goes back with its
+            ``namespace``, a call to a custom tool as a ``custom_tool_call``.
+        seal: with it, each reasoning item carries its text sealed in
+            ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[Tool] | None = None, seal: Sealer | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self.sequence = 0
         self._open: dict[str, Any] | None = None  # the reasoning or message item being written
         self._space = ""
+        self.tools = {t.name: t for t in tools or ()}
+        self.seal = seal
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """A stream event of type ``kind``, with the next ``sequence_number``."""
@@ -107,7 +126,7 @@ class OutputBuilder:
         message and no call gets a (possibly empty) message."""
         status = "incomplete" if reason == "length" else "completed"
         out: list[dict[str, Any]] = []
-        if not any(item["type"] in ("message", "function_call") for item in self.items):
+        if not any(item["type"] in ("message", "function_call", "custom_tool_call") for item in self.items):
             space, self._space = self._space, ""
             out += self.close() + self._start("message") + self._delta("message", space)
         self._space = ""
@@ -125,6 +144,8 @@ class OutputBuilder:
             done = self.event("response.output_text.done", **where, text=part["text"], logprobs=[])
         else:
             done = self.event("response.reasoning_text.done", **where, text=part["text"])
+            if self.seal is not None:
+                item["encrypted_content"] = self.seal.seal("reasoning", part["text"])
         return [done, self.event("response.content_part.done", **where, part=copy.deepcopy(part)),
                 self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
@@ -170,8 +191,13 @@ class OutputBuilder:
     def _call(self, call: ToolCall) -> list[dict[str, Any]]:
         out = self.close()
         self._space = ""
+        tool = self.tools.get(call.name)
+        if tool is not None and tool.custom:
+            return out + self._custom_call(call, tool)
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
                 "arguments": "", "status": "in_progress"}
+        if tool is not None and tool.namespace:
+            item["name"], item["namespace"] = tool.client_name, tool.namespace
         index = len(self.items)
         self.items.append(item)
         where = {"item_id": item["id"], "output_index": index}
@@ -182,29 +208,53 @@ class OutputBuilder:
         out.append(self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
         return out
 
+    def _custom_call(self, call: ToolCall, tool: Tool) -> list[dict[str, Any]]:
+        """A call to a custom tool: a ``custom_tool_call`` item whose ``input`` is the
+        text the model passed (its one argument ``input``)."""
+        try:
+            value = json.loads(call.arguments).get(CUSTOM_INPUT, "")
+        except (json.JSONDecodeError, AttributeError):
+            value = call.arguments
+        text = value if isinstance(value, str) else json.dumps(value)
+        item = {"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call.id, "name": tool.client_name,
+                "input": "", "status": "in_progress"}
+        index = len(self.items)
+        self.items.append(item)
+        where = {"item_id": item["id"], "output_index": index}
+        out = [self.event("response.output_item.added", output_index=index, item=copy.deepcopy(item)),
+               self.event("response.custom_tool_call_input.delta", **where, delta=text)]
+        item["input"], item["status"] = text, "completed"
+        out.append(self.event("response.custom_tool_call_input.done", **where, input=text))
+        out.append(self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
+        return out
+
 
 def register(app: FastAPI, pipeline: Pipeline) -> None:
     """Add ``POST /v1/responses`` to ``app``."""
 
+    seal: Sealer | None = getattr(app.state, "sealer", None)
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        prepared = await pipeline.admit(body.model, body.internal, app.state.cache_scope(request))
-        internal, scope = prepared.request, prepared.request.cache_scope
+        prepared = await pipeline.admit(body.model, lambda: body.internal(seal), app.state.cache_scope(request))
+        internal = prepared.request
+        hints = Ignored("responses", internal.ignored).headers()
         head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()),
                 "model": pipeline.model_name}
         echo = echo_fields(body, internal)
-        events = pipeline.run(prepared, scope)
+        events = pipeline.run(prepared)
+        out = OutputBuilder(internal.tools, seal if body.sealed_reasoning() else None)
         if not body.stream:
             try:
-                return await _whole(events, head, echo)
+                return JSONResponse(await _whole(events, head, echo, out), headers=hints)
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
-        return StreamingResponse(_stream(events, head, echo, request), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(_stream(events, head, echo, request, out), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **hints})
 
 
-async def _whole(events: AsyncIterator[Event], head: dict[str, Any], echo: dict[str, Any]) -> dict[str, Any]:
-    out = OutputBuilder()
+async def _whole(events: AsyncIterator[Event], head: dict[str, Any], echo: dict[str, Any],
+                 out: OutputBuilder) -> dict[str, Any]:
     status, usage = "completed", None
     async with contextlib.aclosing(events) as stream:
         async for event in stream:
@@ -219,8 +269,7 @@ async def _whole(events: AsyncIterator[Event], head: dict[str, Any], echo: dict[
 
 
 async def _stream(events: AsyncIterator[Event], head: dict[str, Any], echo: dict[str, Any],
-                  request: Request) -> AsyncIterator[str]:
-    out = OutputBuilder()
+                  request: Request, out: OutputBuilder) -> AsyncIterator[str]:
     for kind in ("response.created", "response.in_progress"):
         yield frame(out.event(kind, response=response_json(head, echo, "in_progress", [], None)))
     status, usage = "completed", None

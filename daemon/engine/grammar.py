@@ -119,6 +119,26 @@ def tool_call_lark(calls: list[tuple[str, dict[str, Any]]], start: str, end: str
             f"json_call: %json {body}\n")
 
 
+def regex_lark(regex: str) -> str:
+    """A Lark grammar whose sentences are the matches of ``regex`` (a regular expression
+    in the Rust ``regex`` dialect llguidance uses)."""
+    return "start: /" + regex.replace("/", "\\/") + "/\n"
+
+
+def custom_call_grammar(name: str, lark: str, start: str, end: str) -> str:
+    """The grammar of one free-form tool call written raw: ``start`` ``name`` newline,
+    then a sentence of the tool's own Lark grammar ``lark``, then ``end``. The tool's
+    grammar is a separate grammar referenced by ``@custom_input`` (llguidance's nested
+    grammars), so its rule names cannot clash with the frame's.
+
+    Raises:
+        GrammarError: the tool's grammar does not compile.
+    """
+    frame = f"start: {json.dumps(start + name + chr(10))} @custom_input {json.dumps(end)}\n"
+    return check(json.dumps({"grammars": [{"lark_grammar": frame},
+                                          {"name": "custom_input", "lark_grammar": lark}]}))
+
+
 class Constraint:
     """One request's grammar state on the sampling stage.
 

@@ -92,10 +92,11 @@ def test_a_forced_tool_use_validates_also_streamed(cluster):
     jsonschema.validate(final.content[-1].input, WEATHER["input_schema"])
 
 
-def test_a_tool_result_and_thinking_in_the_history_yield_an_answer(cluster):
+def test_a_tool_result_in_the_history_yields_an_answer(cluster):
+    """(A thinking block in the history is checked in test_agent_fields.py: its
+    signature must be one the cluster sealed.)"""
     history = [*ASK,
                {"role": "assistant", "content": [
-                   {"type": "thinking", "thinking": "I should look it up.", "signature": ""},
                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
                {"role": "user", "content": [
                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C and sunny"}]}]

@@ -211,7 +211,7 @@ def test_previous_response_id_is_refused(client):
 
 @pytest.mark.parametrize(("kwargs", "param", "needle"), [
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "frobnicate"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+    ({"tools": [{"type": "frobnicator_tool"}]}, "tools[0].type", "frobnicator_tool"),
     ({"tools": [{"type": "function", "parameters": WEATHER}]}, "tools[0].name", "name"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                              {"type": "input_image", "image_url": "https://x/y.png"}]}]},
@@ -219,7 +219,10 @@ def test_previous_response_id_is_refused(client):
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
      "input[0].content[0]", "input_file"),
     ({"store": True}, "store", "ringlet keeps no responses"),
-    ({"include": ["reasoning.encrypted_content"]}, "include", "include"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "Zm9yZ2Vk"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Hi"}]},
+     "input[0].encrypted_content", "does not open"),
+    ({"background": True}, "background", "background"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice", "nope"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input[0].call_id", "call_9"),
 ])
@@ -284,7 +287,7 @@ def test_a_failed_generation_mid_stream_is_response_failed():
     async def collect() -> list[str]:
         head = {"id": "resp_1", "object": "response", "created_at": 0, "model": MODEL}
         echo = {"parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
-        return [f async for f in _stream(events(), head, echo, Connected())]
+        return [f async for f in _stream(events(), head, echo, Connected(), OutputBuilder())]
 
     frames = asyncio.run(collect())
     parsed = []
