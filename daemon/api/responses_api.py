@@ -5,9 +5,10 @@ event stream back to a ``response`` object or its server-sent events
 
 The output items follow the events in order: a ``reasoning`` item for thinking text, a
 ``message`` item (one ``output_text`` part) for visible text, a ``function_call`` item
-per tool call. A response cut by ``max_output_tokens`` is ``incomplete`` (reason
-``max_output_tokens``), and so is the item being written when it was cut. Stateless:
-nothing is stored, so there is no ``GET /v1/responses/{id}``.
+per tool call (its arguments streamed as the model writes them). A response cut by
+``max_output_tokens`` is ``incomplete`` (reason ``max_output_tokens``), and so is the
+item being written when it was cut. Stateless: nothing is stored, so there is no
+``GET /v1/responses/{id}``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,17 @@ from fastapi.responses import StreamingResponse
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.openai_api import SSE_HEADERS
 from ringlet.daemon.api.pipeline import Pipeline
-from ringlet.daemon.api.request import Event, Finished, GenerationRequest, ReasoningDelta, TextDelta, ToolCall, Usage
+from ringlet.daemon.api.request import (
+    Event,
+    Finished,
+    GenerationRequest,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
+    Usage,
+)
 from ringlet.daemon.api.responses_schema import ResponsesRequest
 from ringlet.daemon.errors import GenerationError
 
@@ -85,6 +96,7 @@ class OutputBuilder:
         self.sequence = 0
         self._open: dict[str, Any] | None = None  # the reasoning or message item being written
         self._space = ""
+        self._calls: dict[int, int] = {}  # a call's index -> its output index
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """A stream event of type ``kind``, with the next ``sequence_number``."""
@@ -93,13 +105,17 @@ class OutputBuilder:
         return out
 
     def feed(self, event: Event) -> list[dict[str, Any]]:
-        """The stream events of one pipeline event (text, reasoning or a tool call)."""
+        """The stream events of one pipeline event (text, reasoning or a tool call's step)."""
         if isinstance(event, ReasoningDelta):
             return self._delta("reasoning", event.text)
         if isinstance(event, TextDelta):
             return self._delta("message", event.text)
+        if isinstance(event, ToolCallStart):
+            return self._call_start(event)
+        if isinstance(event, ToolCallDelta):
+            return self._call_delta(event)
         if isinstance(event, ToolCall):
-            return self._call(event)
+            return self._call_done(event)
         return []
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
@@ -167,20 +183,32 @@ class OutputBuilder:
             out.append(self.event("response.reasoning_text.delta", **where, delta=text))
         return out
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call_start(self, call: ToolCallStart) -> list[dict[str, Any]]:
         out = self.close()
         self._space = ""
         item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
                 "arguments": "", "status": "in_progress"}
-        index = len(self.items)
+        self._calls[call.index] = index = len(self.items)
         self.items.append(item)
-        where = {"item_id": item["id"], "output_index": index}
         out.append(self.event("response.output_item.added", output_index=index, item=copy.deepcopy(item)))
-        out.append(self.event("response.function_call_arguments.delta", **where, delta=call.arguments))
-        item["arguments"], item["status"] = call.arguments, "completed"
-        out.append(self.event("response.function_call_arguments.done", **where, arguments=call.arguments))
-        out.append(self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
         return out
+
+    def _call_delta(self, call: ToolCallDelta) -> list[dict[str, Any]]:
+        if not call.arguments:
+            return []
+        index = self._calls[call.index]
+        item = self.items[index]
+        item["arguments"] += call.arguments
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=call.arguments)]
+
+    def _call_done(self, call: ToolCall) -> list[dict[str, Any]]:
+        index = self._calls[call.index]
+        item = self.items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        item["arguments"], item["status"] = call.arguments, "incomplete" if call.cut else "completed"
+        return [self.event("response.function_call_arguments.done", **where, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
 
 def register(app: FastAPI, pipeline: Pipeline) -> None:
