@@ -66,7 +66,7 @@ class CallScanner:
 
         Returns:
             ``("start", name)`` when the call starts, then ``("arguments", text)`` with
-            the arguments text read since the last call (nothing before the start).
+            the arguments text read since the previous feed (nothing before the start).
         """
         out: list[tuple[str, str]] = []
         for ch in piece:
