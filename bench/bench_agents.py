@@ -7,8 +7,8 @@ daemons of the bundled model:
 2. The grammar's own cost per step: llguidance's mask for that schema, computed in
    this process, against the time of one decode step.
 3. Time to the first ``delta.tool_calls`` chunk of a forced call against the first
-   content token of the same prompt without tools. A call is sent whole once its
-   closing marker is generated, so the first is the time to generate the whole call.
+   content token of the same prompt without tools. The first chunk names the call once
+   its arguments begin; they follow as they are generated (bench_tool_stream.py).
 
 Run: ``python bench/run.py bench_agents`` or ``python bench/bench_agents.py``.
 """

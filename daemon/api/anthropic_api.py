@@ -25,7 +25,16 @@ from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.fields import Ignored
 from ringlet.daemon.api.openai_api import SSE_HEADERS
 from ringlet.daemon.api.pipeline import Pipeline
-from ringlet.daemon.api.request import Finished, ReasoningDelta, Started, TextDelta, ToolCall, Usage
+from ringlet.daemon.api.request import (
+    Finished,
+    ReasoningDelta,
+    Started,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
+    Usage,
+)
 from ringlet.daemon.api.seal import Sealer
 from ringlet.daemon.errors import GenerationError
 
@@ -79,15 +88,17 @@ class _Blocks:
             if not self.omit_thinking:
                 self.blocks[-1]["thinking"] += event.text
                 out.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
-        elif isinstance(event, ToolCall):
+        elif isinstance(event, ToolCallStart):  # the tool_use block opens with an empty input
             out += self._close()
             block = {"type": "tool_use", "id": "toolu_" + event.id.removeprefix("call_"), "name": event.name,
                      "input": {}}
             out.append({"type": "content_block_start", "index": len(self.blocks), "content_block": dict(block)})
-            block["input"] = tool_input(event.arguments)
             self.blocks.append(block)
             self.open = "tool_use"
+        elif isinstance(event, ToolCallDelta) and event.arguments:  # the input's JSON as it is written
             out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+        elif isinstance(event, ToolCall):  # the block's input is the whole arguments object
+            self.blocks[-1]["input"] = tool_input(event.arguments)
             out += self._close()
         return out
 

@@ -25,6 +25,8 @@ from ringlet.daemon.api.request import (
     TextDelta,
     TokenLogprob,
     ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
     Usage,
 )
 from ringlet.daemon.errors import GenerationError
@@ -62,9 +64,19 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def tool_call_json(call: ToolCall, index: bool = False) -> dict[str, Any]:
-    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    return {"index": call.index, **out} if index else out
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A complete call in a chat ``message.tool_calls``."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta(event: ToolCallStart | ToolCallDelta) -> dict[str, Any]:
+    """A call's piece in a streamed ``delta.tool_calls``, as OpenAI streams them: the
+    first names the call (``id``, ``type``, ``function.name``, ``arguments: ""``), the
+    next carry only ``index`` and a piece of ``function.arguments``."""
+    if isinstance(event, ToolCallStart):
+        return {"index": event.index, "id": event.id, "type": "function",
+                "function": {"name": event.name, "arguments": ""}}
+    return {"index": event.index, "function": {"arguments": event.arguments}}
 
 
 def register(app: FastAPI, pipeline: Pipeline) -> None:
@@ -184,8 +196,8 @@ async def _stream(kind: str, internal, events: AsyncIterator, head: dict[str, An
                                     logprobs=lp, extra=extra)
                 elif isinstance(event, ReasoningDelta) and kind == "chat":
                     yield chunk(event.choice, {"reasoning_content": event.text})
-                elif isinstance(event, ToolCall) and kind == "chat":
-                    yield chunk(event.choice, {"tool_calls": [tool_call_json(event, index=True)]})
+                elif isinstance(event, ToolCallStart | ToolCallDelta) and kind == "chat":
+                    yield chunk(event.choice, {"tool_calls": [tool_call_delta(event)]})
                 elif isinstance(event, Finished):
                     extra = None
                     if internal.return_token_ids:

@@ -4,20 +4,20 @@
 field otherwise); :meth:`Pipeline.run` generates on the ring (``Node.generate``) and
 turns token ids into :mod:`ringlet.daemon.api.request` events: visible text (stop
 strings cut it), reasoning (between the model's think tokens, detected by mlx-lm's
-``TokenizerWrapper``), tool calls (parsed by :mod:`ringlet.daemon.api.prompting`'s
-format), log-probabilities, and the finish reason of each of ``n`` choices.
+``TokenizerWrapper``), tool calls (streamed while written, by
+:mod:`ringlet.daemon.api.call_stream`), log-probabilities, and the finish reason of each
+of ``n`` choices.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from ringlet.daemon.api import prompting
+from ringlet.daemon.api.call_stream import CallStream
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.request import (
     Event,
@@ -27,7 +27,6 @@ from ringlet.daemon.api.request import (
     Started,
     TextDelta,
     TokenLogprob,
-    ToolCall,
     Usage,
 )
 from ringlet.daemon.api.text import TextSplitter, whole_characters
@@ -204,7 +203,7 @@ class Pipeline:
         thinking = prepared.thinking
         ids: list[int] = []
         pending: list[TokenLogprob] = []
-        calls = 0
+        calls = CallStream(fmt, req.tools, choice) if fmt is not None else None
         unsent: list[int] = []  # ids of think tokens not yet reported (return_token_ids)
         consumed = 0  # characters of the detokenized text already given out
         finish = "length"
@@ -231,12 +230,11 @@ class Pipeline:
                     if piece:
                         yield ReasoningDelta(piece, choice)
                     continue
-                events = self._split(splitter.feed(piece), prepared, choice, calls, pending)
+                events = self._split(splitter.feed(piece), calls, choice, pending)
                 if req.return_token_ids:  # one delta per token, carrying its id (streamed timing)
                     events = self._with_ids(events, choice, [*unsent, int(token)], pending)
                     unsent = []
                 for event in events:
-                    calls += isinstance(event, ToolCall)
                     yield event
                 if splitter.stopped:
                     finish = "stop"
@@ -246,33 +244,30 @@ class Pipeline:
         if thinking and tail:
             yield ReasoningDelta(tail, choice)
         elif not splitter.stopped and not thinking:
-            for event in self._split(splitter.feed(tail) + splitter.flush(), prepared, choice, calls, pending):
-                calls += isinstance(event, ToolCall)
+            for event in self._split(splitter.feed(tail) + splitter.flush(), calls, choice, pending):
                 yield event
             finish = "stop" if splitter.stopped else finish
         if pending:
             yield TextDelta("", choice, tuple(pending))
-        if calls and finish == "stop":
+        if calls is not None and calls.count and finish == "stop":
             finish = "tool_calls"
         yield Finished(finish, len(ids), choice, tuple(ids), splitter.matched)  # type: ignore[arg-type]
 
-    def _split(self, parts: list[tuple[str, str]], prepared: Prepared, choice: int, calls: int,
+    @staticmethod
+    def _split(parts: list[tuple[str, str]], calls: CallStream | None, choice: int,
                pending: list[TokenLogprob]) -> list[Event]:
-        """Events of a :class:`TextSplitter` result: ``("text", s)`` and ``("call", body)``."""
-        fmt = prepared.tool_format
+        """Events of a :class:`TextSplitter` result: its text, and its call parts through
+        ``calls``; the first text delta carries the ``pending`` log-probabilities."""
         out: list[Event] = []
         for kind, text in parts:
-            if kind == "call" and fmt is not None:
-                parsed = self._parse_calls(fmt, text, prepared.request.tools)
-                if parsed is not None:
-                    for call in parsed:
-                        out.append(ToolCall(calls, "call_" + uuid.uuid4().hex[:24], call[0], call[1], choice))
-                        calls += 1
-                    continue
-                text = fmt.start + text + fmt.end  # not a call after all: it stays text
-            if text or pending:
-                out.append(TextDelta(text, choice, tuple(pending)))
-                pending.clear()
+            events = [TextDelta(text, choice)] if kind == "text" or calls is None else calls.take(kind, text)
+            for event in events:
+                if isinstance(event, TextDelta):
+                    if not (event.text or pending):
+                        continue
+                    event = replace(event, logprobs=tuple(pending))
+                    pending.clear()
+                out.append(event)
         return out
 
     @staticmethod
@@ -284,25 +279,6 @@ class Pipeline:
                 return events
         pending_lp, pending[:] = tuple(pending), []
         return [*events, TextDelta("", choice, pending_lp, tuple(ids))]
-
-    @staticmethod
-    def _parse_calls(fmt: prompting.ToolFormat, body: str, tools: list) -> list[tuple[str, str]] | None:
-        """``(name, arguments JSON)`` of the calls in a call body, or ``None`` when it is
-        not a call (the parser raises, or names no function)."""
-        if (custom := prompting.parse_custom_call(body, tools)) is not None:
-            return [custom]
-        try:
-            parsed = fmt.parse(body, [t.as_openai() for t in tools] or None)
-        except Exception:  # noqa: BLE001 - a parser raises on text that is not a call
-            return None
-        items = parsed if isinstance(parsed, list) else [parsed]
-        out = []
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return None
-            args = item.get("arguments", {})
-            out.append((item["name"], args if isinstance(args, str) else json.dumps(args)))
-        return out
 
     def _logprob(self, token) -> TokenLogprob:
         text = self.tokenizer.decode([int(token)])

@@ -191,14 +191,46 @@ class ReasoningDelta:
 
 
 @dataclass(frozen=True)
-class ToolCall:
-    """One complete tool call of choice ``choice``.
+class ToolCallStart:
+    """A tool call of choice ``choice`` begins: its function is known, its arguments follow
+    as :class:`ToolCallDelta` events while they are generated, and :class:`ToolCall`
+    completes it. Between a call's start and its completion the choice emits only that
+    call's deltas.
 
     Attributes:
         index: its position among the choice's calls (0, 1, ...).
         id: a fresh call id (``call_...``).
         name: the function called.
-        arguments: its arguments as a JSON object text.
+    """
+
+    index: int
+    id: str
+    name: str
+    choice: int = 0
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of the arguments text of call ``index`` of choice ``choice``; the pieces
+    of a call, joined, are its :class:`ToolCall`'s ``arguments`` exactly."""
+
+    index: int
+    arguments: str
+    choice: int = 0
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of choice ``choice``, complete (after its :class:`ToolCallStart`
+    and deltas): what a non-streamed reply shows.
+
+    Attributes:
+        index: its position among the choice's calls (0, 1, ...).
+        id: its id (the start's).
+        name: the function called.
+        arguments: its arguments: the JSON object text the model wrote, as it wrote it.
+        cut: the output ended before the call did (the token cap): ``arguments`` are
+            the part written.
     """
 
     index: int
@@ -206,6 +238,7 @@ class ToolCall:
     name: str
     arguments: str
     choice: int = 0
+    cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,4 +275,4 @@ class Usage:
     cached_tokens: int = 0
 
 
-Event = Started | TextDelta | ReasoningDelta | ToolCall | Finished | Usage
+Event = Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCall | Finished | Usage

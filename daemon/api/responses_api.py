@@ -5,9 +5,10 @@ event stream back to a ``response`` object or its server-sent events
 
 The output items follow the events in order: a ``reasoning`` item for thinking text, a
 ``message`` item (one ``output_text`` part) for visible text, a ``function_call`` item
-per tool call. A response cut by ``max_output_tokens`` is ``incomplete`` (reason
-``max_output_tokens``), and so is the item being written when it was cut. Stateless:
-nothing is stored, so there is no ``GET /v1/responses/{id}``.
+per tool call (its arguments streamed as the model writes them). A response cut by
+``max_output_tokens`` is ``incomplete`` (reason ``max_output_tokens``), and so is the
+item being written when it was cut. Stateless: nothing is stored, so there is no
+``GET /v1/responses/{id}``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from ringlet.daemon.api.request import (
     TextDelta,
     Tool,
     ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
     Usage,
 )
 from ringlet.daemon.api.responses_schema import ResponsesRequest
@@ -104,6 +107,7 @@ class OutputBuilder:
         self._space = ""
         self.tools = {t.name: t for t in tools or ()}
         self.seal = seal
+        self._calls: dict[int, int] = {}  # a call's index -> its output index
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """A stream event of type ``kind``, with the next ``sequence_number``."""
@@ -112,13 +116,17 @@ class OutputBuilder:
         return out
 
     def feed(self, event: Event) -> list[dict[str, Any]]:
-        """The stream events of one pipeline event (text, reasoning or a tool call)."""
+        """The stream events of one pipeline event (text, reasoning or a tool call's step)."""
         if isinstance(event, ReasoningDelta):
             return self._delta("reasoning", event.text)
         if isinstance(event, TextDelta):
             return self._delta("message", event.text)
+        if isinstance(event, ToolCallStart):
+            return self._call_start(event)
+        if isinstance(event, ToolCallDelta):
+            return self._call_delta(event)
         if isinstance(event, ToolCall):
-            return self._call(event)
+            return self._call_done(event)
         return []
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
@@ -188,45 +196,55 @@ class OutputBuilder:
             out.append(self.event("response.reasoning_text.delta", **where, delta=text))
         return out
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call_start(self, call: ToolCallStart) -> list[dict[str, Any]]:
         out = self.close()
         self._space = ""
         tool = self.tools.get(call.name)
         if tool is not None and tool.custom:
-            return out + self._custom_call(call, tool)
-        item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
-                "arguments": "", "status": "in_progress"}
-        if tool is not None and tool.namespace:
-            item["name"], item["namespace"] = tool.client_name, tool.namespace
-        index = len(self.items)
+            item = {"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call.id, "name": tool.client_name,
+                    "input": "", "status": "in_progress"}
+        else:
+            item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+                    "arguments": "", "status": "in_progress"}
+            if tool is not None and tool.namespace:
+                item["name"], item["namespace"] = tool.client_name, tool.namespace
+        self._calls[call.index] = index = len(self.items)
         self.items.append(item)
-        where = {"item_id": item["id"], "output_index": index}
         out.append(self.event("response.output_item.added", output_index=index, item=copy.deepcopy(item)))
-        out.append(self.event("response.function_call_arguments.delta", **where, delta=call.arguments))
-        item["arguments"], item["status"] = call.arguments, "completed"
-        out.append(self.event("response.function_call_arguments.done", **where, arguments=call.arguments))
-        out.append(self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
         return out
 
-    def _custom_call(self, call: ToolCall, tool: Tool) -> list[dict[str, Any]]:
-        """A call to a custom tool: a ``custom_tool_call`` item whose ``input`` is the
-        text the model passed (its one argument ``input``)."""
-        try:
-            value = json.loads(call.arguments).get(CUSTOM_INPUT, "")
-        except (json.JSONDecodeError, AttributeError):
-            value = call.arguments
-        text = value if isinstance(value, str) else json.dumps(value)
-        item = {"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call.id, "name": tool.client_name,
-                "input": "", "status": "in_progress"}
-        index = len(self.items)
-        self.items.append(item)
+    def _call_delta(self, call: ToolCallDelta) -> list[dict[str, Any]]:
+        index = self._calls[call.index]
+        item = self.items[index]
+        if not call.arguments or item["type"] == "custom_tool_call":  # a custom input goes whole, at its end
+            return []
+        item["arguments"] += call.arguments
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=call.arguments)]
+
+    def _call_done(self, call: ToolCall) -> list[dict[str, Any]]:
+        index = self._calls[call.index]
+        item = self.items[index]
         where = {"item_id": item["id"], "output_index": index}
-        out = [self.event("response.output_item.added", output_index=index, item=copy.deepcopy(item)),
-               self.event("response.custom_tool_call_input.delta", **where, delta=text)]
-        item["input"], item["status"] = text, "completed"
-        out.append(self.event("response.custom_tool_call_input.done", **where, input=text))
-        out.append(self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
-        return out
+        item["status"] = "incomplete" if call.cut else "completed"
+        if item["type"] == "custom_tool_call":
+            item["input"] = custom_input(call.arguments)
+            return [self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                    self.event("response.custom_tool_call_input.done", **where, input=item["input"]),
+                    self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+        item["arguments"] = call.arguments
+        return [self.event("response.function_call_arguments.done", **where, arguments=call.arguments),
+                self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool call's input: the text the model passed as its one argument
+    ``input`` (the whole arguments text when they are not such an object)."""
+    try:
+        value = json.loads(arguments).get(CUSTOM_INPUT, "")
+    except (json.JSONDecodeError, AttributeError):
+        return arguments
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def register(app: FastAPI, pipeline: Pipeline) -> None:

@@ -14,6 +14,7 @@ import json
 import pytest
 
 from ringlet.daemon.api import prompting
+from ringlet.daemon.api.call_stream import CallStream, parse_calls
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.request import GenerationRequest, ReasoningDelta, TextDelta, Tool, ToolCall
 from ringlet.daemon.api.text import TextSplitter
@@ -66,9 +67,17 @@ def tokenizer():
 
 
 def merged(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Adjacent text parts joined (the splitter emits text as soon as it is decided)."""
+    """Adjacent text parts joined (the splitter emits text as soon as it is decided), and
+    a call's streamed ``body`` pieces left out once checked against its whole body."""
     out: list[tuple[str, str]] = []
+    body = ""
     for kind, text in parts:
+        if kind == "body":
+            body += text
+            continue
+        if kind in ("call", "cut"):
+            assert text == body, "the body's pieces make up the call's body"
+            body = ""
         if out and kind == "text" and out[-1][0] == "text":
             out[-1] = ("text", out[-1][1] + text)
         else:
@@ -100,7 +109,7 @@ def test_each_selected_parser_reads_its_models_output(tokenizer, name):
     calls = []
     for kind, body in parts:
         if kind == "call":
-            calls += Pipeline._parse_calls(fmt, body, [WEATHER])
+            calls += parse_calls(fmt, body, [WEATHER])
     assert [(n, json.loads(a)) for n, a in calls] == expected
 
 
@@ -127,7 +136,12 @@ def test_stop_strings_and_markers_split_across_pieces():
 
 def test_an_unclosed_call_stays_text():
     fmt = prompting.JSON_FORMAT
-    assert split('ok <tool_call>{"name": "f"', fmt) == [("text", 'ok <tool_call>{"name": "f"')]
+    splitter = TextSplitter([], (fmt.start, fmt.end))
+    parts = splitter.feed('ok <tool_call>{"name": "f"') + splitter.flush()
+    assert merged(parts) == [("text", "ok "), ("cut", '{"name": "f"')]
+    calls = CallStream(fmt, [], 0)  # no call started (no arguments yet): the body is text again
+    events = [e for kind, text in parts if kind != "text" for e in calls.take(kind, text)]
+    assert events == [TextDelta('<tool_call>{"name": "f"')] and calls.count == 0
 
 
 class ScriptedRing:
