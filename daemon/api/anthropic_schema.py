@@ -193,8 +193,6 @@ class _Prompted(_Strict):
         choice, parallel = self.choice(tools)
         fmt = self.output_config.format if self.output_config is not None else None
         messages = self.conversation(seal, ignored)
-        if tools and choice in ("auto", "none") and not parallel:
-            ignored.append("tool_choice.disable_parallel_tool_use")
         return GenerationRequest(messages=messages, tools=tools, tool_choice=choice,
                                  parallel_tool_calls=parallel, template_kwargs=self.template_kwargs(),
                                  response_format=ResponseFormat("json_schema", fmt.schema_) if fmt else None,

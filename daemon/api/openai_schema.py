@@ -193,13 +193,13 @@ def effort_thinking(effort: Any, param: str) -> bool:
     return EFFORT_THINKING[effort]
 
 
-def tool_hints(tools: list[Tool], choice: str, parallel: bool, strict: list[bool]) -> list[str]:
-    """The tool settings that are hints for this request: ``parallel_tool_calls: false``
-    and ``strict`` schemas are enforced only when a call is forced (the grammar then
-    allows one call, valid against its schema); otherwise they are not applied."""
+def tool_hints(tools: list[Tool], choice: str, strict: list[bool]) -> list[str]:
+    """The tool settings that are hints for this request: ``strict`` schemas are
+    enforced only when a call is forced (the grammar then allows only arguments valid
+    against the schema); with ``auto`` they are not applied."""
     if not tools or choice not in ("auto", "none"):
         return []
-    return (["parallel_tool_calls"] if not parallel else []) + (["strict"] if any(strict) else [])
+    return ["strict"] if any(strict) else []
 
 
 class _Common(_Strict):
@@ -296,8 +296,7 @@ class ChatRequest(_Common):
         choice = choice_from(self.tool_choice, tools)
         common = self.common()
         common["ignored"] += [f for f in CHAT_HINT_FIELDS if getattr(self, f) is not None]
-        common["ignored"] += tool_hints(tools, choice, self.parallel_tool_calls,
-                                        [bool(d.function.strict) for d in self.tools or ()])
+        common["ignored"] += tool_hints(tools, choice, [bool(d.function.strict) for d in self.tools or ()])
         return GenerationRequest(
             messages=[m.for_template() for m in self.messages], tools=tools,
             tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,

@@ -27,6 +27,7 @@ from ringlet.daemon.api.request import (
     Started,
     TextDelta,
     TokenLogprob,
+    ToolCall,
     Usage,
 )
 from ringlet.daemon.api.text import TextSplitter, whole_characters
@@ -207,6 +208,7 @@ class Pipeline:
         unsent: list[int] = []  # ids of think tokens not yet reported (return_token_ids)
         consumed = 0  # characters of the detokenized text already given out
         finish = "length"
+        one_call = False
         generation = self.node.generate(prepared.prompt_ids, prepared.max_tokens, sampling, self.eos_ids,
                                         cache_scope=scope, info=info)
         async with contextlib.aclosing(generation) as tokens:
@@ -236,14 +238,17 @@ class Pipeline:
                     unsent = []
                 for event in events:
                     yield event
-                if splitter.stopped:
+                    if isinstance(event, ToolCall) and not req.parallel_tool_calls:
+                        one_call = True  # parallel_tool_calls false: the reply ends with its first call
+                        break
+                if splitter.stopped or one_call:
                     finish = "stop"
                     break
         detok.finalize()
         tail = whole_characters(detok.text)[consumed:]  # what finalize released (or "")
         if thinking and tail:
             yield ReasoningDelta(tail, choice)
-        elif not splitter.stopped and not thinking:
+        elif not splitter.stopped and not thinking and not one_call:
             for event in self._split(splitter.feed(tail) + splitter.flush(), calls, choice, pending):
                 yield event
             finish = "stop" if splitter.stopped else finish

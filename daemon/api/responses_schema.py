@@ -119,8 +119,8 @@ class ResponsesRequest(BaseModel):
         ignored += [f"include.{v}" for v in self.include or () if v not in INCLUDE_HONOURED]
         tools = tools_from(self.tools, ignored)
         choice = tool_choice_from(self.tool_choice, tools)
-        ignored += tool_hints(tools, choice, self.parallel_tool_calls is not False,
-                              [bool(d.get("strict")) for d in self.tools or () if d.get("type") == "function"])
+        ignored += tool_hints(tools, choice, [bool(d.get("strict")) for d in self.tools or ()
+                                              if d.get("type") == "function"])
         return GenerationRequest(
             messages=messages_from(self.input, self.instructions, tools, seal), tools=tools,
             tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls is not False,

@@ -177,10 +177,7 @@ def thinking_tokenizer():
 
 
 def load_base():
-    from ringlet.daemon.engine.model_info import load_tokenizer
-    from ringlet.daemon.engine.sources import resolve
-
-    return load_tokenizer(resolve(None))._tokenizer
+    return load_tokenizer_wrapper()._tokenizer
 
 
 def test_reasoning_is_split_from_the_answer_by_the_think_tokens():
@@ -204,3 +201,35 @@ def test_reasoning_is_split_from_the_answer_by_the_think_tokens():
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     assert reasoning == "\nParis is the capital of France.\n"
     assert text == answer and not any(isinstance(e, ToolCall) for e in events)
+
+
+@pytest.mark.parametrize(("parallel", "calls"), [(True, ["f", "g"]), (False, ["f"])])
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(parallel, calls):
+    """With ``auto`` no grammar limits the calls: ``parallel_tool_calls: false`` ends the
+    reply once its first call is complete (a model that writes two gets one)."""
+    from ringlet.daemon.wire.limits import ApiLimits
+
+    tok = load_tokenizer_wrapper()
+    text = ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call> and text')
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    pipeline = Pipeline(ScriptedRing(ids), LazyTokenizer(lambda: tok), "m", 4096, ApiLimits())
+    tools = [Tool("f", parameters={"type": "object", "properties": {"a": {"type": "integer"}}}), Tool("g")]
+
+    async def run():
+        request = GenerationRequest(messages=[{"role": "user", "content": "Call f and g."}], tools=tools,
+                                    parallel_tool_calls=parallel, temperature=0)
+        return [e async for e in pipeline.run(await pipeline.admit(None, lambda: request, ""))]
+
+    events = asyncio.run(run())
+    assert [e.name for e in events if isinstance(e, ToolCall)] == calls
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)).strip() == ("and text" if parallel else "")
+    finished = next(e for e in events if type(e).__name__ == "Finished")
+    assert finished.reason == "tool_calls"
+
+
+def load_tokenizer_wrapper():
+    from ringlet.daemon.engine.model_info import load_tokenizer
+    from ringlet.daemon.engine.sources import resolve
+
+    return load_tokenizer(resolve(None))
