@@ -35,8 +35,13 @@ class _Strict(BaseModel):
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    """One message; ``system`` messages inside the conversation (Claude Code's
+    mid-conversation beta) are rendered as system messages where they stand, and their
+    ``output_config`` is a hint."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+    output_config: dict[str, Any] | None = None
 
 
 #: the system block Claude Code sends first, which varies per request (``cch=`` nonce)
@@ -53,6 +58,7 @@ class ToolDef(_Strict):
     cache_control: dict[str, Any] | None = None
     strict: bool | None = None
     eager_input_streaming: bool | None = None
+    defer_loading: bool | None = None
 
     def server_tool(self) -> bool:
         """An Anthropic-defined tool (``web_search_…``, ``bash_…``, ``text_editor_…``...),
@@ -73,7 +79,7 @@ class Thinking(_Strict):
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=0)] | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    display: str | None = None
 
 
 class OutputFormat(_Strict):
@@ -116,7 +122,13 @@ class _Prompted(_Strict):
         if system:
             out.append({"role": "system", "content": system})
         for i, m in enumerate(self.messages):
-            out += _convert(m, f"messages.{i}.content", seal, ignored)
+            if m.output_config is not None:
+                ignored.append("messages.output_config")
+            if m.role != "system":
+                out += _convert(m, f"messages.{i}.content", seal, ignored)
+            elif text := (m.content if isinstance(m.content, str) else
+                          _texts(m.content, f"messages.{i}.content", ignored)):
+                out.append({"role": "system", "content": text})
         return out
 
     def context_edits(self) -> None:
@@ -138,6 +150,8 @@ class _Prompted(_Strict):
             if d.server_tool():
                 if ignored is not None:
                     ignored.append(f"tools.{d.type}")
+                continue
+            if d.defer_loading:  # loaded only when a tool search finds it; ringlet runs no search
                 continue
             if d.strict and ignored is not None:
                 ignored.append("tools.strict")
@@ -177,8 +191,8 @@ class _Prompted(_Strict):
         names = [f for f in ("cache_control", "context_management") if getattr(self, f) is not None]
         if self.thinking is not None and self.thinking.budget_tokens is not None:
             names.append("thinking.budget_tokens")
-        if self.thinking is not None and self.thinking.display == "summarized":
-            names.append("thinking.display")
+        if self.thinking is not None and self.thinking.display not in (None, "omitted"):
+            names.append("thinking.display")  # summarized, updates...: the whole text is returned
         if self.output_config is not None and self.output_config.effort is not None:
             names.append("output_config.effort")
         return names

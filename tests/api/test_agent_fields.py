@@ -281,3 +281,27 @@ def test_the_seal_rejects_what_it_did_not_make():
             a.open("reasoning", bad)
     with pytest.raises(SealError):
         b.open("reasoning", sealed)  # bound to the model
+
+
+def count(http, **body) -> int:
+    r = http.post("/v1/messages/count_tokens", json={"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["input_tokens"]
+
+
+def test_claude_codes_beta_shapes_a_system_message_a_deferred_tool_and_display_modes(http):
+    """What Claude Code 2.1.332 sends with its default prompt and stream-json output: a
+    system message inside the conversation (with an ``output_config``), a tool with
+    ``defer_loading``, ``thinking.display: "updates"``."""
+    user = [{"role": "user", "content": "Say hello"}]
+    mid = [*user, {"role": "system", "content": [], "output_config": {"effort": "medium"}}]
+    r = http.post("/v1/messages", json={**CLAUDE, "messages": mid, "thinking": {"type": "adaptive",
+                                                                                "display": "updates"}})
+    assert r.status_code == 200, r.text
+    assert {"messages.output_config", "thinking.display"} <= ignored(r)
+    said = [*user, {"role": "system", "content": [{"type": "text", "text": "Answer in French."}]}]
+    assert count(http, messages=said) > count(http, messages=mid) == count(http, messages=user)
+    tool = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object", "properties": {
+        "path": {"type": "string"}}}}
+    assert count(http, messages=user, tools=[{**tool, "defer_loading": True}]) == count(http, messages=user)
+    assert count(http, messages=user, tools=[tool]) > count(http, messages=user)
