@@ -68,7 +68,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str]:
 def seal_material(node: Node) -> bytes:
     """What the reasoning seal's key derives from: the cluster secret, else the cluster
     id (every member has it; see :mod:`ringlet.daemon.api.seal`)."""
-    transport = getattr(node.config, "transport", None)
+    transport = getattr(getattr(node, "config", None), "transport", None)  # node is None for the OpenAPI schema
     secret = getattr(transport, "secret", None)
     if secret:
         return bytes(secret)

@@ -15,7 +15,8 @@ model's 8,192-token context. For each client:
   prompt has N tokens; the model's context is 8192", ``context_length_exceeded``)
   reaches the user.
 
-All tests share one 2-daemon ring (conftest.py); every client run is in a sandbox with
+All tests share one 2-daemon ring (the fixtures below: a conftest.py here would shadow
+tests/conftest.py, which other test modules import by name); every client run is in a sandbox with
 its own home and project, a hard timeout, and talks only to 127.0.0.1.
 """
 
@@ -25,16 +26,51 @@ import json
 import re
 import uuid
 
+import pytest
 from agent_harness import (
     CONTEXT,
     OPENCODE_ENV,
+    CaptureProxy,
+    Sandbox,
     claude,
     claude_env,
     codex,
     codex_home,
+    missing_clients,
     opencode,
     opencode_config,
 )
+
+from ringlet.daemon.ops.demo import LocalCluster
+
+
+@pytest.fixture(scope="session")
+def ring():
+    """A float32 ring of two daemons, started once for every agent test."""
+    if reason := missing_clients():
+        pytest.skip(reason)
+    cluster = LocalCluster(2, dtype="float32").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(ring):
+    """The capture proxy the clients talk to, in front of the ring's first node."""
+    p = CaptureProxy(ring.api_urls[0]).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """An isolated home and project for one test's client runs."""
+    return Sandbox(tmp_path)
+
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "And of Spain?", "And of Germany?",
              "And of Portugal?"]
