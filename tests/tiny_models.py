@@ -64,12 +64,12 @@ def save_char_tokenizer(directory: Path, vocab_size: int) -> None:
         "eos_token": "</s>", "chat_template": template}))
 
 
-def make_tiny_model(arch: str, directory: Path, seed: int = 0) -> Path:
-    """Build ``arch`` with random float32 weights and save ``config.json``,
-    ``model.safetensors`` and a character-level tokenizer."""
+def make_tiny_model(arch: str, directory: Path, seed: int = 0, config: dict | None = None) -> Path:
+    """Build ``arch`` (or ``config``, mlx-lm ``config.json`` form) with random float32
+    weights and save ``config.json``, ``model.safetensors`` and a character-level tokenizer."""
     from mlx_lm.utils import _get_classes
 
-    config = CONFIGS[arch]
+    config = config or CONFIGS[arch]
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

@@ -14,13 +14,9 @@ from collections.abc import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_split
 from ringlet.daemon.engine.stage_tensors import validate_range
-from ringlet.daemon.errors import ModelFormatError, PlanError
-
-#: Architectures whose inner forward rescales the embedding output (e.g. Gemma's
-#: ``h * sqrt(hidden_size)``): a pass-through embedding would apply it twice on
-#: later stages, so they can only run as a single stage.
-NO_SPLIT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "recurrent_gemma"})
+from ringlet.daemon.errors import ModelFormatError
 
 
 class StageEmbedding(nn.Module):
@@ -73,32 +69,25 @@ def inner_module(model: nn.Module) -> nn.Module:
     raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
 
 
-def reindex(inner: nn.Module) -> None:
-    """Some models index the cache list by a layer position computed for the full model
-    (``fa_idx``, ``swa_idx``): point them into ``inner.layers`` as it is now."""
-    if hasattr(inner, "fa_idx") and all(hasattr(layer, "use_sliding") for layer in inner.layers):
-        kinds = [layer.use_sliding for layer in inner.layers]
-        inner.fa_idx = kinds.index(False) if False in kinds else 0
-        if getattr(inner, "swa_idx", None) is not None:
-            inner.swa_idx = kinds.index(True) if True in kinds else 0
+def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool, LayerPattern]:
+    """Prune an (unevaluated) mlx-lm model in place to the stage ``[start, end)``; the
+    stage keeps its layers' global pattern (:mod:`~ringlet.daemon.engine.layer_pattern`).
 
-
-def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool]:
-    """Prune an (unevaluated) mlx-lm model in place to the stage ``[start, end)``.
-
-    Returns ``(first, last)``.
+    Returns ``(first, last, pattern)``: ``pattern`` captured from the whole model.
 
     Raises:
-        PlanError: bad range, or a split of an architecture that cannot be split.
+        PlanError: bad range, or a split of an architecture that cannot be split exactly
+            (:func:`~ringlet.daemon.engine.layer_pattern.check_split`).
     """
     inner = inner_module(model)
     num_layers = len(inner.layers)
     validate_range(start, end, num_layers)
     first, last = start == 0, end == num_layers
-    if not (first and last) and model_type in NO_SPLIT_MODEL_TYPES:
-        raise PlanError(f"architecture {model_type!r} cannot be split into stages yet; run it on one node")
+    pattern = capture(model, inner, model_type)
+    if not (first and last):
+        check_split(model_type, pattern)
     inner.layers = inner.layers[start:end]
-    reindex(inner)
+    pattern.apply(inner, start, end)
     tied = not hasattr(model, "lm_head")
     real = inner.embed_tokens
     keep_embedding = first or (last and tied)
@@ -107,7 +96,7 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         inner.norm = Identity()
         if hasattr(model, "lm_head"):
             model.lm_head = Identity()
-    return first, last
+    return first, last, pattern
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,7 +29,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ringlet.daemon.engine import gguf as gguf_source
-from ringlet.daemon.engine.prune import Identity, StageEmbedding, inner_module, last_position_only, prune, reindex
+from ringlet.daemon.engine.layer_pattern import LayerPattern
+from ringlet.daemon.engine.prune import Identity, StageEmbedding, inner_module, last_position_only, prune
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
@@ -91,6 +92,8 @@ class Stage(StageRange):
         num_layers: layers in the whole model.
         config: the model config (mlx-lm ``config.json`` form).
         reused_prefixes: parameter prefixes taken from a previous stage, not read.
+        pattern: the whole model's layer pattern (caches, index attributes), from
+            :func:`~ringlet.daemon.engine.prune.prune`; ``None``: the model's own.
     """
 
     model: nn.Module
@@ -99,12 +102,18 @@ class Stage(StageRange):
     num_layers: int
     config: dict
     reused_prefixes: frozenset[str] = frozenset()
+    pattern: LayerPattern | None = None
+    _span: tuple[int, int] | None = field(default=None, init=False, repr=False)
 
     def make_cache(self) -> list:
-        """A fresh per-request KV cache: one entry per layer of this stage."""
+        """A fresh per-request cache: one entry per layer of this stage, of the type the
+        whole model gives that layer's global position (inside :meth:`span`, its layers)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        return make_prompt_cache(self.model)
+        if self.pattern is None:
+            return make_prompt_cache(self.model)
+        lo, hi = self._span or (self.start, self.end)
+        return self.pattern.make_cache(lo, hi)
 
     def __call__(self, x: mx.array, cache: list, head: bool | None = None) -> mx.array:
         """Run the stage.
@@ -147,12 +156,15 @@ class Stage(StageRange):
         if not self.start <= lo < hi <= self.end:
             raise PlanError(f"layers [{lo}, {hi}) are not within this stage's [{self.start}, {self.end})")
         inner = inner_module(self.model)
-        saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", "fa_idx", "swa_idx")
+        patterned = (*self.pattern.indices, *self.pattern.lists) if self.pattern is not None else ()
+        saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", *patterned)
                  if hasattr(inner, name)}
         head = self.model.get("lm_head")
         try:
             inner.layers = saved["layers"][lo - self.start:hi - self.start]
-            reindex(inner)
+            if self.pattern is not None:
+                self.pattern.apply(inner, lo, hi)
+            self._span = (lo, hi)
             real = getattr(saved["embed_tokens"], "real", None) if lo == 0 else None
             inner.embed_tokens = StageEmbedding(real, embed_input=lo == 0, head_output=False)
             inner.norm = Identity()
@@ -160,6 +172,7 @@ class Stage(StageRange):
                 self.model.lm_head = Identity()
             yield
         finally:
+            self._span = None
             for name, value in saved.items():
                 setattr(inner, name, value)
             if head is not None:
@@ -320,7 +333,7 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
     if partial:
         validate_range(start, end, num_layers)
         check_stage_present(model, location, start, end)
-    prune(model, start, end, config.get("model_type", ""))
+    _, _, pattern = prune(model, start, end, config.get("model_type", ""))
     if dtype is not None:
         _cast(model, dtype)
     reused = _reuse(model, start, end, num_layers, reuse)
@@ -334,7 +347,7 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
     except (RuntimeError, ValueError) as exc:
         raise ModelFormatError(f"{location.path}: cannot read the weights: {exc}") from None
     return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config,
-                 reused_prefixes=frozenset(reused))
+                 reused_prefixes=frozenset(reused), pattern=pattern)
 
 
 def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stage | None,
@@ -345,7 +358,7 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stag
     model = model_class(args_class.from_dict(config))
     num_layers = len(model.layers)
     end = num_layers if end is None else end
-    first, last = prune(model, start, end, config["model_type"])
+    first, last, pattern = prune(model, start, end, config["model_type"])
 
     def local(name: str) -> str:
         # global layer index -> index within the stage; embedding sits under the stand-in
@@ -396,4 +409,4 @@ def _load_gguf_stage(path: Path, start: int, end: int | None, dtype, reuse: Stag
             raise ModelFormatError(f"{path}: no tensors for {missing[:3]}")
     mx.eval(model.parameters())
     return Stage(model=model, start=start, end=end, num_layers=num_layers, config=config,
-                 reused_prefixes=frozenset(reused))
+                 reused_prefixes=frozenset(reused), pattern=pattern)

@@ -1,0 +1,85 @@
+"""The split zoo: every text architecture of the installed mlx-lm, split every way into
+1-4 stages, gives logits equal (``array_equal``) to mlx-lm's whole model -- prefill and
+5 greedy decode steps -- or is refused up front by ``load_stage`` with a reason; never
+wrong logits, never a crash.
+
+Expected logits come from mlx-lm alone (``mlx_lm.utils.load_model``,
+``make_prompt_cache``, the model's forward). Models: tests/zoo_models.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from tiny_models import make_tiny_model
+from zoo_models import ZOO
+
+from ringlet.daemon.engine.layer_pattern import REFUSED
+from ringlet.daemon.engine.sources import resolve
+from ringlet.daemon.engine.stage import load_stage
+from ringlet.daemon.errors import PlanError
+
+PROMPT = [3, 17, 42, 99, 5, 150, 8]
+DECODE_STEPS = 5
+
+
+def all_splits(num_layers: int, max_stages: int = 4):
+    """Every way to cut [0, num_layers) into 2..max_stages contiguous non-empty ranges."""
+    for k in range(2, max_stages + 1):
+        for cuts in itertools.combinations(range(1, num_layers), k - 1):
+            bounds = (0, *cuts, num_layers)
+            yield [(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def reference_logits(path) -> list[mx.array]:
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    cache = make_prompt_cache(model)
+    out = [model(mx.array([PROMPT]), cache=cache)]
+    mx.eval(out[-1])
+    for _ in range(DECODE_STEPS):
+        out.append(model(mx.array([[mx.argmax(out[-1][0, -1]).item()]]), cache=cache))
+        mx.eval(out[-1])
+    return out
+
+
+def split_logits(stages) -> list[mx.array]:
+    caches = [s.make_cache() for s in stages]
+    out, x = [], mx.array([PROMPT])
+    for _ in range(DECODE_STEPS + 1):
+        for stage, cache in zip(stages, caches, strict=True):
+            x = stage(x, cache)
+            mx.eval(x)
+        out.append(x)
+        x = mx.array([[mx.argmax(x[0, -1]).item()]])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_split_is_exact_or_refused(name, tmp_path):
+    config = ZOO[name]
+    path = make_tiny_model(config["model_type"], tmp_path / name, config=config)
+    expected = reference_logits(path)
+    location = resolve(str(path))
+    whole = load_stage(location, 0)
+    n = whole.num_layers
+    assert all(mx.array_equal(g, e).item() for g, e in zip(split_logits([whole]), expected, strict=True))
+    refusals, exact = [], 0
+    for split in all_splits(n):
+        try:
+            stages = [load_stage(location, start, end) for start, end in split]
+        except PlanError as exc:
+            refusals.append(str(exc))
+            continue
+        got = split_logits(stages)
+        for step, (e, g) in enumerate(zip(expected, got, strict=True)):
+            assert g.shape == e.shape and mx.array_equal(g, e).item(), f"{name} {split}: logits differ at step {step}"
+        exact += 1
+    if refusals:  # refused up front: every split, naming the architecture and why
+        assert exact == 0, f"{name}: some splits refused, others run: {refusals[0]}"
+        assert f"{config['model_type']!r} cannot be split" in refusals[0]
+        assert config["model_type"] in REFUSED or "different kinds" in refusals[0], refusals[0]
