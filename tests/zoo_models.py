@@ -72,6 +72,13 @@ ZOO: dict[str, dict] = {
                     "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 2, "topk_group": 1,
                     "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
                     "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "mixtral": _cfg("mixtral", 4, num_local_experts=4, num_experts_per_tok=2),
+    "starcoder2": _cfg("starcoder2", 4, norm_epsilon=1e-5, tie_word_embeddings=True),
+    "qwen2_moe": _cfg("qwen2_moe", 4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "olmoe": _cfg("olmoe", 4, num_experts=4, num_experts_per_tok=2),
+    "smollm3": _cfg("smollm3", 4, no_rope_layer_interval=2),
+    "seed_oss": _cfg("seed_oss", 4),
     "llama4_text": _cfg("llama4_text", 4, intermediate_size_mlp=128, no_rope_layers=[1, 1, 1, 0],
                         use_qk_norm=True),
 }

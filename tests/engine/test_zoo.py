@@ -100,10 +100,10 @@ NOT_YET_IN_ZOO = frozenset({
     "internlm2", "internlm3", "iquestloopcoder", "jamba", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl",
     "laguna", "lfm2-vl", "lfm2_moe", "lille-130m", "longcat_flash", "longcat_flash_ngram", "mamba", "mamba2",
     "mellum", "mimo", "mimo_v2_flash", "minimax", "minimax_m3_vl", "ministral3", "mistral3", "mistral4",
-    "mixtral", "muse_glimmer", "muse_spark", "nanbeige", "nanochat", "nemotron", "nemotron-nas", "nemotron_h",
-    "olmo", "olmo_hybrid", "olmoe", "openelm", "phi", "phimoe", "phixtral", "pixtral", "plamo", "plamo2",
-    "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_moe", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
-    "qwen3_vl_moe", "rwkv7", "seed_oss", "smollm3", "solar_open", "spark2_5", "stablelm", "starcoder2",
+    "muse_glimmer", "muse_spark", "nanbeige", "nanochat", "nemotron", "nemotron-nas", "nemotron_h",
+    "olmo", "olmo_hybrid", "openelm", "phi", "phimoe", "phixtral", "pixtral", "plamo", "plamo2",
+    "plamo3", "prism_hadamard_qwen35", "qwen", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
+    "qwen3_vl_moe", "rwkv7", "solar_open", "spark2_5", "stablelm",
     "step3p5", "talkie", "telechat3", "youtu_llm",
 })
 
