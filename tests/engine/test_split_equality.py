@@ -21,9 +21,10 @@ PROMPT = [3, 17, 42, 99, 5, 150, 8]
 DECODE_STEPS = 5
 
 
-def all_splits(num_layers: int, max_stages: int = 4):
-    """Every way to cut [0, num_layers) into 1..max_stages contiguous non-empty ranges."""
-    for k in range(1, max_stages + 1):
+def all_splits(num_layers: int, max_stages: int = 4, min_stages: int = 1):
+    """Every way to cut [0, num_layers) into min_stages..max_stages contiguous non-empty
+    ranges (also used by test_zoo.py)."""
+    for k in range(min_stages, max_stages + 1):
         for cuts in itertools.combinations(range(1, num_layers), k - 1):
             bounds = (0, *cuts, num_layers)
             yield [(bounds[i], bounds[i + 1]) for i in range(k)]

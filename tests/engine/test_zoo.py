@@ -9,10 +9,9 @@ Expected logits come from mlx-lm alone (``mlx_lm.utils.load_model``,
 
 from __future__ import annotations
 
-import itertools
-
 import mlx.core as mx
 import pytest
+from test_split_equality import all_splits, reference_logits, split_logits
 from tiny_models import make_tiny_model
 from zoo_models import ZOO
 
@@ -20,43 +19,6 @@ from ringlet.daemon.engine.layer_pattern import REFUSED
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.engine.stage import load_stage
 from ringlet.daemon.errors import PlanError
-
-PROMPT = [3, 17, 42, 99, 5, 150, 8]
-DECODE_STEPS = 5
-
-
-def all_splits(num_layers: int, max_stages: int = 4):
-    """Every way to cut [0, num_layers) into 2..max_stages contiguous non-empty ranges."""
-    for k in range(2, max_stages + 1):
-        for cuts in itertools.combinations(range(1, num_layers), k - 1):
-            bounds = (0, *cuts, num_layers)
-            yield [(bounds[i], bounds[i + 1]) for i in range(k)]
-
-
-def reference_logits(path) -> list[mx.array]:
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(path)
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([PROMPT]), cache=cache)]
-    mx.eval(out[-1])
-    for _ in range(DECODE_STEPS):
-        out.append(model(mx.array([[mx.argmax(out[-1][0, -1]).item()]]), cache=cache))
-        mx.eval(out[-1])
-    return out
-
-
-def split_logits(stages) -> list[mx.array]:
-    caches = [s.make_cache() for s in stages]
-    out, x = [], mx.array([PROMPT])
-    for _ in range(DECODE_STEPS + 1):
-        for stage, cache in zip(stages, caches, strict=True):
-            x = stage(x, cache)
-            mx.eval(x)
-        out.append(x)
-        x = mx.array([[mx.argmax(x[0, -1]).item()]])
-    return out
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -69,7 +31,7 @@ def test_every_split_is_exact_or_refused(name, tmp_path):
     n = whole.num_layers
     assert all(mx.array_equal(g, e).item() for g, e in zip(split_logits([whole]), expected, strict=True))
     refusals, exact = [], 0
-    for split in all_splits(n):
+    for split in all_splits(n, min_stages=2):
         try:
             stages = [load_stage(location, start, end) for start, end in split]
         except PlanError as exc:
