@@ -27,6 +27,7 @@ from ringlet.daemon.api.openai_api import SSE_HEADERS
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.request import (
     Finished,
+    Keepalive,
     ReasoningDelta,
     Started,
     TextDelta,
@@ -193,6 +194,8 @@ async def _stream(events: AsyncIterator, head: dict[str, Any], request: Request,
                     yield frame({"type": "message_start", "message": {
                         **head, "content": [], "stop_reason": None, "stop_sequence": None,
                         "usage": usage_json(None, prompt)}})
+                    yield frame({"type": "ping"})
+                elif isinstance(event, Keepalive):
                     yield frame({"type": "ping"})
                 elif isinstance(event, Finished):
                     finished = event

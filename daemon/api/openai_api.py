@@ -20,6 +20,8 @@ from ringlet.daemon.api.openai_schema import ChatRequest, CompletionRequest
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.request import (
     Finished,
+    Keepalive,
+    PromptProgress,
     ReasoningDelta,
     Started,
     TextDelta,
@@ -32,6 +34,8 @@ from ringlet.daemon.api.request import (
 from ringlet.daemon.errors import GenerationError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: an SSE comment: keeps the connection (and proxies) alive, ignored by SSE parsers
+KEEPALIVE = ": keepalive\n\n"
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -181,6 +185,14 @@ async def _stream(kind: str, internal, events: AsyncIterator, head: dict[str, An
                         elif internal.echo:
                             yield chunk(i, event.prompt_text)
                             offsets[i] = len(event.prompt_text)
+                    if kind != "chat" and not internal.echo:
+                        yield KEEPALIVE  # the headers and a first line go out at admission
+                elif isinstance(event, Keepalive):
+                    yield KEEPALIVE
+                elif isinstance(event, PromptProgress):
+                    yield sse({**head, "object": obj, "choices": [], "prompt_progress": {
+                        "total": event.total, "cache": event.cache, "processed": event.processed,
+                        "time_ms": event.time_ms}})
                 elif isinstance(event, TextDelta):
                     lp = None
                     if internal.logprobs is not None:

@@ -202,6 +202,11 @@ def tool_hints(tools: list[Tool], choice: str, strict: list[bool]) -> list[str]:
     return ["strict"] if any(strict) else []
 
 
+#: the ``stream_options`` keys honoured (the others are hints): usage in a last chunk, and
+#: prompt-progress chunks during the prefill (an extension, as llama-server's ``return_progress``)
+HONOURED_STREAM_OPTIONS = ("include_usage", "include_progress")
+
+
 class _Common(_Strict):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -225,11 +230,12 @@ class _Common(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     return_token_ids: bool = False  # extension (as in vLLM): the completion's token ids
+    return_progress: bool = False  # extension (as llama-server): prompt-progress chunks while streaming
 
     def hints(self) -> list[str]:
         """The accepted hints this body carries (``ringlet-ignored``)."""
         names = [f for f in HINT_FIELDS if getattr(self, f, None) is not None]
-        names += [f"stream_options.{k}" for k in (self.stream_options or {}) if k != "include_usage"]
+        names += [f"stream_options.{k}" for k in (self.stream_options or {}) if k not in HONOURED_STREAM_OPTIONS]
         return names
 
     @field_validator("stop")
@@ -256,7 +262,9 @@ class _Common(_Strict):
                     seed=self.seed, stop=list(self.stop or []), n=self.n, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                     logit_bias=bias, return_token_ids=self.return_token_ids, ignored=self.hints(),
-                    cache_key=self.prompt_cache_key or "")
+                    cache_key=self.prompt_cache_key or "",
+                    progress=self.stream and (self.return_progress
+                                              or bool((self.stream_options or {}).get("include_progress"))))
 
 
 class ChatRequest(_Common):

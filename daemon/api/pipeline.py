@@ -11,18 +11,21 @@ of ``n`` choices.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from ringlet.daemon.api import prompting
+from ringlet.daemon.api import prompting, ticker
 from ringlet.daemon.api.call_stream import CallStream
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.request import (
     Event,
     Finished,
     GenerationRequest,
+    PromptProgress,
     ReasoningDelta,
     Started,
     TextDelta,
@@ -172,7 +175,10 @@ class Pipeline:
     async def run(self, prepared: Prepared, scope: str | None = None) -> AsyncIterator[Event]:
         """The events of a prepared request: :class:`Started`, then per choice its
         deltas and :class:`Finished`, then :class:`Usage`. ``scope`` is the prefix-cache
-        scope (default: the request's own, set by :meth:`admit`).
+        scope (default: the request's own, set by :meth:`admit`). Meanwhile a
+        :class:`Keepalive` whenever nothing came for :func:`ticker.keepalive_interval`
+        seconds, and with ``request.progress`` a :class:`PromptProgress` per prefill
+        chunk. Closing it stops the generation (between two prefill chunks on stage 0).
 
         Raises:
             GenerationError: the ring failed the request (after its retries).
@@ -182,15 +188,35 @@ class Pipeline:
         yield Started(len(prepared.prompt_ids), tuple(prepared.prompt_ids),
                       self.tokenizer.decode(prepared.prompt_ids) if req.echo else "")
         info: dict = {}
+        progress: asyncio.Queue[PromptProgress] | None = asyncio.Queue() if req.progress else None
+        if progress is not None:
+            started = time.perf_counter()
+
+            def on_prefill(processed: int, total: int, cached: int) -> None:
+                ms = int((time.perf_counter() - started) * 1000)
+                progress.put_nowait(PromptProgress(total, cached, processed, ms))
+
+            info["on_prefill"] = on_prefill
+        events = ticker.with_ticks(self._choices(prepared, scope, info), ticker.keepalive_interval(), progress)
+        async with contextlib.aclosing(events) as stream:
+            async for event in stream:
+                yield event
+
+    async def _choices(self, prepared: Prepared, scope: str, info: dict) -> AsyncIterator[Event]:
+        """The events of :meth:`run` after :class:`Started`: each choice's, then
+        :class:`Usage`; the first choice's generation reports through ``info``."""
+        req = prepared.request
         total = 0
         for choice in range(req.n):
             sampling = prepared.sampling
             if choice and sampling.seed is not None:  # n seeded choices: n different draws, each reproducible
                 sampling = replace(sampling, seed=(sampling.seed + choice) % 2**64)
-            async for event in self._choice(prepared, choice, sampling, scope, info if choice == 0 else {}):
-                if isinstance(event, Finished):
-                    total += event.completion_tokens
-                yield event
+            one = self._choice(prepared, choice, sampling, scope, info if choice == 0 else {})
+            async with contextlib.aclosing(one) as events:
+                async for event in events:
+                    if isinstance(event, Finished):
+                        total += event.completion_tokens
+                    yield event
         yield Usage(len(prepared.prompt_ids), total, int(info.get("cached_tokens", 0)))
 
     async def _choice(self, prepared: Prepared, choice: int, sampling: SamplingParams, scope: str,

@@ -104,6 +104,8 @@ class GenerationRequest:
         return_token_ids: (extension, as in vLLM) report prompt and completion token ids.
         ignored: the accepted hints the body carried (dotted field paths, tool types),
             for the ``ringlet-ignored`` header (:mod:`ringlet.daemon.api.fields`).
+        progress: (extension, as llama-server's ``return_progress``) stream
+            :class:`PromptProgress` events while the prompt is prefilled.
         cache_key: the client's ``prompt_cache_key``: it scopes the prefix cache as an
             API key does ("" for none).
     """
@@ -133,6 +135,7 @@ class GenerationRequest:
     return_token_ids: bool = False
     ignored: list[str] = field(default_factory=list)
     cache_key: str = ""
+    progress: bool = False
 
 
 # --- the event stream ------------------------------------------------------------------
@@ -275,4 +278,25 @@ class Usage:
     cached_tokens: int = 0
 
 
-Event = Started | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCall | Finished | Usage
+@dataclass(frozen=True)
+class PromptProgress:
+    """Prefill progress at stage 0 (llama-server's ``prompt_progress``): ``processed``
+    of ``total`` prompt tokens are in the KV cache, ``cache`` of them from the prefix
+    store, ``time_ms`` milliseconds after the generation started. Only when the request
+    asked for it (:attr:`GenerationRequest.progress`)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """Nothing happened for a keepalive interval (a long prefill): the adapter sends its
+    surface's keepalive (an SSE comment, Anthropic ``ping``, Responses
+    ``response.in_progress``) and checks whether the client left."""
+
+
+Event = (Started | PromptProgress | Keepalive | TextDelta | ReasoningDelta | ToolCallStart | ToolCallDelta | ToolCall
+         | Finished | Usage)

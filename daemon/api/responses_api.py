@@ -33,6 +33,7 @@ from ringlet.daemon.api.request import (
     Event,
     Finished,
     GenerationRequest,
+    Keepalive,
     ReasoningDelta,
     TextDelta,
     Tool,
@@ -299,6 +300,9 @@ async def _stream(events: AsyncIterator[Event], head: dict[str, Any], echo: dict
                     status = "incomplete" if event.reason == "length" else "completed"
                 elif isinstance(event, Usage):
                     usage, frames = event, []
+                elif isinstance(event, Keepalive):
+                    frames = [out.event("response.in_progress",
+                                        response=response_json(head, echo, "in_progress", out.items, None))]
                 else:
                     frames = out.feed(event)
                 for item in frames:

@@ -411,6 +411,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                      for s in (self.plan.stages if self.plan else ())],
             "plan_detail": self.plan.detail if self.plan else None,
             "requests_in_flight": len(self._generations),
+            "prefilling": self.prefilling(),
             "kv_caches": self.engine.active_requests if self.engine else [],
             "prefix_cache": ((self.tp.prefix_info() if self.tp is not None and self.plan is not None
                               and self.plan.is_tensor else None)

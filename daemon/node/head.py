@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from ringlet.daemon.engine.sampling import SamplingParams
@@ -39,14 +39,37 @@ class Generation:
     finished: bool = False
     scope: str = ""
     cached: int = 0  # prompt tokens taken from the prefix stores
+    prefilled: int = 0  # prompt tokens in stage 0's KV cache so far (cached ones included)
+    on_prefill: Callable[[int, int, int], None] | None = None  # (processed, total, cached) tokens, per chunk
 
+    def prefill_info(self) -> dict:
+        """This request's prefill progress at stage 0: prompt tokens done of total, the
+        cached ones included, and an ETA in seconds from the rate so far (None before
+        the first computed chunk)."""
+        elapsed = time.perf_counter() - self.started
+        done = self.prefilled - self.cached
+        left = len(self.prompt) - self.prefilled
+        return {"request_id": self.request_id, "prompt_tokens": len(self.prompt), "cached_tokens": self.cached,
+                "processed_tokens": self.prefilled, "elapsed_s": round(elapsed, 3),
+                "eta_s": round(left * elapsed / done, 3) if done > 0 else None}
 
+    def progressed(self, tokens: int) -> None:
+        """Stage 0 holds the first ``tokens`` prompt tokens: tell the listener."""
+        self.prefilled = tokens
+        if self.on_prefill is not None:
+            self.on_prefill(tokens, len(self.prompt), self.cached)
 
 
 class Head:
     """Stage 0's part of :class:`ringlet.daemon.node.Node`."""
 
     # --- stage 0: heading a generation --------------------------------------------------
+
+    def prefilling(self) -> list[dict]:
+        """The requests this stage 0 is prefilling (no token yet): their progress
+        (:meth:`Generation.prefill_info`), for ``GET /v1/cluster``."""
+        return [gen.prefill_info() for gen in list(self._generations.values())
+                if gen.ttft_s is None and not gen.finished]
 
     async def _generate_local(self, request_id: str, prompt: list[int], max_tokens: int,
                               sampling: SamplingParams, stop_ids: frozenset[int], scope: str = "",
@@ -83,8 +106,9 @@ class Head:
         if request_id in self._generations:
             raise GenerationError(f"request id {request_id} is already in flight")
         gen = Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch, scope=scope,
-                         cached=reuse)
+                         cached=reuse, on_prefill=(info or {}).get("on_prefill"))
         self._generations[request_id] = gen
+        gen.progressed(reuse)
         self.state = "serving"
         try:
             if max_tokens <= 0:
@@ -147,6 +171,8 @@ class Head:
                 return
             if gen.finished:
                 return
+            if step == 0:
+                gen.progressed(offset + len(piece))
             if out is None:  # a single-stage plan filling its cache chunk by chunk
                 continue
             if isinstance(out, int):
