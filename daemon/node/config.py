@@ -28,6 +28,9 @@ COMMIT_WAIT_S = 5.0
 #: Tries with a shorter cached prefix after a stage's prefix store missed, before the
 #: request prefills from scratch.
 PREFIX_ATTEMPTS = 3
+#: Tests only: seconds stage 0 waits after each prefill chunk, to make a prefill long on
+#: a fast machine (tests/api/test_long_prefill.py); unset (no wait) in service.
+TEST_CHUNK_DELAY_ENV = "RINGLET_TEST_PREFILL_CHUNK_DELAY_S"
 #: Default prefix store budget: this share of the usable memory the stage's weights leave
 #: free (the rest is for in-flight KV caches, activations and MLX's own buffers).
 PREFIX_CACHE_FRACTION = 0.25

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.errors import GenerationError, one_line
-from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS
+from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS, TEST_CHUNK_DELAY_ENV
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -173,6 +174,10 @@ class Head:
                 return
             if step == 0:
                 gen.progressed(offset + len(piece))
+                if delay := float(os.environ.get(TEST_CHUNK_DELAY_ENV) or 0):  # tests only: a slow prefill
+                    await asyncio.sleep(delay)
+                    if gen.finished:
+                        return
             if out is None:  # a single-stage plan filling its cache chunk by chunk
                 continue
             if isinstance(out, int):
