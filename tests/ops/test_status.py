@@ -634,3 +634,13 @@ def test_a_node_bound_to_every_interface_is_one_row_and_an_unreachable_plan_addr
     assert exit_status(snap) == EXIT_DEGRADED
     base["routes"][0]["in_plan"] = False  # the plan moved off it: informational, healthy
     assert exit_status(build_snapshot("http://a0", {"http://a0": base}, {})) == EXIT_OK
+
+
+def test_prefilling_requests_in_snapshot_and_status():
+    infos = {f"http://a{i}": today_info(i) for i in range(2)}
+    infos["http://a0"]["prefilling"] = [{"request_id": "abcdef0123", "prompt_tokens": 3000, "cached_tokens": 256,
+                                         "processed_tokens": 1280, "elapsed_s": 10.0, "eta_s": 13.5}]
+    snap = build_snapshot("http://a0", infos, {})
+    assert snap["prefilling"] == infos["http://a0"]["prefilling"]
+    assert "prefilling abcdef01: 1280 of 3000 prompt tokens (256 cached) · ETA 13.50 s" in format_status(snap)
+    assert build_snapshot(None, {}, {})["prefilling"] == []

@@ -13,6 +13,7 @@ import sys
 from ringlet.daemon.cluster.routes import status_lines as route_lines
 from ringlet.daemon.ops.status.collector import take_snapshot
 from ringlet.daemon.ops.status.urls import default_api_url
+from ringlet.daemon.ops.status.values import as_num
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_BAD_INPUT, EXIT_DEGRADED = 0, 1, 2, 3
 
@@ -94,6 +95,10 @@ def format_status(snap: dict) -> str:
             lines.append(f"downloading on {n['name']}: {d['file'] or 'files'} · {fmt_bytes(d['bytes_done'])} of "
                          f"{fmt_bytes(d['bytes_total'])} · {fmt_bandwidth(d['rate_bytes_per_s'])} · ETA "
                          f"{fmt_seconds(d['eta_s'])}")
+    for p in snap.get("prefilling") or []:
+        lines.append(f"prefilling {str(p.get('request_id', ''))[:8]}: {v(p.get('processed_tokens'))} of "
+                     f"{v(p.get('prompt_tokens'))} prompt tokens ({v(p.get('cached_tokens'))} cached) · ETA "
+                     f"{fmt_seconds(as_num(p.get('eta_s')))}")
     for n in snap["nodes"]:
         if n.get("compute_fix"):
             lines.append(f"slow path on {n['name']}: {n['compute_fix']}")

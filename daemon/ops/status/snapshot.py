@@ -35,6 +35,8 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                "bandwidth_bytes_per_s", "rtt_s", "hop_latency_s"}],
      "recent_requests": [{"request_id", "prompt_tokens", "completion_tokens", "ttft_s",
                           "tokens_per_s", ...}],   # newest first
+     "prefilling": [{"request_id", "prompt_tokens", "cached_tokens", "processed_tokens",
+                     "elapsed_s", "eta_s"}],      # the requests stage 0 prefills now (no token yet)
      "events": [{"ts", "kind", "message"}]}       # oldest first
 
 Tokens per second: the cluster's own ``tokens_per_s`` when reported; otherwise
@@ -94,7 +96,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
     base = infos.get(primary) if primary else None
     snap: dict[str, Any] = {
         "source": primary, "taken_at": now, "reachable": base is not None, "error": None,
-        "healthy": False, "cluster": {}, "nodes": [], "hops": [], "recent_requests": [], "events": [],
+        "healthy": False, "cluster": {}, "nodes": [], "hops": [], "recent_requests": [], "prefilling": [],
+        "events": [],
     }
     if base is None:
         snap["error"] = "; ".join(f"{u}: {e}" for u, e in errors.items()) or "no node answered"
@@ -310,6 +313,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
     if any(as_num(r.get("finished_at")) is not None for r in recent):
         recent.sort(key=lambda r: as_num(r.get("finished_at")) or 0.0, reverse=True)
 
+    prefilling = [p for url in [primary] + [u for u in infos if u != primary]
+                  for p in dicts(infos[url].get("prefilling"))]
     events = [e for e in dicts(base.get("events"))] + list(extra_events or [])
     snap.update(
         # a tensor plan serves only through its group: a group not ready (starting, failed) is not healthy;
@@ -317,7 +322,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         healthy=bool(in_plan) and len(ready) == len(in_plan) and (
             not ranks or group_state is None or group_state == "ready")
         and not any(r.get("in_plan") for r in cluster["routes"]),
-        cluster=cluster, nodes=nodes, hops=hops, recent_requests=recent, events=events,
+        cluster=cluster, nodes=nodes, hops=hops, recent_requests=recent, prefilling=prefilling, events=events,
     )
     unreached = {u: e for u, e in url_errors.items() if u != primary}
     if unreached:
