@@ -348,3 +348,11 @@ def test_a_node_fetching_its_files_shows_the_download_fraction():
     infos["http://a1"].update(state="fetching", layer_range=None, download={"bytes_done": 300, "bytes_total": 1000})
     line = node_line(frame(build_snapshot("http://a0", infos, {}), 80, 24), "127.0.0.1:7101")
     assert "fetching 30%" in line, line
+
+
+def test_prefilling_request_in_the_requests_title():
+    snap = studios()
+    snap["prefilling"] = [{"request_id": "r", "prompt_tokens": 3000, "cached_tokens": 0, "processed_tokens": 1280,
+                           "elapsed_s": 10.0, "eta_s": 13.5}]
+    text = "\n".join(frame(snap, 160))
+    assert "prefilling 1280/3000 ETA 13.50 s" in text

@@ -295,7 +295,12 @@ class Dashboard:
 
     def _requests_title(self, snap: dict) -> str:
         total = snap.get("cluster", {}).get("tokens_generated_total")
-        return "recent requests" + (f" · {total:,} tokens served" if total is not None else "")
+        title = "recent requests" + (f" · {total:,} tokens served" if total is not None else "")
+        for p in snap.get("prefilling") or []:  # requests prefilling now: tokens done of total, ETA
+            eta = p.get("eta_s")
+            title += (f" · prefilling {p.get('processed_tokens', DASH)}/{p.get('prompt_tokens', DASH)} ETA "
+                      f"{fmt_seconds(eta if isinstance(eta, int | float) else None)}")
+        return title
 
     def _requests(self, recent: list[dict], n: int) -> Table:
         t = Table(box=None, padding=(0, 2, 0, 0), pad_edge=False, header_style="dim", expand=False)
