@@ -62,10 +62,9 @@ PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llam
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {
-    "gemma": "its forward scales the embedding output by sqrt(hidden_size) (gemma.py GemmaModel.__call__), "
-             "which a later stage would apply again",
-    "gemma2": "its forward scales the embedding output by sqrt(hidden_size) (gemma2.py), which a later stage "
-              "would apply again",
+    "gemma2": "its head soft-caps the output after ``embed_tokens.as_linear`` in Model.__call__ "
+              "(gemma2.py: tanh(out / final_logit_softcapping) * final_logit_softcapping), which a stage "
+              "that is not last would apply to its hidden states",
     "gemma3": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
               "sliding or global attention by the local loop index i % sliding_window_pattern",
     "gemma3_text": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
@@ -82,16 +81,6 @@ REFUSED: dict[str, str] = {
               "``layers``/``embed_tokens``/``norm`` a stage prunes",
     "lfm2": "its forward builds the attention mask from cache[fa_idx] unconditionally (lfm2.py "
             "Lfm2Model.__call__): a stage without an attention layer has no cache to build it from",
-    "granite": "its forward scales the embedding output by embedding_multiplier (granite.py), which a later "
-               "stage would apply again",
-    "granitemoe": "its forward scales the embedding output by embedding_multiplier (granitemoe.py "
-                  "GraniteMoEModel.__call__), which a later stage would apply again",
-    "granitemoehybrid": "its forward scales the embedding output by embedding_multiplier (granitemoehybrid.py "
-                        "__call__), which a later stage would apply again",
-    "minicpm": "its forward scales the embedding output by scale_emb (minicpm.py), which a later stage would "
-               "apply again",
-    "minicpm3": "its forward scales the embedding output by scale_emb (minicpm3.py), which a later stage "
-                "would apply again",
     "phi3small": "its forward scales the embedding output by mup_embedding_multiplier (phi3small.py), which a "
                  "later stage would apply again",
     "afmoe": "its forward scales the embedding output by sqrt(hidden_size) when mup_enabled (afmoe.py), "

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from ringlet.daemon.engine.embed_scale import neutralize, refusal
 from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_split
 from ringlet.daemon.engine.stage_tensors import validate_range
-from ringlet.daemon.errors import ModelFormatError
+from ringlet.daemon.errors import ModelFormatError, PlanError
 
 
 class StageEmbedding(nn.Module):
@@ -86,12 +87,15 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     pattern = capture(model, inner, model_type)
     if not (first and last):
         check_split(model_type, pattern)
+        if (reason := refusal(model, model_type)) is not None:
+            raise PlanError(f"architecture {model_type!r} cannot be split into stages: {reason}; run it on one node")
     inner.layers = inner.layers[start:end]
     pattern.apply(inner, start, end)
     tied = not hasattr(model, "lm_head")
     real = inner.embed_tokens
     keep_embedding = first or (last and tied)
     inner.embed_tokens = StageEmbedding(real if keep_embedding else None, first, last)
+    neutralize(model, inner, model_type, embed=first, head=last)
     if not last:
         inner.norm = Identity()
         if hasattr(model, "lm_head"):

@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ringlet.daemon.engine import gguf as gguf_source
+from ringlet.daemon.engine.embed_scale import neutralize
 from ringlet.daemon.engine.layer_pattern import LayerPattern
 from ringlet.daemon.engine.prune import Identity, StageEmbedding, inner_module, last_position_only, prune
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
@@ -160,6 +161,7 @@ class Stage(StageRange):
         saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", *patterned)
                  if hasattr(inner, name)}
         head = self.model.get("lm_head")
+        restore = None
         try:
             inner.layers = saved["layers"][lo - self.start:hi - self.start]
             if self.pattern is not None:
@@ -167,12 +169,15 @@ class Stage(StageRange):
             self._span = (lo, hi)
             real = getattr(saved["embed_tokens"], "real", None) if lo == 0 else None
             inner.embed_tokens = StageEmbedding(real, embed_input=lo == 0, head_output=False)
+            restore = neutralize(self.model, inner, self.config.get("model_type", ""), embed=lo == 0, head=False)
             inner.norm = Identity()
             if head is not None:
                 self.model.lm_head = Identity()
             yield
         finally:
             self._span = None
+            if restore is not None:
+                restore()
             for name, value in saved.items():
                 setattr(inner, name, value)
             if head is not None:
