@@ -29,6 +29,9 @@ Head (stage not last):
 * minicpm.py, minicpm3.py ``Model.__call__`` (untied head):
   ``self.lm_head(out / (self.args.hidden_size / self.args.dim_model_base))`` -- a copy of
   the outer ``args`` with ``dim_model_base = hidden_size`` (the quotient is ``1.0``).
+* cohere.py ``Model.__call__``: ``out = out * self.model.args.logit_scale`` -- the inner
+  model's ``args`` becomes a copy with ``logit_scale = 1.0`` (``CohereModel`` reads its
+  ``args`` only when built).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-#: (attribute, field of it or None, neutral value or a function of the attribute's value).
+#: (attribute (dotted: of a sub-module), field of it or None, neutral value or a function of the attribute's value).
 Rule = tuple[str, str | None, Any]
 
 #: model_type -> rule on the inner model, for a stage that is not first.
@@ -57,11 +60,15 @@ HEAD_SCALE: dict[str, Rule] = {
     "granitemoehybrid": ("logits_scaling", None, 1.0),
     "minicpm": ("args", "dim_model_base", lambda args: args.hidden_size),
     "minicpm3": ("args", "dim_model_base", lambda args: args.hidden_size),
+    "cohere": ("model.args", "logit_scale", 1.0),
 }
 
 
 def _apply(module: Any, rule: Rule) -> Callable[[], None]:
     attribute, name, neutral = rule
+    *path, attribute = attribute.split(".")
+    for step in path:
+        module = getattr(module, step)
     saved = getattr(module, attribute)
     if name is None:
         setattr(module, attribute, neutral)

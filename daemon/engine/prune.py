@@ -19,6 +19,10 @@ from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_spl
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
 
+#: Names of the inner model's final norm: ``norm`` in most of mlx-lm, ``final_layernorm``
+#: in phi.py (``PhiModel.__call__``: ``return self.final_layernorm(x)``).
+FINAL_NORMS = ("norm", "final_layernorm")
+
 
 class StageEmbedding(nn.Module):
     """Stands in for ``embed_tokens``: embeds on the first stage, passes hidden states
@@ -97,7 +101,9 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     inner.embed_tokens = StageEmbedding(real if keep_embedding else None, first, last)
     neutralize(model, inner, model_type, embed=first, head=last)
     if not last:
-        inner.norm = Identity()
+        for name in FINAL_NORMS:
+            if hasattr(inner, name):
+                setattr(inner, name, Identity())
         if hasattr(model, "lm_head"):
             model.lm_head = Identity()
     return first, last, pattern

@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from ringlet.daemon.engine import gguf as gguf_source
 from ringlet.daemon.engine.embed_scale import neutralize
 from ringlet.daemon.engine.layer_pattern import LayerPattern
-from ringlet.daemon.engine.prune import Identity, StageEmbedding, inner_module, last_position_only, prune
+from ringlet.daemon.engine.prune import FINAL_NORMS, Identity, StageEmbedding, inner_module, last_position_only, prune
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
@@ -158,7 +158,7 @@ class Stage(StageRange):
             raise PlanError(f"layers [{lo}, {hi}) are not within this stage's [{self.start}, {self.end})")
         inner = inner_module(self.model)
         patterned = (*self.pattern.indices, *self.pattern.lists) if self.pattern is not None else ()
-        saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", *patterned)
+        saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", *FINAL_NORMS, *patterned)
                  if hasattr(inner, name)}
         head = self.model.get("lm_head")
         restore = None
@@ -170,7 +170,9 @@ class Stage(StageRange):
             real = getattr(saved["embed_tokens"], "real", None) if lo == 0 else None
             inner.embed_tokens = StageEmbedding(real, embed_input=lo == 0, head_output=False)
             restore = neutralize(self.model, inner, self.config.get("model_type", ""), embed=lo == 0, head=False)
-            inner.norm = Identity()
+            for name in FINAL_NORMS:
+                if name in saved:
+                    setattr(inner, name, Identity())
             if head is not None:
                 self.model.lm_head = Identity()
             yield
