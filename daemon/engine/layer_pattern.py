@@ -89,6 +89,22 @@ REFUSED: dict[str, str] = {
             "apply again",
     "gemma4_text": "its forward scales the embedding output by embed_scale (gemma4_text.py), which a later "
                    "stage would apply again",
+    "gpt2": "its modules are ``wte``/``wpe``/``h``/``ln_f`` (gpt2.py GPT2Model) and it adds learned position "
+            "embeddings after the token embedding, not the ``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gpt_bigcode": "its modules are ``transformer.wte``/``wpe``/``h``/``ln_f`` (gpt_bigcode.py) and it adds learned "
+                   "position embeddings, not the ``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gpt_neox": "its modules are ``embed_in``/``h``/``final_layer_norm`` (gpt_neox.py GPTNeoXModel), not the "
+                "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gptj": "its modules are ``wte``/``h``/``ln_f`` (gptj.py GPTJModel), not the ``layers``/``embed_tokens``/"
+            "``norm`` a stage prunes",
+    "dbrx": "its modules are ``transformer.wte``/``blocks``/``norm_f`` (dbrx.py DBRX), not the "
+            "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "qwen": "its modules are ``transformer.wte``/``h``/``ln_f`` (qwen.py QwenModel), not the "
+            "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "internlm2": "its embedding is ``tok_embeddings`` (internlm2.py InternLM2Model), not the ``embed_tokens`` a "
+                 "stage prunes",
+    "bailing_moe": "its embedding is ``word_embeddings`` (bailing_moe.py BailingMoeModel), not the "
+                   "``embed_tokens`` a stage prunes",
     "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
               "the global mask from cache[3] (llama4.py LlamaModel.__call__)",
 }
