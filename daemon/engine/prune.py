@@ -21,7 +21,21 @@ from ringlet.daemon.errors import ModelFormatError, PlanError
 
 #: Names of the inner model's final norm: ``norm`` in most of mlx-lm, ``final_layernorm``
 #: in phi.py (``PhiModel.__call__``: ``return self.final_layernorm(x)``).
-FINAL_NORMS = ("norm", "final_layernorm")
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f")
+
+#: Names of the inner model's token embedding: ``embed_tokens`` in most of mlx-lm,
+#: ``tok_embeddings`` (internlm2.py InternLM2Model), ``word_embeddings`` (bailing_moe.py
+#: BailingMoeModel), ``embeddings`` (mamba.py Mamba, mamba2.py Mamba2, nemotron_h.py
+#: NemotronHModel, whose final norms are ``norm_f``).
+EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings")
+
+
+def embedding_name(inner: nn.Module) -> str:
+    """The attribute of ``inner`` holding the token embedding (:data:`EMBEDDINGS`)."""
+    for name in EMBEDDINGS:
+        if hasattr(inner, name):
+            return name
+    raise ModelFormatError(f"{type(inner).__module__}: cannot find the token embedding")
 
 
 class StageEmbedding(nn.Module):
@@ -84,21 +98,27 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         PlanError: bad range, or a split of an architecture that cannot be split exactly
             (:func:`~ringlet.daemon.engine.layer_pattern.check_split`).
     """
-    inner = inner_module(model)
-    num_layers = len(inner.layers)
+    num_layers = len(list(model.layers))
     validate_range(start, end, num_layers)
     first, last = start == 0, end == num_layers
+    if not (first and last):  # refused before looking for modules it may not have (gpt2.py ``h``)
+        check_split(model_type, None)
+    inner = inner_module(model)
     pattern = capture(model, inner, model_type)
     if not (first and last):
         check_split(model_type, pattern)
+        if len(pattern.caches) != num_layers:  # caches must map to layers one to one
+            raise PlanError(f"architecture {model_type!r} cannot be split into stages: its cache has "
+                            f"{len(pattern.caches)} entries for {num_layers} layers; run it on one node")
         if (reason := refusal(model, model_type)) is not None:
             raise PlanError(f"architecture {model_type!r} cannot be split into stages: {reason}; run it on one node")
     inner.layers = inner.layers[start:end]
     pattern.apply(inner, start, end)
     tied = not hasattr(model, "lm_head")
-    real = inner.embed_tokens
+    embedding = embedding_name(inner)
+    real = getattr(inner, embedding)
     keep_embedding = first or (last and tied)
-    inner.embed_tokens = StageEmbedding(real if keep_embedding else None, first, last)
+    setattr(inner, embedding, StageEmbedding(real if keep_embedding else None, first, last))
     neutralize(model, inner, model_type, embed=first, head=last)
     if not last:
         for name in FINAL_NORMS:
@@ -116,7 +136,8 @@ def last_position_only(model: nn.Module) -> Iterator[None]:
     all of them. Applies where the architecture projects through ``lm_head`` or a tied
     embedding's ``as_linear`` (mlx-lm's models do); elsewhere every position still is.
     The model is restored on leaving (one forward at a time per model)."""
-    embedding, lm_head = inner_module(model).embed_tokens, model.get("lm_head")
+    inner = inner_module(model)
+    embedding, lm_head = getattr(inner, embedding_name(inner)), model.get("lm_head")
     try:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = True
