@@ -21,6 +21,11 @@ def _cfg(model_type: str, layers: int, **extra) -> dict:
     return {"model_type": model_type, **_BASE, "num_hidden_layers": layers, **extra}
 
 
+_MLA = dict(moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+            routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1)
+
+
 ZOO: dict[str, dict] = {
     "llama": _cfg("llama", 4),
     "llama_sliding": _cfg("llama", 4, layer_types=["sliding_attention", "full_attention"] * 2,
@@ -127,4 +132,32 @@ ZOO: dict[str, dict] = {
     "stablelm": _cfg("stablelm", 4, use_qkv_bias=False, partial_rotary_factor=0.25, layer_norm_eps=1e-5),
     "telechat3": _cfg("telechat3", 4),
     "youtu_llm": _cfg("youtu_llm", 4),
+    "exaone_moe": _cfg("exaone_moe", 4, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                       sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                       is_moe_layer=[False, True, True, True], moe_intermediate_size=32),
+    "glm4_moe_lite": _cfg("glm4_moe_lite", 4, **_MLA),
+    "deepseek_v32": _cfg("deepseek_v32", 4, **_MLA, index_head_dim=16, index_n_heads=2, index_topk=4),
+    "minimax": _cfg("minimax", 4, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=0,
+                    rotary_dim=8),
+    "Klear": _cfg("Klear", 4, attention_bias=False, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+                  decoder_sparse_step=1, n_shared_experts=1, norm_topk_prob=True, moe_intermediate_size=32),
+    "falcon_h1": _cfg("falcon_h1", 4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_heads=4,
+                      mamba_chunk_size=8),
+    "mamba2": {"model_type": "mamba2", "vocab_size": 160, "hidden_size": 64, "num_heads": 8, "head_dim": 16,
+               "state_size": 8, "num_hidden_layers": 4, "layer_norm_epsilon": 1e-5, "conv_kernel": 4,
+               "n_groups": 1, "use_bias": False, "use_conv_bias": True, "time_step_limit": [0.0, 1e9],
+               "time_step_rank": 4, "tie_word_embeddings": True, "intermediate_size": 128, "expand": 2},
+    "bailing_moe": _cfg("bailing_moe", 4, num_experts=4, num_shared_experts=1, norm_topk_prob=True,
+                        num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32),
+    "jamba": _cfg("jamba", 4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
+                  expert_layer_period=2, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2, num_experts=4,
+                  num_experts_per_tok=2),
+    "internlm2": _cfg("internlm2", 4, bias=False),
+    "nemotron_h": _cfg("nemotron_h", 4, attention_bias=False, mamba_num_heads=4, mamba_head_dim=16,
+                       mamba_proj_bias=False, ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False,
+                       layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+                       hybrid_override_pattern=["M", "*", "M", "-"]),
+    "mamba": {"model_type": "mamba", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128,
+              "state_size": 8, "num_hidden_layers": 4, "conv_kernel": 4, "use_bias": False,
+              "use_conv_bias": True, "time_step_rank": 4, "tie_word_embeddings": True},
 }

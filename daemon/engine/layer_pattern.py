@@ -58,7 +58,7 @@ POSITION_LISTS = ("layer_types",)
 NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"})}
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
-PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama"})
+PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe"})
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {
@@ -101,10 +101,12 @@ REFUSED: dict[str, str] = {
             "``layers``/``embed_tokens``/``norm`` a stage prunes",
     "qwen": "its modules are ``transformer.wte``/``h``/``ln_f`` (qwen.py QwenModel), not the "
             "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "internlm2": "its embedding is ``tok_embeddings`` (internlm2.py InternLM2Model), not the ``embed_tokens`` a "
-                 "stage prunes",
-    "bailing_moe": "its embedding is ``word_embeddings`` (bailing_moe.py BailingMoeModel), not the "
-                   "``embed_tokens`` a stage prunes",
+    "internlm2": "its head is ``output`` (internlm2.py Model.__call__), not the ``lm_head`` a stage that is not "
+                 "last replaces",
+    "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
+                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
+    "mamba": "its forward unpacks ``B, T = inputs.shape`` (mamba.py Model.__call__), so a stage that is not "
+             "first cannot take hidden states",
     "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
               "the global mask from cache[3] (llama4.py LlamaModel.__call__)",
 }
