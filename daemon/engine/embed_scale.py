@@ -29,7 +29,7 @@ Head (stage not last):
 * minicpm.py, minicpm3.py ``Model.__call__`` (untied head):
   ``self.lm_head(out / (self.args.hidden_size / self.args.dim_model_base))`` -- a copy of
   the outer ``args`` with ``dim_model_base = hidden_size`` (the quotient is ``1.0``).
-* cohere.py ``Model.__call__``: ``out = out * self.model.args.logit_scale`` -- the inner
+* cohere.py and cohere2.py ``Model.__call__``: ``out = out * self.model.args.logit_scale`` -- the inner
   model's ``args`` becomes a copy with ``logit_scale = 1.0`` (``CohereModel`` reads its
   ``args`` only when built).
 """
@@ -46,6 +46,7 @@ Rule = tuple[str, str | None, Any]
 #: model_type -> rule on the inner model, for a stage that is not first.
 EMBED_SCALE: dict[str, Rule] = {
     "gemma": ("args", "hidden_size", 1),
+    "gemma3_text": ("args", "hidden_size", 1),
     "granite": ("embedding_multiplier", None, 1.0),
     "granitemoe": ("embedding_multiplier", None, 1.0),
     "granitemoehybrid": ("embedding_multiplier", None, 1.0),
@@ -61,6 +62,7 @@ HEAD_SCALE: dict[str, Rule] = {
     "minicpm": ("args", "dim_model_base", lambda args: args.hidden_size),
     "minicpm3": ("args", "dim_model_base", lambda args: args.hidden_size),
     "cohere": ("model.args", "logit_scale", 1.0),
+    "cohere2": ("model.args", "logit_scale", 1.0),
 }
 
 

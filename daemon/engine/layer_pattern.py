@@ -29,8 +29,9 @@ evaluated) model by :func:`capture`:
 
 Architectures whose forward decides a layer's kind by its local loop position
 (``enumerate(self.layers)`` with ``i % sliding_window_pattern``: gemma3_text.py,
-cohere2.py; ``(idx + 1) % 4`` and ``cache[3]``: llama4.py) are not expressible this way;
-:data:`REFUSED` names them and why, and :func:`check_split` refuses any other
+cohere2.py) have their layers build their own masks (:mod:`local_index`); ``(idx + 1) % 4``
+and ``cache[3]`` (llama4.py) are not handled yet.
+:data:`REFUSED` names what cannot be split and why, and :func:`check_split` refuses any other
 architecture whose layers are of more than one kind unless it is in
 :data:`PATTERN_VERIFIED` (verified split by split against mlx-lm's whole model by
 ``tests/engine/test_zoo.py``), so an unverified mixed architecture is refused up front
@@ -58,7 +59,8 @@ POSITION_LISTS = ("layer_types",)
 NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"})}
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
-PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe"})
+PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe",
+                              "gemma3_text", "cohere2"})
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {
@@ -67,14 +69,9 @@ REFUSED: dict[str, str] = {
               "that is not last would apply to its hidden states",
     "gemma3": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
               "sliding or global attention by the local loop index i % sliding_window_pattern",
-    "gemma3_text": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
-                   "sliding or global attention by the local loop index i % sliding_window_pattern",
     "gemma3n": "its forward scales the embedding and shares KV across layers by global position (gemma3n.py)",
     "recurrent_gemma": "its forward scales the embedding output and picks attention or recurrence by "
                        "global position (recurrent_gemma.py)",
-    "cohere2": "its forward picks sliding or global attention by the local loop index "
-               "i % sliding_window_pattern and takes the masks from cache[0] and cache[pattern - 1] "
-               "(cohere2.py CohereModel.__call__)",
     "llama4_text": "its head is ``output`` or ``embed_tokens.weight.T`` (llama4_text.py Model.__call__), "
                    "not ``lm_head``/``as_linear``, so a stage that is not last would still apply it",
     "exaone": "its modules are ``transformer.wte``/``transformer.h``/``transformer.ln_f`` (exaone.py), not the "

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from ringlet.daemon.engine.embed_scale import neutralize, refusal
 from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_split
+from ringlet.daemon.engine.local_index import own_masks
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
 
@@ -113,6 +114,7 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         if (reason := refusal(model, model_type)) is not None:
             raise PlanError(f"architecture {model_type!r} cannot be split into stages: {reason}; run it on one node")
     inner.layers = inner.layers[start:end]
+    own_masks(inner, model_type, start)
     pattern.apply(inner, start, end)
     tied = not hasattr(model, "lm_head")
     embedding = embedding_name(inner)
