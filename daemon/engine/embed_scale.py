@@ -97,11 +97,14 @@ def neutralize(model: Any, inner: Any, model_type: str, *, embed: bool, head: bo
 
 
 def refusal(model: Any, model_type: str) -> str | None:
-    """Why this model's head cannot run on a pruned stage, if it cannot: a tied minicpm
-    head reads ``self.model.embed_tokens.weight`` directly (minicpm.py ``Model.__call__``:
+    """Why this model's head cannot run on a pruned stage, if it cannot: a tied minicpm or
+    llama4_text head reads ``self.model.embed_tokens.weight`` directly (minicpm.py ``Model.__call__``:
     ``out @ self.model.embed_tokens.weight.T``), not through ``as_linear``."""
     args = getattr(model, "args", None)
     if model_type == "minicpm" and getattr(args, "tie_word_embeddings", False):
         return ("its tied head reads embed_tokens.weight directly (minicpm.py Model.__call__: "
                 "out @ self.model.embed_tokens.weight.T), not through as_linear")
+    if model_type == "llama4_text" and getattr(model, "tie_word_embeddings", False):
+        return ("its tied head reads embed_tokens.weight directly (llama4_text.py Model.__call__: "
+                "h @ self.model.embed_tokens.weight.T), not through as_linear")
     return None

@@ -72,8 +72,6 @@ REFUSED: dict[str, str] = {
     "gemma3n": "its forward scales the embedding and shares KV across layers by global position (gemma3n.py)",
     "recurrent_gemma": "its forward scales the embedding output and picks attention or recurrence by "
                        "global position (recurrent_gemma.py)",
-    "llama4_text": "its head is ``output`` or ``embed_tokens.weight.T`` (llama4_text.py Model.__call__), "
-                   "not ``lm_head``/``as_linear``, so a stage that is not last would still apply it",
     "exaone": "its modules are ``transformer.wte``/``transformer.h``/``transformer.ln_f`` (exaone.py), not the "
               "``layers``/``embed_tokens``/``norm`` a stage prunes",
     "lfm2": "its forward builds the attention mask from cache[fa_idx] unconditionally (lfm2.py "
@@ -98,8 +96,6 @@ REFUSED: dict[str, str] = {
             "``layers``/``embed_tokens``/``norm`` a stage prunes",
     "qwen": "its modules are ``transformer.wte``/``h``/``ln_f`` (qwen.py QwenModel), not the "
             "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "internlm2": "its head is ``output`` (internlm2.py Model.__call__), not the ``lm_head`` a stage that is not "
-                 "last replaces",
     "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
                   "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
     "mamba": "its forward unpacks ``B, T = inputs.shape`` (mamba.py Model.__call__), so a stage that is not "

@@ -31,6 +31,19 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f")
 EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings")
 
 
+#: Names of the outer model's untied head: ``lm_head`` in most of mlx-lm, ``output`` in
+#: internlm2.py and llama4_text.py (``Model.__init__``: ``self.output = nn.Linear(...)``).
+HEADS = ("lm_head", "output")
+
+
+def head_name(model: nn.Module) -> str:
+    """The attribute of ``model`` holding its untied head (:data:`HEADS`), else ``lm_head``."""
+    for name in HEADS:
+        if isinstance(model.get(name), nn.Module):
+            return name
+    return "lm_head"
+
+
 def embedding_name(inner: nn.Module) -> str:
     """The attribute of ``inner`` holding the token embedding (:data:`EMBEDDINGS`)."""
     for name in EMBEDDINGS:
@@ -116,7 +129,8 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     inner.layers = inner.layers[start:end]
     own_masks(inner, model_type, start)
     pattern.apply(inner, start, end)
-    tied = not hasattr(model, "lm_head")
+    head = head_name(model)
+    tied = not hasattr(model, head)
     embedding = embedding_name(inner)
     real = getattr(inner, embedding)
     keep_embedding = first or (last and tied)
@@ -126,8 +140,8 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         for name in FINAL_NORMS:
             if hasattr(inner, name):
                 setattr(inner, name, Identity())
-        if hasattr(model, "lm_head"):
-            model.lm_head = Identity()
+        if hasattr(model, head):
+            setattr(model, head, Identity())
     return first, last, pattern
 
 
@@ -139,15 +153,16 @@ def last_position_only(model: nn.Module) -> Iterator[None]:
     embedding's ``as_linear`` (mlx-lm's models do); elsewhere every position still is.
     The model is restored on leaving (one forward at a time per model)."""
     inner = inner_module(model)
-    embedding, lm_head = getattr(inner, embedding_name(inner)), model.get("lm_head")
+    head = head_name(model)
+    embedding, lm_head = getattr(inner, embedding_name(inner)), model.get(head)
     try:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = True
         if isinstance(lm_head, nn.Module):
-            model.lm_head = LastPosition(lm_head)
+            setattr(model, head, LastPosition(lm_head))
         yield
     finally:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = False
         if isinstance(lm_head, nn.Module):
-            model.lm_head = lm_head
+            setattr(model, head, lm_head)

@@ -36,6 +36,7 @@ from ringlet.daemon.engine.prune import (
     Identity,
     StageEmbedding,
     embedding_name,
+    head_name,
     inner_module,
     last_position_only,
     prune,
@@ -169,7 +170,8 @@ class Stage(StageRange):
         embedding = embedding_name(inner)
         saved = {name: getattr(inner, name) for name in ("layers", embedding, *FINAL_NORMS, *patterned)
                  if hasattr(inner, name)}
-        head = self.model.get("lm_head")
+        head_attr = head_name(self.model)
+        head = self.model.get(head_attr)
         restore = None
         try:
             inner.layers = saved["layers"][lo - self.start:hi - self.start]
@@ -183,7 +185,7 @@ class Stage(StageRange):
                 if name in saved:
                     setattr(inner, name, Identity())
             if head is not None:
-                self.model.lm_head = Identity()
+                setattr(self.model, head_attr, Identity())
             yield
         finally:
             self._span = None
@@ -192,7 +194,7 @@ class Stage(StageRange):
             for name, value in saved.items():
                 setattr(inner, name, value)
             if head is not None:
-                self.model.lm_head = head
+                setattr(self.model, head_attr, head)
 
     def settle(self, cache: list) -> None:
         """Evaluate a request's KV cache after a forward whose output is not needed."""
@@ -248,9 +250,10 @@ def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage
     if reuse.last and end == num_layers:
         inner.norm = old_inner.norm
         done.add("model.norm.")
-        if hasattr(model, "lm_head") and hasattr(reuse.model, "lm_head"):
-            model.lm_head = reuse.model.lm_head
-            done.add("lm_head.")
+        head = head_name(model)
+        if hasattr(model, head) and hasattr(reuse.model, head):
+            setattr(model, head, getattr(reuse.model, head))
+            done.add(f"{head}.")
     return done
 
 
