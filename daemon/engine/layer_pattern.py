@@ -74,8 +74,10 @@ REFUSED: dict[str, str] = {
                        "global position (recurrent_gemma.py)",
     "exaone": "its modules are ``transformer.wte``/``transformer.h``/``transformer.ln_f`` (exaone.py), not the "
               "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "lfm2": "its forward builds the attention mask from cache[fa_idx] unconditionally (lfm2.py "
-            "Lfm2Model.__call__): a stage without an attention layer has no cache to build it from",
+    "lfm2": "its forward builds the attention mask from cache[fa_idx] and the conv mask from cache[conv_idx] "
+            "unconditionally (lfm2.py Lfm2Model.__call__): a stage without an attention layer or without a "
+            "conv layer has no cache of that kind to build it from (splits whose every stage has both kinds "
+            "were checked exact)",
     "phi3small": "its forward scales the embedding output by mup_embedding_multiplier (phi3small.py), which a "
                  "later stage would apply again",
     "afmoe": "its forward scales the embedding output by sqrt(hidden_size) when mup_enabled (afmoe.py), "

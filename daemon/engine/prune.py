@@ -21,8 +21,9 @@ from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
 
 #: Names of the inner model's final norm: ``norm`` in most of mlx-lm, ``final_layernorm``
-#: in phi.py (``PhiModel.__call__``: ``return self.final_layernorm(x)``).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f")
+#: in phi.py (``PhiModel.__call__``: ``return self.final_layernorm(x)``), ``embedding_norm``
+#: in lfm2.py (``Lfm2Model.__call__``: ``return self.embedding_norm(h)``).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
 
 #: Names of the inner model's token embedding: ``embed_tokens`` in most of mlx-lm,
 #: ``tok_embeddings`` (internlm2.py InternLM2Model), ``word_embeddings`` (bailing_moe.py
