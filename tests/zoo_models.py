@@ -160,4 +160,9 @@ ZOO: dict[str, dict] = {
     "mamba": {"model_type": "mamba", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128,
               "state_size": 8, "num_hidden_layers": 4, "conv_kernel": 4, "use_bias": False,
               "use_conv_bias": True, "time_step_rank": 4, "tie_word_embeddings": True},
+    "solar_open": _cfg("solar_open", 4, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
+                       num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+                       partial_rotary_factor=0.5, moe_intermediate_size=32, n_group=1, topk_group=1),
+    "deepseek_v41": {**_cfg("deepseek_v41", 4, **_MLA), "rope_scaling": {"type": "yarn", "factor": 1.0,
+                                                                        "original_max_position_embeddings": 256}},
 }

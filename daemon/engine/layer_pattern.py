@@ -102,6 +102,9 @@ REFUSED: dict[str, str] = {
                   "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
     "mamba": "its forward unpacks ``B, T = inputs.shape`` (mamba.py Model.__call__), so a stage that is not "
              "first cannot take hidden states",
+    "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
+                    "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
+                    "boundary carries",
     "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
               "the global mask from cache[3] (llama4.py LlamaModel.__call__)",
 }
