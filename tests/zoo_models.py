@@ -165,4 +165,7 @@ ZOO: dict[str, dict] = {
                        partial_rotary_factor=0.5, moe_intermediate_size=32, n_group=1, topk_group=1),
     "deepseek_v41": {**_cfg("deepseek_v41", 4, **_MLA), "rope_scaling": {"type": "yarn", "factor": 1.0,
                                                                         "original_max_position_embeddings": 256}},
+    "ministral3": _cfg("ministral3", 4, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                       rope_parameters={"rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
+                                        "original_max_position_embeddings": 4}),
 }

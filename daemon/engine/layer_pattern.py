@@ -55,12 +55,14 @@ POSITION_LISTS = ("layer_types",)
 
 #: Index attributes a forward skips when ``None`` (no layer of that kind here), as
 #: mlx-lm's own pipeline split sets them: qwen3_next.py ``Qwen3NextModel.pipeline`` and
-#: ``__call__`` (``if self.fa_idx is not None``).
-NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"})}
+#: ``__call__`` (``if self.fa_idx is not None``); ministral3.py ``LlamaModel.__call__``
+#: skips ``fa_idx``/``swa_idx`` the same way.
+NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"}),
+                                        "ministral3": frozenset({"fa_idx", "swa_idx"})}
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe",
-                              "gemma3_text", "cohere2"})
+                              "gemma3_text", "cohere2", "ministral3"})
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {
