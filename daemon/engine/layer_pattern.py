@@ -107,6 +107,8 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
+    "plamo": "its decoder layers are nested in ``model.layers.layers`` (plamo.py PlamoDecoder), apart from the "
+             "embedding and final norm a stage prunes",
     "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
               "the global mask from cache[3] (llama4.py LlamaModel.__call__)",
 }

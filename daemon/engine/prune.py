@@ -28,8 +28,8 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
 #: Names of the inner model's token embedding: ``embed_tokens`` in most of mlx-lm,
 #: ``tok_embeddings`` (internlm2.py InternLM2Model), ``word_embeddings`` (bailing_moe.py
 #: BailingMoeModel), ``embeddings`` (mamba.py Mamba, mamba2.py Mamba2, nemotron_h.py
-#: NemotronHModel, whose final norms are ``norm_f``).
-EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings")
+#: NemotronHModel, whose final norms are ``norm_f``), ``token_embeddings`` (openelm.py OpenELMModel).
+EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "token_embeddings")
 
 
 #: Names of the outer model's untied head: ``lm_head`` in most of mlx-lm, ``output`` in
