@@ -180,4 +180,8 @@ ZOO: dict[str, dict] = {
                  "max_position_embeddings": 256, "use_expert_bias": True, "num_dense_layers": 1, "norm_eps": 1e-5,
                  "conv_bias": False, "conv_L_cache": 3,
                  "layer_types": ["conv", "full_attention", "conv", "conv", "full_attention"]},
+    "laguna": _cfg("laguna", 4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "full_attention"] * 2,
+                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads_per_layer=[4] * 4),
 }

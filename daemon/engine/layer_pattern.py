@@ -22,7 +22,8 @@ evaluated) model by :func:`capture`:
   ``ga_idx``/``swa_idx`` (gpt_oss.py ``GptOssMoeModel.__init__``, olmo3.py
   ``Olmo3Model.__init__``), ``fa_idx``/``conv_idx`` (lfm2.py ``Lfm2Model.__init__``),
   ``fa_idx``/``ssm_idx`` (qwen3_next.py ``Qwen3NextModel.__init__``,
-  granitemoehybrid.py), ``full_idx``/``swa_idx`` (exaone4.py). Each is re-pointed at
+  granitemoehybrid.py), ``full_idx``/``swa_idx`` (exaone4.py), ``fa_idx``/``swa_idx``
+  (laguna.py ``LagunaModel.__init__``). Each is re-pointed at
   the stage's first layer of the same kind (same cache signature, so the same offset
   and the same mask); the per-position list ``layer_types`` the forward zips with the
   layers (gpt_oss.py, olmo3.py ``__call__``) is sliced to ``[start, end)``.
@@ -62,7 +63,7 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe",
-                              "gemma3_text", "cohere2", "ministral3"})
+                              "gemma3_text", "cohere2", "ministral3", "laguna"})
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {
@@ -107,6 +108,10 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
+    "nanochat": "its modules are ``transformer.wte``/``h`` (nanochat.py NanoChatModel), not the "
+                "``layers``/``embed_tokens`` a stage prunes",
+    "talkie": "its modules are ``embed``/``blocks`` (talkie.py TalkieModel), not the ``layers``/``embed_tokens`` a "
+              "stage prunes",
     "plamo": "its decoder layers are nested in ``model.layers.layers`` (plamo.py PlamoDecoder), apart from the "
              "embedding and final norm a stage prunes",
     "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
