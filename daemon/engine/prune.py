@@ -37,10 +37,28 @@ EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings",
 HEADS = ("lm_head", "output")
 
 
+def head_owner(model: nn.Module) -> nn.Module:
+    """The module holding the untied head: ``model``, or the wrapper between it and the
+    inner model that has one (qwen3_5.py ``TextModel.lm_head``, under ``language_model``)."""
+    inner = inner_module(model)
+    steps = next(p for p, m in model.named_modules() if m is inner).split(".")
+    for owner in (_get(model, steps[:i]) for i in range(len(steps))):  # model, then inner's ancestors
+        if any(isinstance(owner.get(name), nn.Module) for name in HEADS):
+            return owner
+    return model
+
+
+def _get(module: nn.Module, steps: list[str]) -> nn.Module:
+    for step in steps:
+        module = module[step]
+    return module
+
+
 def head_name(model: nn.Module) -> str:
-    """The attribute of ``model`` holding its untied head (:data:`HEADS`), else ``lm_head``."""
+    """The attribute of ``head_owner(model)`` holding its untied head (:data:`HEADS`), else ``lm_head``."""
+    owner = head_owner(model)
     for name in HEADS:
-        if isinstance(model.get(name), nn.Module):
+        if isinstance(owner.get(name), nn.Module):
             return name
     return "lm_head"
 
@@ -98,6 +116,8 @@ def inner_module(model: nn.Module) -> nn.Module:
     layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
     for _, module in model.named_modules():
         owned = getattr(module, "layers", None)
+        if isinstance(getattr(type(module), "layers", None), property):
+            continue  # a wrapper's view of an inner model's list (qwen3_5.py TextModel.layers)
         if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
             return module
     raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
@@ -130,8 +150,8 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     inner.layers = inner.layers[start:end]
     own_masks(inner, model_type, start)
     pattern.apply(inner, start, end)
-    head = head_name(model)
-    tied = not hasattr(model, head)
+    owner, head = head_owner(model), head_name(model)
+    tied = not hasattr(owner, head)
     embedding = embedding_name(inner)
     real = getattr(inner, embedding)
     keep_embedding = first or (last and tied)
@@ -141,8 +161,8 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         for name in FINAL_NORMS:
             if hasattr(inner, name):
                 setattr(inner, name, Identity())
-        if hasattr(model, head):
-            setattr(model, head, Identity())
+        if hasattr(owner, head):
+            setattr(owner, head, Identity())
     return first, last, pattern
 
 
@@ -154,16 +174,16 @@ def last_position_only(model: nn.Module) -> Iterator[None]:
     embedding's ``as_linear`` (mlx-lm's models do); elsewhere every position still is.
     The model is restored on leaving (one forward at a time per model)."""
     inner = inner_module(model)
-    head = head_name(model)
-    embedding, lm_head = getattr(inner, embedding_name(inner)), model.get(head)
+    owner, head = head_owner(model), head_name(model)
+    embedding, lm_head = getattr(inner, embedding_name(inner)), owner.get(head)
     try:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = True
         if isinstance(lm_head, nn.Module):
-            setattr(model, head, LastPosition(lm_head))
+            setattr(owner, head, LastPosition(lm_head))
         yield
     finally:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = False
         if isinstance(lm_head, nn.Module):
-            setattr(model, head, lm_head)
+            setattr(owner, head, lm_head)

@@ -37,6 +37,7 @@ from ringlet.daemon.engine.prune import (
     StageEmbedding,
     embedding_name,
     head_name,
+    head_owner,
     inner_module,
     last_position_only,
     prune,
@@ -170,8 +171,8 @@ class Stage(StageRange):
         embedding = embedding_name(inner)
         saved = {name: getattr(inner, name) for name in ("layers", embedding, *FINAL_NORMS, *patterned)
                  if hasattr(inner, name)}
-        head_attr = head_name(self.model)
-        head = self.model.get(head_attr)
+        owner, head_attr = head_owner(self.model), head_name(self.model)
+        head = owner.get(head_attr)
         restore = None
         try:
             inner.layers = saved["layers"][lo - self.start:hi - self.start]
@@ -185,7 +186,7 @@ class Stage(StageRange):
                 if name in saved:
                     setattr(inner, name, Identity())
             if head is not None:
-                setattr(self.model, head_attr, Identity())
+                setattr(owner, head_attr, Identity())
             yield
         finally:
             self._span = None
@@ -194,7 +195,7 @@ class Stage(StageRange):
             for name, value in saved.items():
                 setattr(inner, name, value)
             if head is not None:
-                setattr(self.model, head_attr, head)
+                setattr(owner, head_attr, head)
 
     def settle(self, cache: list) -> None:
         """Evaluate a request's KV cache after a forward whose output is not needed."""
@@ -250,9 +251,9 @@ def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage
     if reuse.last and end == num_layers:
         inner.norm = old_inner.norm
         done.add("model.norm.")
-        head = head_name(model)
-        if hasattr(model, head) and hasattr(reuse.model, head):
-            setattr(model, head, getattr(reuse.model, head))
+        head, owner, old_owner = head_name(model), head_owner(model), head_owner(reuse.model)
+        if hasattr(owner, head) and hasattr(old_owner, head):
+            setattr(owner, head, getattr(old_owner, head))
             done.add(f"{head}.")
     return done
 
