@@ -185,3 +185,9 @@ ZOO: dict[str, dict] = {
                    layer_types=["sliding_attention", "full_attention"] * 2,
                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads_per_layer=[4] * 4),
 }
+
+#: qwen3_5 and qwen3_5_moe wrap qwen3_next's text model (qwen3_5.py ``ModelArgs.text_config``,
+#: the head on ``language_model``).
+for _name in ("qwen3_5", "qwen3_5_moe"):
+    ZOO[_name] = {"model_type": _name, "vocab_size": 160, "tie_word_embeddings": False,
+                  "text_config": {**ZOO["qwen3_next"], "model_type": f"{_name}_text"}}

@@ -57,13 +57,16 @@ POSITION_LISTS = ("layer_types",)
 #: Index attributes a forward skips when ``None`` (no layer of that kind here), as
 #: mlx-lm's own pipeline split sets them: qwen3_next.py ``Qwen3NextModel.pipeline`` and
 #: ``__call__`` (``if self.fa_idx is not None``); ministral3.py ``LlamaModel.__call__``
-#: skips ``fa_idx``/``swa_idx`` the same way.
+#: and qwen3_5.py ``Qwen3_5TextModel.__call__`` skip theirs the same way.
 NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"}),
-                                        "ministral3": frozenset({"fa_idx", "swa_idx"})}
+                                        "ministral3": frozenset({"fa_idx", "swa_idx"}),
+                                        "qwen3_5": frozenset({"fa_idx", "ssm_idx"}),
+                                        "qwen3_5_moe": frozenset({"fa_idx", "ssm_idx"})}
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe",
-                              "gemma3_text", "cohere2", "ministral3", "laguna"})
+                              "gemma3_text", "cohere2", "ministral3", "laguna", "qwen3_5",
+                              "qwen3_5_moe"})
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {

@@ -59,8 +59,7 @@ NOT_YET_IN_ZOO = frozenset({
     "glm_moe_dsa", "iquestloopcoder", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "lfm2-vl", "lille-130m",
     "longcat_flash", "longcat_flash_ngram", "mellum", "mimo_v2_flash", "minimax_m3_vl", "mistral3",
     "muse_glimmer", "muse_spark", "nemotron-nas", "olmo", "olmo_hybrid", "phixtral", "pixtral", "plamo2",
-    "plamo3", "prism_hadamard_qwen35", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
-    "rwkv7", "spark2_5", "step3p5",
+    "plamo3", "prism_hadamard_qwen35", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "rwkv7", "spark2_5", "step3p5",
 })
 
 
