@@ -184,6 +184,14 @@ ZOO: dict[str, dict] = {
                    shared_expert_intermediate_size=32, sliding_window=WINDOW,
                    layer_types=["sliding_attention", "full_attention"] * 2,
                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads_per_layer=[4] * 4),
+    "glm_moe_dsa": _cfg("glm_moe_dsa", 4, **_MLA, index_head_dim=16, index_n_heads=2, index_topk=4,
+                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, moe_layer_freq=1,
+                        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}, attention_bias=False),
+    "mellum": _cfg("mellum", 4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   norm_topk_prob=True, sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "full_attention"] * 2,
+                   rope_parameters={"sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+                                    "full_attention": {"rope_theta": 10000.0, "rope_type": "default"}}),
 }
 
 #: qwen3_5 and qwen3_5_moe wrap qwen3_next's text model (qwen3_5.py ``ModelArgs.text_config``,

@@ -56,10 +56,10 @@ HELPERS = frozenset({"activations", "base", "cache", "gated_delta", "mla", "pipe
 #: neither is verified against mlx-lm here yet. Move each to ZOO (or REFUSED) as it is.
 NOT_YET_IN_ZOO = frozenset({
     "afm7", "baichuan_m1", "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "bitnet", "gemma4",
-    "glm_moe_dsa", "iquestloopcoder", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "lfm2-vl", "lille-130m",
-    "longcat_flash", "longcat_flash_ngram", "mellum", "mimo_v2_flash", "minimax_m3_vl", "mistral3",
-    "muse_glimmer", "muse_spark", "nemotron-nas", "olmo", "olmo_hybrid", "phixtral", "pixtral", "plamo2",
-    "plamo3", "prism_hadamard_qwen35", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "rwkv7", "spark2_5", "step3p5",
+    "iquestloopcoder", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "lfm2-vl", "lille-130m",
+    "longcat_flash", "longcat_flash_ngram", "mimo_v2_flash", "minimax_m3_vl", "mistral3", "muse_glimmer",
+    "muse_spark", "nemotron-nas", "olmo", "olmo_hybrid", "phixtral", "pixtral", "plamo2", "plamo3",
+    "prism_hadamard_qwen35", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "rwkv7", "spark2_5", "step3p5",
 })
 
 
