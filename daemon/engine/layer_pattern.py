@@ -22,15 +22,17 @@ evaluated) model by :func:`capture`:
   ``ga_idx``/``swa_idx`` (gpt_oss.py ``GptOssMoeModel.__init__``, olmo3.py
   ``Olmo3Model.__init__``), ``fa_idx``/``conv_idx`` (lfm2.py ``Lfm2Model.__init__``),
   ``fa_idx``/``ssm_idx`` (qwen3_next.py ``Qwen3NextModel.__init__``,
-  granitemoehybrid.py), ``full_idx``/``swa_idx`` (exaone4.py). Each is re-pointed at
+  granitemoehybrid.py), ``full_idx``/``swa_idx`` (exaone4.py), ``fa_idx``/``swa_idx``
+  (laguna.py ``LagunaModel.__init__``). Each is re-pointed at
   the stage's first layer of the same kind (same cache signature, so the same offset
   and the same mask); the per-position list ``layer_types`` the forward zips with the
   layers (gpt_oss.py, olmo3.py ``__call__``) is sliced to ``[start, end)``.
 
 Architectures whose forward decides a layer's kind by its local loop position
 (``enumerate(self.layers)`` with ``i % sliding_window_pattern``: gemma3_text.py,
-cohere2.py; ``(idx + 1) % 4`` and ``cache[3]``: llama4.py) are not expressible this way;
-:data:`REFUSED` names them and why, and :func:`check_split` refuses any other
+cohere2.py) have their layers build their own masks (:mod:`local_index`); ``(idx + 1) % 4``
+and ``cache[3]`` (llama4.py) are not handled yet.
+:data:`REFUSED` names what cannot be split and why, and :func:`check_split` refuses any other
 architecture whose layers are of more than one kind unless it is in
 :data:`PATTERN_VERIFIED` (verified split by split against mlx-lm's whole model by
 ``tests/engine/test_zoo.py``), so an unverified mixed architecture is refused up front
@@ -54,44 +56,34 @@ POSITION_LISTS = ("layer_types",)
 
 #: Index attributes a forward skips when ``None`` (no layer of that kind here), as
 #: mlx-lm's own pipeline split sets them: qwen3_next.py ``Qwen3NextModel.pipeline`` and
-#: ``__call__`` (``if self.fa_idx is not None``).
-NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"})}
+#: ``__call__`` (``if self.fa_idx is not None``); ministral3.py ``LlamaModel.__call__``
+#: and qwen3_5.py ``Qwen3_5TextModel.__call__`` skip theirs the same way.
+NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"}),
+                                        "ministral3": frozenset({"fa_idx", "swa_idx"}),
+                                        "qwen3_5": frozenset({"fa_idx", "ssm_idx"}),
+                                        "qwen3_5_moe": frozenset({"fa_idx", "ssm_idx"})}
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
-PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama"})
+PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe",
+                              "gemma3_text", "cohere2", "ministral3", "laguna", "qwen3_5",
+                              "qwen3_5_moe"})
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 REFUSED: dict[str, str] = {
-    "gemma": "its forward scales the embedding output by sqrt(hidden_size) (gemma.py GemmaModel.__call__), "
-             "which a later stage would apply again",
-    "gemma2": "its forward scales the embedding output by sqrt(hidden_size) (gemma2.py), which a later stage "
-              "would apply again",
+    "gemma2": "its head soft-caps the output after ``embed_tokens.as_linear`` in Model.__call__ "
+              "(gemma2.py: tanh(out / final_logit_softcapping) * final_logit_softcapping), which a stage "
+              "that is not last would apply to its hidden states",
     "gemma3": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
               "sliding or global attention by the local loop index i % sliding_window_pattern",
-    "gemma3_text": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
-                   "sliding or global attention by the local loop index i % sliding_window_pattern",
     "gemma3n": "its forward scales the embedding and shares KV across layers by global position (gemma3n.py)",
     "recurrent_gemma": "its forward scales the embedding output and picks attention or recurrence by "
                        "global position (recurrent_gemma.py)",
-    "cohere2": "its forward picks sliding or global attention by the local loop index "
-               "i % sliding_window_pattern and takes the masks from cache[0] and cache[pattern - 1] "
-               "(cohere2.py CohereModel.__call__)",
-    "llama4_text": "its head is ``output`` or ``embed_tokens.weight.T`` (llama4_text.py Model.__call__), "
-                   "not ``lm_head``/``as_linear``, so a stage that is not last would still apply it",
     "exaone": "its modules are ``transformer.wte``/``transformer.h``/``transformer.ln_f`` (exaone.py), not the "
               "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "lfm2": "its forward builds the attention mask from cache[fa_idx] unconditionally (lfm2.py "
-            "Lfm2Model.__call__): a stage without an attention layer has no cache to build it from",
-    "granite": "its forward scales the embedding output by embedding_multiplier (granite.py), which a later "
-               "stage would apply again",
-    "granitemoe": "its forward scales the embedding output by embedding_multiplier (granitemoe.py "
-                  "GraniteMoEModel.__call__), which a later stage would apply again",
-    "granitemoehybrid": "its forward scales the embedding output by embedding_multiplier (granitemoehybrid.py "
-                        "__call__), which a later stage would apply again",
-    "minicpm": "its forward scales the embedding output by scale_emb (minicpm.py), which a later stage would "
-               "apply again",
-    "minicpm3": "its forward scales the embedding output by scale_emb (minicpm3.py), which a later stage "
-                "would apply again",
+    "lfm2": "its forward builds the attention mask from cache[fa_idx] and the conv mask from cache[conv_idx] "
+            "unconditionally (lfm2.py Lfm2Model.__call__): a stage without an attention layer or without a "
+            "conv layer has no cache of that kind to build it from (splits whose every stage has both kinds "
+            "were checked exact)",
     "phi3small": "its forward scales the embedding output by mup_embedding_multiplier (phi3small.py), which a "
                  "later stage would apply again",
     "afmoe": "its forward scales the embedding output by sqrt(hidden_size) when mup_enabled (afmoe.py), "
@@ -100,6 +92,31 @@ REFUSED: dict[str, str] = {
             "apply again",
     "gemma4_text": "its forward scales the embedding output by embed_scale (gemma4_text.py), which a later "
                    "stage would apply again",
+    "gpt2": "its modules are ``wte``/``wpe``/``h``/``ln_f`` (gpt2.py GPT2Model) and it adds learned position "
+            "embeddings after the token embedding, not the ``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gpt_bigcode": "its modules are ``transformer.wte``/``wpe``/``h``/``ln_f`` (gpt_bigcode.py) and it adds learned "
+                   "position embeddings, not the ``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gpt_neox": "its modules are ``embed_in``/``h``/``final_layer_norm`` (gpt_neox.py GPTNeoXModel), not the "
+                "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gptj": "its modules are ``wte``/``h``/``ln_f`` (gptj.py GPTJModel), not the ``layers``/``embed_tokens``/"
+            "``norm`` a stage prunes",
+    "dbrx": "its modules are ``transformer.wte``/``blocks``/``norm_f`` (dbrx.py DBRX), not the "
+            "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "qwen": "its modules are ``transformer.wte``/``h``/``ln_f`` (qwen.py QwenModel), not the "
+            "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
+                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
+    "mamba": "its forward unpacks ``B, T = inputs.shape`` (mamba.py Model.__call__), so a stage that is not "
+             "first cannot take hidden states",
+    "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
+                    "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
+                    "boundary carries",
+    "nanochat": "its modules are ``transformer.wte``/``h`` (nanochat.py NanoChatModel), not the "
+                "``layers``/``embed_tokens`` a stage prunes",
+    "talkie": "its modules are ``embed``/``blocks`` (talkie.py TalkieModel), not the ``layers``/``embed_tokens`` a "
+              "stage prunes",
+    "plamo": "its decoder layers are nested in ``model.layers.layers`` (plamo.py PlamoDecoder), apart from the "
+             "embedding and final norm a stage prunes",
     "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
               "the global mask from cache[3] (llama4.py LlamaModel.__call__)",
 }

@@ -14,9 +14,61 @@ from collections.abc import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
+from ringlet.daemon.engine.embed_scale import neutralize, refusal
 from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_split
+from ringlet.daemon.engine.local_index import own_masks
 from ringlet.daemon.engine.stage_tensors import validate_range
-from ringlet.daemon.errors import ModelFormatError
+from ringlet.daemon.errors import ModelFormatError, PlanError
+
+#: Names of the inner model's final norm: ``norm`` in most of mlx-lm, ``final_layernorm``
+#: in phi.py (``PhiModel.__call__``: ``return self.final_layernorm(x)``), ``embedding_norm``
+#: in lfm2.py (``Lfm2Model.__call__``: ``return self.embedding_norm(h)``).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
+
+#: Names of the inner model's token embedding: ``embed_tokens`` in most of mlx-lm,
+#: ``tok_embeddings`` (internlm2.py InternLM2Model), ``word_embeddings`` (bailing_moe.py
+#: BailingMoeModel), ``embeddings`` (mamba.py Mamba, mamba2.py Mamba2, nemotron_h.py
+#: NemotronHModel, whose final norms are ``norm_f``), ``token_embeddings`` (openelm.py OpenELMModel).
+EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "token_embeddings")
+
+
+#: Names of the outer model's untied head: ``lm_head`` in most of mlx-lm, ``output`` in
+#: internlm2.py and llama4_text.py (``Model.__init__``: ``self.output = nn.Linear(...)``).
+HEADS = ("lm_head", "output")
+
+
+def head_owner(model: nn.Module) -> nn.Module:
+    """The module holding the untied head: ``model``, or the wrapper between it and the
+    inner model that has one (qwen3_5.py ``TextModel.lm_head``, under ``language_model``)."""
+    inner = inner_module(model)
+    steps = next(p for p, m in model.named_modules() if m is inner).split(".")
+    for owner in (_get(model, steps[:i]) for i in range(len(steps))):  # model, then inner's ancestors
+        if any(isinstance(owner.get(name), nn.Module) for name in HEADS):
+            return owner
+    return model
+
+
+def _get(module: nn.Module, steps: list[str]) -> nn.Module:
+    for step in steps:
+        module = module[step]
+    return module
+
+
+def head_name(model: nn.Module) -> str:
+    """The attribute of ``head_owner(model)`` holding its untied head (:data:`HEADS`), else ``lm_head``."""
+    owner = head_owner(model)
+    for name in HEADS:
+        if isinstance(owner.get(name), nn.Module):
+            return name
+    return "lm_head"
+
+
+def embedding_name(inner: nn.Module) -> str:
+    """The attribute of ``inner`` holding the token embedding (:data:`EMBEDDINGS`)."""
+    for name in EMBEDDINGS:
+        if hasattr(inner, name):
+            return name
+    raise ModelFormatError(f"{type(inner).__module__}: cannot find the token embedding")
 
 
 class StageEmbedding(nn.Module):
@@ -64,6 +116,8 @@ def inner_module(model: nn.Module) -> nn.Module:
     layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
     for _, module in model.named_modules():
         owned = getattr(module, "layers", None)
+        if isinstance(getattr(type(module), "layers", None), property):
+            continue  # a wrapper's view of an inner model's list (qwen3_5.py TextModel.layers)
         if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
             return module
     raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
@@ -79,23 +133,36 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         PlanError: bad range, or a split of an architecture that cannot be split exactly
             (:func:`~ringlet.daemon.engine.layer_pattern.check_split`).
     """
-    inner = inner_module(model)
-    num_layers = len(inner.layers)
+    num_layers = len(list(model.layers))
     validate_range(start, end, num_layers)
     first, last = start == 0, end == num_layers
+    if not (first and last):  # refused before looking for modules it may not have (gpt2.py ``h``)
+        check_split(model_type, None)
+    inner = inner_module(model)
     pattern = capture(model, inner, model_type)
     if not (first and last):
         check_split(model_type, pattern)
+        if len(pattern.caches) != num_layers:  # caches must map to layers one to one
+            raise PlanError(f"architecture {model_type!r} cannot be split into stages: its cache has "
+                            f"{len(pattern.caches)} entries for {num_layers} layers; run it on one node")
+        if (reason := refusal(model, model_type)) is not None:
+            raise PlanError(f"architecture {model_type!r} cannot be split into stages: {reason}; run it on one node")
     inner.layers = inner.layers[start:end]
+    own_masks(inner, model_type, start)
     pattern.apply(inner, start, end)
-    tied = not hasattr(model, "lm_head")
-    real = inner.embed_tokens
+    owner, head = head_owner(model), head_name(model)
+    tied = not hasattr(owner, head)
+    embedding = embedding_name(inner)
+    real = getattr(inner, embedding)
     keep_embedding = first or (last and tied)
-    inner.embed_tokens = StageEmbedding(real if keep_embedding else None, first, last)
+    setattr(inner, embedding, StageEmbedding(real if keep_embedding else None, first, last))
+    neutralize(model, inner, model_type, embed=first, head=last)
     if not last:
-        inner.norm = Identity()
-        if hasattr(model, "lm_head"):
-            model.lm_head = Identity()
+        for name in FINAL_NORMS:
+            if hasattr(inner, name):
+                setattr(inner, name, Identity())
+        if hasattr(owner, head):
+            setattr(owner, head, Identity())
     return first, last, pattern
 
 
@@ -106,15 +173,17 @@ def last_position_only(model: nn.Module) -> Iterator[None]:
     all of them. Applies where the architecture projects through ``lm_head`` or a tied
     embedding's ``as_linear`` (mlx-lm's models do); elsewhere every position still is.
     The model is restored on leaving (one forward at a time per model)."""
-    embedding, lm_head = inner_module(model).embed_tokens, model.get("lm_head")
+    inner = inner_module(model)
+    owner, head = head_owner(model), head_name(model)
+    embedding, lm_head = getattr(inner, embedding_name(inner)), owner.get(head)
     try:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = True
         if isinstance(lm_head, nn.Module):
-            model.lm_head = LastPosition(lm_head)
+            setattr(owner, head, LastPosition(lm_head))
         yield
     finally:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = False
         if isinstance(lm_head, nn.Module):
-            model.lm_head = lm_head
+            setattr(owner, head, lm_head)

@@ -29,8 +29,19 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ringlet.daemon.engine import gguf as gguf_source
+from ringlet.daemon.engine.embed_scale import neutralize
 from ringlet.daemon.engine.layer_pattern import LayerPattern
-from ringlet.daemon.engine.prune import Identity, StageEmbedding, inner_module, last_position_only, prune
+from ringlet.daemon.engine.prune import (
+    FINAL_NORMS,
+    Identity,
+    StageEmbedding,
+    embedding_name,
+    head_name,
+    head_owner,
+    inner_module,
+    last_position_only,
+    prune,
+)
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.errors import ModelFormatError, PlanError
@@ -157,26 +168,34 @@ class Stage(StageRange):
             raise PlanError(f"layers [{lo}, {hi}) are not within this stage's [{self.start}, {self.end})")
         inner = inner_module(self.model)
         patterned = (*self.pattern.indices, *self.pattern.lists) if self.pattern is not None else ()
-        saved = {name: getattr(inner, name) for name in ("layers", "embed_tokens", "norm", *patterned)
+        embedding = embedding_name(inner)
+        saved = {name: getattr(inner, name) for name in ("layers", embedding, *FINAL_NORMS, *patterned)
                  if hasattr(inner, name)}
-        head = self.model.get("lm_head")
+        owner, head_attr = head_owner(self.model), head_name(self.model)
+        head = owner.get(head_attr)
+        restore = None
         try:
             inner.layers = saved["layers"][lo - self.start:hi - self.start]
             if self.pattern is not None:
                 self.pattern.apply(inner, lo, hi)
             self._span = (lo, hi)
-            real = getattr(saved["embed_tokens"], "real", None) if lo == 0 else None
-            inner.embed_tokens = StageEmbedding(real, embed_input=lo == 0, head_output=False)
-            inner.norm = Identity()
+            real = getattr(saved[embedding], "real", None) if lo == 0 else None
+            setattr(inner, embedding, StageEmbedding(real, embed_input=lo == 0, head_output=False))
+            restore = neutralize(self.model, inner, self.config.get("model_type", ""), embed=lo == 0, head=False)
+            for name in FINAL_NORMS:
+                if name in saved:
+                    setattr(inner, name, Identity())
             if head is not None:
-                self.model.lm_head = Identity()
+                setattr(owner, head_attr, Identity())
             yield
         finally:
             self._span = None
+            if restore is not None:
+                restore()
             for name, value in saved.items():
                 setattr(inner, name, value)
             if head is not None:
-                self.model.lm_head = head
+                setattr(owner, head_attr, head)
 
     def settle(self, cache: list) -> None:
         """Evaluate a request's KV cache after a forward whose output is not needed."""
@@ -225,16 +244,17 @@ def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage
     for g in range(max(start, reuse.start), min(end, reuse.end)):
         inner.layers[g - start] = old_inner.layers[g - reuse.start]
         done.add(f"model.layers.{g - start}.")
-    new_embed, old_embed = inner.embed_tokens, old_inner.embed_tokens
+    new_embed, old_embed = getattr(inner, embedding_name(inner)), getattr(old_inner, embedding_name(old_inner))
     if "real" in new_embed and isinstance(old_embed, StageEmbedding) and "real" in old_embed:
         new_embed.real = old_embed.real
         done.add("model.embed_tokens.")
     if reuse.last and end == num_layers:
         inner.norm = old_inner.norm
         done.add("model.norm.")
-        if hasattr(model, "lm_head") and hasattr(reuse.model, "lm_head"):
-            model.lm_head = reuse.model.lm_head
-            done.add("lm_head.")
+        head, owner, old_owner = head_name(model), head_owner(model), head_owner(reuse.model)
+        if hasattr(owner, head) and hasattr(old_owner, head):
+            setattr(owner, head, getattr(old_owner, head))
+            done.add(f"{head}.")
     return done
 
 

@@ -1,0 +1,110 @@
+"""Scales an architecture applies around the layers happen once: on the first stage
+(the embedding's) and on the last (the head's).
+
+Some mlx-lm architectures scale the embedding output inside the inner model's forward,
+right after ``embed_tokens``, or scale the head's input or output in the outer model's
+forward, beside ``lm_head``. A stage that is not first gets hidden states through
+:class:`~ringlet.daemon.engine.prune.StageEmbedding` (a pass-through) and a stage that
+is not last has an identity head, so those forwards would scale hidden states that
+must pass unchanged. :func:`neutralize` sets each such factor to exactly 1 on a stage
+that must not apply it (``h * 1.0`` and ``h / 1.0`` are ``h``, bit for bit, in every
+float dtype). Each rule, from mlx-lm:
+
+Embedding (stage not first):
+
+* ``gemma.py`` ``GemmaModel.__call__``: ``h = h * (self.args.hidden_size**0.5)`` -- the
+  inner model's own ``args`` becomes a copy with ``hidden_size = 1`` (``1**0.5 == 1.0``);
+  the layers keep theirs, and the inner forward reads ``self.args`` for nothing else.
+* ``granite.py`` ``GraniteModel.__call__``, ``granitemoe.py`` ``GraniteMoEModel.__call__``,
+  ``granitemoehybrid.py`` ``GraniteMoeHybridModel.__call__``:
+  ``self.embed_tokens(inputs) * self.embedding_multiplier`` -- set to ``1.0``.
+* ``minicpm.py`` ``MiniCPMModel.__call__``, ``minicpm3.py`` ``MiniCPM3Model.__call__``:
+  ``self.embed_tokens(inputs) * self.args.scale_emb`` -- a copy of ``args`` with
+  ``scale_emb = 1.0``.
+
+Head (stage not last):
+
+* granite.py, granitemoe.py, granitemoehybrid.py ``Model.__call__``:
+  ``return out / self.logits_scaling`` -- set to ``1.0``.
+* minicpm.py, minicpm3.py ``Model.__call__`` (untied head):
+  ``self.lm_head(out / (self.args.hidden_size / self.args.dim_model_base))`` -- a copy of
+  the outer ``args`` with ``dim_model_base = hidden_size`` (the quotient is ``1.0``).
+* cohere.py and cohere2.py ``Model.__call__``: ``out = out * self.model.args.logit_scale`` -- the inner
+  model's ``args`` becomes a copy with ``logit_scale = 1.0`` (``CohereModel`` reads its
+  ``args`` only when built).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+#: (attribute (dotted: of a sub-module), field of it or None, neutral value or a function of the attribute's value).
+Rule = tuple[str, str | None, Any]
+
+#: model_type -> rule on the inner model, for a stage that is not first.
+EMBED_SCALE: dict[str, Rule] = {
+    "gemma": ("args", "hidden_size", 1),
+    "gemma3_text": ("args", "hidden_size", 1),
+    "granite": ("embedding_multiplier", None, 1.0),
+    "granitemoe": ("embedding_multiplier", None, 1.0),
+    "granitemoehybrid": ("embedding_multiplier", None, 1.0),
+    "minicpm": ("args", "scale_emb", 1.0),
+    "minicpm3": ("args", "scale_emb", 1.0),
+}
+
+#: model_type -> rule on the outer model, for a stage that is not last.
+HEAD_SCALE: dict[str, Rule] = {
+    "granite": ("logits_scaling", None, 1.0),
+    "granitemoe": ("logits_scaling", None, 1.0),
+    "granitemoehybrid": ("logits_scaling", None, 1.0),
+    "minicpm": ("args", "dim_model_base", lambda args: args.hidden_size),
+    "minicpm3": ("args", "dim_model_base", lambda args: args.hidden_size),
+    "cohere": ("model.args", "logit_scale", 1.0),
+    "cohere2": ("model.args", "logit_scale", 1.0),
+}
+
+
+def _apply(module: Any, rule: Rule) -> Callable[[], None]:
+    attribute, name, neutral = rule
+    *path, attribute = attribute.split(".")
+    for step in path:
+        module = getattr(module, step)
+    saved = getattr(module, attribute)
+    if name is None:
+        setattr(module, attribute, neutral)
+    else:
+        replaced = copy.copy(saved)
+        setattr(replaced, name, neutral(saved) if callable(neutral) else neutral)
+        setattr(module, attribute, replaced)
+    return lambda: setattr(module, attribute, saved)
+
+
+def neutralize(model: Any, inner: Any, model_type: str, *, embed: bool, head: bool) -> Callable[[], None]:
+    """Make the forward leave hidden states unscaled where the stage has no embedding
+    (``embed`` false) or no head (``head`` false). Returns a function restoring it."""
+    undo = []
+    if not embed and model_type in EMBED_SCALE:
+        undo.append(_apply(inner, EMBED_SCALE[model_type]))
+    if not head and model_type in HEAD_SCALE:
+        undo.append(_apply(model, HEAD_SCALE[model_type]))
+
+    def restore() -> None:
+        for step in reversed(undo):
+            step()
+    return restore
+
+
+def refusal(model: Any, model_type: str) -> str | None:
+    """Why this model's head cannot run on a pruned stage, if it cannot: a tied minicpm or
+    llama4_text head reads ``self.model.embed_tokens.weight`` directly (minicpm.py ``Model.__call__``:
+    ``out @ self.model.embed_tokens.weight.T``), not through ``as_linear``."""
+    args = getattr(model, "args", None)
+    if model_type == "minicpm" and getattr(args, "tie_word_embeddings", False):
+        return ("its tied head reads embed_tokens.weight directly (minicpm.py Model.__call__: "
+                "out @ self.model.embed_tokens.weight.T), not through as_linear")
+    if model_type == "llama4_text" and getattr(model, "tie_word_embeddings", False):
+        return ("its tied head reads embed_tokens.weight directly (llama4_text.py Model.__call__: "
+                "h @ self.model.embed_tokens.weight.T), not through as_linear")
+    return None

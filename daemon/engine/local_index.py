@@ -1,0 +1,79 @@
+"""Layers that take their mask from their own cache, for forwards that pick a layer's
+kind by its *local* loop index.
+
+``gemma3_text.py`` ``Gemma3Model.__call__`` and ``cohere2.py`` ``CohereModel.__call__``
+build two masks before the loop -- the global one from ``cache[P - 1]``, the sliding one
+from ``cache[0]`` with ``window_size`` -- and give layer ``i`` the global mask when
+``i % P == P - 1`` (``P``: ``sliding_window_pattern``). ``i`` is the position in the
+stage's layer list, not in the model, so a stage starting at a layer that is not a
+multiple of ``P`` would give its layers the wrong masks, and a stage of fewer than ``P``
+layers would index past its caches.
+
+:func:`own_masks` makes this exact for any split: the inner model's pattern becomes 1 (one
+mask, from ``cache[0]``, which every layer then ignores), and each layer's class becomes
+a subclass whose ``__call__`` builds the mask of its *global* kind from its own cache
+before running: ``create_attention_mask(x, cache)`` for a global layer,
+``create_attention_mask(x, cache, window_size=window)`` for a sliding one -- the calls
+the whole model makes, on a cache of the same kind (:mod:`layer_pattern` gives each
+layer the whole model's cache for its global position) in the same state (no layer has
+updated its cache when the forward builds its masks, nor when a layer starts). The
+layers' parameters and names are unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+#: model_type -> where the inner model keeps ``(P, window)``: the attribute holding P
+#: (dotted: a field of ``args``) and the one holding the window.
+LOCAL_INDEX: dict[str, tuple[str, str]] = {
+    "gemma3_text": ("sliding_window_pattern", "window_size"),  # gemma3_text.py Gemma3Model.__init__
+    "cohere2": ("args.sliding_window_pattern", "window_size"),  # cohere2.py CohereModel.__call__
+}
+
+_CLASSES: dict[type, type] = {}
+
+
+class _OwnMask:
+    """Mixed into a decoder layer's class: the mask comes from the layer's own cache."""
+
+    _ringlet_window: int | None = None
+
+    def __call__(self, x, mask=None, cache=None, *args, **kwargs):
+        from mlx_lm.models.base import create_attention_mask
+
+        if self._ringlet_window is None:
+            own = create_attention_mask(x, cache)
+        else:
+            own = create_attention_mask(x, cache, window_size=self._ringlet_window)
+        return super().__call__(x, own, cache, *args, **kwargs)
+
+
+def _own_mask_class(base: type) -> type:
+    if issubclass(base, _OwnMask):
+        return base
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"OwnMask{base.__name__}", (_OwnMask, base), {})
+    return _CLASSES[base]
+
+
+def own_masks(inner: Any, model_type: str, start: int) -> None:
+    """Make ``inner`` (its layers already the stage's, from global layer ``start``) give
+    each layer the mask of its global kind (module docstring). Other architectures: no-op."""
+    if model_type not in LOCAL_INDEX:
+        return
+    pattern_attr, window_attr = LOCAL_INDEX[model_type]
+    owner, name = (inner, pattern_attr)
+    if "." in pattern_attr:
+        head, name = pattern_attr.split(".")
+        owner = copy.copy(getattr(inner, head))
+        setattr(inner, head, owner)
+    period, window = getattr(owner, name), getattr(inner, window_attr)
+    if period <= 1:
+        return
+    for i, layer in enumerate(inner.layers):
+        is_global = (start + i) % period == period - 1
+        layer.__class__ = _own_mask_class(type(layer))
+        layer._ringlet_window = None if is_global else window
+    setattr(owner, name, 1)
