@@ -15,14 +15,17 @@ from test_split_equality import all_splits, reference_logits, split_logits
 from tiny_models import make_tiny_model
 from zoo_models import ZOO
 
-from ringlet.daemon.engine.layer_pattern import REFUSED
+from ringlet.daemon.engine.layer_pattern import REFUSED, SPLIT_VERIFIED, UNVERIFIED_ENV, check_split
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.engine.stage import load_stage
 from ringlet.daemon.errors import PlanError
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_every_split_is_exact_or_refused(name, tmp_path):
+def test_every_split_is_exact_or_refused(name, tmp_path, monkeypatch):
+    # the zoo checks the rules themselves: unverified splits are let run here, and
+    # SPLIT_VERIFIED must then be exactly the architectures found exact
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
     config = ZOO[name]
     path = make_tiny_model(config["model_type"], tmp_path / name, config=config)
     expected = reference_logits(path)
@@ -45,15 +48,26 @@ def test_every_split_is_exact_or_refused(name, tmp_path):
         assert exact == 0, f"{name}: some splits refused, others run: {refusals[0]}"
         assert f"{config['model_type']!r} cannot be split" in refusals[0]
         assert config["model_type"] in REFUSED or "different kinds" in refusals[0], refusals[0]
+    assert (exact > 0) == (config["model_type"] in SPLIT_VERIFIED), \
+        f"{name}: SPLIT_VERIFIED must list exactly the architectures the zoo finds exact"
+
+
+def test_a_split_of_an_architecture_the_zoo_has_not_verified_is_refused(monkeypatch):
+    monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    with pytest.raises(PlanError, match="not yet verified"):
+        check_split("kimi_linear", None)
+    check_split("kimi_k2", None)  # mlx-lm runs it as deepseek_v3, which the zoo verifies
+    check_split("mistral", None)
+    monkeypatch.setenv(UNVERIFIED_ENV, "1")
+    check_split("kimi_linear", None)  # the user's explicit choice
 
 
 #: mlx_lm.models modules that are not architectures (shared building blocks).
 HELPERS = frozenset({"activations", "base", "cache", "gated_delta", "mla", "pipeline", "rope_utils", "ssm",
                      "switch_layers", "bitlinear_layers"})
 
-#: Architectures not yet in the zoo. load_stage splits them when all their layers are of
-#: one kind (same cache type) and refuses them when mixed (layer_pattern.check_split);
-#: neither is verified against mlx-lm here yet. Move each to ZOO (or REFUSED) as it is.
+#: Architectures not yet in the zoo: load_stage refuses to split them (only the zoo's are in
+#: layer_pattern.SPLIT_VERIFIED). Move each to ZOO (and SPLIT_VERIFIED) or REFUSED as it is.
 NOT_YET_IN_ZOO = frozenset({
     "afm7", "baichuan_m1", "bailing_hybrid", "bailing_moe_linear", "bailing_moe_v3", "bitnet", "gemma4",
     "iquestloopcoder", "kimi_k25", "kimi_k3", "kimi_linear", "kimi_vl", "lfm2-vl", "lille-130m",
