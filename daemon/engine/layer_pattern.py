@@ -223,15 +223,15 @@ def capture(model: Any, inner: Any, model_type: str) -> LayerPattern:
     return LayerPattern(caches=make_prompt_cache(model), model_type=model_type, indices=indices, lists=lists)
 
 
-def verified(model_type: str) -> bool:
-    """Whether splits of ``model_type`` (or the architecture mlx-lm maps it to:
-    ``kimi_k2`` -> ``deepseek_v3``, ``mistral`` -> ``llama``...) are zoo-verified."""
-    from mlx_lm.utils import MODEL_REMAPPING
+def verified(model_type: str, module: str = "") -> bool:
+    """Whether splits of ``model_type``, or of the mlx-lm model module that runs it
+    (``module``: ``kimi_k2`` runs as ``deepseek_v3``, ``mistral`` as ``llama``...), are
+    zoo-verified. (The module comes from the built model: importing ``mlx_lm.utils`` for
+    its remapping table would import transformers, which a GGUF stage never needs.)"""
+    return model_type in SPLIT_VERIFIED or module in SPLIT_VERIFIED
 
-    return model_type in SPLIT_VERIFIED or MODEL_REMAPPING.get(model_type, model_type) in SPLIT_VERIFIED
 
-
-def check_split(model_type: str, pattern: LayerPattern | None) -> None:
+def check_split(model_type: str, pattern: LayerPattern | None, module: str = "") -> None:
     """Refuse, before any weight is read, a split the stage could not run exactly.
 
     Raises:
@@ -242,7 +242,7 @@ def check_split(model_type: str, pattern: LayerPattern | None) -> None:
     if model_type in REFUSED:
         raise PlanError(f"architecture {model_type!r} cannot be split into stages: {REFUSED[model_type]}; "
                         "run it on one node")
-    if not verified(model_type) and os.environ.get(UNVERIFIED_ENV) != "1":
+    if not verified(model_type, module) and os.environ.get(UNVERIFIED_ENV) != "1":
         raise PlanError(f"architecture {model_type!r} cannot be split into stages: splitting it is not yet "
                         "verified to give exactly the whole model's logits (ringlet refuses rather than risk "
                         f"wrong output); run it on one node, or set {UNVERIFIED_ENV}=1 to split it anyway")

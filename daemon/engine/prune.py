@@ -154,11 +154,11 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     validate_range(start, end, num_layers)
     first, last = start == 0, end == num_layers
     if not (first and last):  # refused before looking for modules it may not have (gpt2.py ``h``)
-        check_split(model_type, None)
+        check_split(model_type, None, type(model).__module__.rsplit(".", 1)[-1])
     inner = inner_module(model)
     pattern = capture(model, inner, model_type)
     if not (first and last):
-        check_split(model_type, pattern)
+        check_split(model_type, pattern, type(model).__module__.rsplit(".", 1)[-1])
         if len(pattern.caches) != num_layers:  # caches must map to layers one to one
             raise PlanError(f"architecture {model_type!r} cannot be split into stages: its cache has "
                             f"{len(pattern.caches)} entries for {num_layers} layers; run it on one node")

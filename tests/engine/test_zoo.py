@@ -56,8 +56,10 @@ def test_a_split_of_an_architecture_the_zoo_has_not_verified_is_refused(monkeypa
     monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
     with pytest.raises(PlanError, match="not yet verified"):
         check_split("kimi_linear", None)
-    check_split("kimi_k2", None)  # mlx-lm runs it as deepseek_v3, which the zoo verifies
-    check_split("mistral", None)
+    check_split("kimi_k2", None, module="deepseek_v3")  # mlx-lm runs it as deepseek_v3: verified
+    check_split("mistral", None, module="llama")
+    with pytest.raises(PlanError, match="not yet verified"):
+        check_split("kimi_linear", None, module="kimi_linear")
     monkeypatch.setenv(UNVERIFIED_ENV, "1")
     check_split("kimi_linear", None)  # the user's explicit choice
 
