@@ -172,10 +172,10 @@ class Pipeline:
 
     # --- running ------------------------------------------------------------------------
 
-    async def run(self, prepared: Prepared, scope: str | None = None) -> AsyncIterator[Event]:
+    async def run(self, prepared: Prepared) -> AsyncIterator[Event]:
         """The events of a prepared request: :class:`Started`, then per choice its
-        deltas and :class:`Finished`, then :class:`Usage`. ``scope`` is the prefix-cache
-        scope (default: the request's own, set by :meth:`admit`). Meanwhile a
+        deltas and :class:`Finished`, then :class:`Usage`, under the request's
+        prefix-cache scope (set by :meth:`admit`). Meanwhile a
         :class:`Keepalive` whenever nothing came for :func:`ticker.keepalive_interval`
         seconds, and with ``request.progress`` a :class:`PromptProgress` per prefill
         chunk. Closing it stops the generation (between two prefill chunks on stage 0).
@@ -184,7 +184,6 @@ class Pipeline:
             GenerationError: the ring failed the request (after its retries).
         """
         req = prepared.request
-        scope = req.cache_scope if scope is None else scope
         yield Started(len(prepared.prompt_ids), tuple(prepared.prompt_ids),
                       self.tokenizer.decode(prepared.prompt_ids) if req.echo else "")
         info: dict = {}
@@ -197,7 +196,8 @@ class Pipeline:
                 progress.put_nowait(PromptProgress(total, cached, processed, ms))
 
             info["on_prefill"] = on_prefill
-        events = ticker.with_ticks(self._choices(prepared, scope, info), ticker.keepalive_interval(), progress)
+        events = ticker.with_ticks(self._choices(prepared, req.cache_scope, info), ticker.keepalive_interval(),
+                                   progress)
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
                 yield event
