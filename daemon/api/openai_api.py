@@ -65,7 +65,9 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                                          "rejected_prediction_tokens": usage.rejected_prediction_tokens}}
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:

@@ -180,7 +180,7 @@ def response_format_from(value: dict[str, Any] | None, param: str = "response_fo
 #: fields of both bodies that cannot change the tokens: accepted, named in ringlet-ignored
 HINT_FIELDS = ("user", "metadata", "service_tier", "safety_identifier", "prompt_cache_retention")
 #: the same, of chat completions only (``store`` only when false: true is refused)
-CHAT_HINT_FIELDS = ("store", "verbosity", "prediction", "web_search_options")
+CHAT_HINT_FIELDS = ("store", "verbosity", "web_search_options")
 #: ``reasoning_effort`` / ``reasoning.effort`` -> the chat template's ``enable_thinking``
 EFFORT_THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
 
@@ -309,7 +309,7 @@ class ChatRequest(_Common):
             messages=[m.for_template() for m in self.messages], tools=tools,
             tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format_from(self.response_format), template_kwargs=kwargs,
-            max_tokens=self.max_completion_tokens or self.max_tokens,
+            max_tokens=self.max_completion_tokens or self.max_tokens, prediction=prediction_text(self.prediction),
             logprobs=(self.top_logprobs or 0) if self.logprobs else None, **common)
 
 
@@ -330,3 +330,24 @@ class CompletionRequest(_Common):
             raise unsupported("best_of", "only best_of equal to n is supported")
         return GenerationRequest(prompt=self.prompt, echo=self.echo, max_tokens=self.max_tokens,
                                  logprobs=self.logprobs, **self.common())
+
+
+def prediction_text(prediction: dict[str, Any] | None) -> str:
+    """The text of a chat request's ``prediction`` (OpenAI's Predicted Outputs:
+    ``{"type": "content", "content": text or [{"type": "text", "text": ...}, ...]}``),
+    or "" for none.
+
+    Raises:
+        ApiError: any other shape (400 naming ``prediction``).
+    """
+    if prediction is None:
+        return ""
+    content = prediction.get("content")
+    if prediction.get("type") != "content":
+        raise ApiError(400, 'prediction must be {"type": "content", "content": ...}', param="prediction")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, "prediction.content must be a string or a list of text parts", param="prediction")

@@ -50,6 +50,7 @@ class Prepared:
     sampling: SamplingParams
     tool_format: prompting.ToolFormat | None
     thinking: bool  # the prompt leaves a think block open: the output starts as reasoning
+    prediction_ids: list[int] | None = None  # the request's prediction, tokenized (drafts)
 
 
 def keyed_scope(scope: str, cache_key: str) -> str:
@@ -168,7 +169,8 @@ class Pipeline:
         thinking = False
         if getattr(self.tokenizer, "has_thinking", False) and request.messages is not None:
             thinking = self.tokenizer.rfind_think_start(ids) > self.tokenizer.rfind_think_end(ids)
-        return Prepared(request, ids, max_tokens, sampling, fmt, thinking)
+        prediction = self.tokenizer.encode(request.prediction, add_special_tokens=False) if request.prediction else None
+        return Prepared(request, ids, max_tokens, sampling, fmt, thinking, prediction)
 
     # --- running ------------------------------------------------------------------------
 
@@ -207,17 +209,20 @@ class Pipeline:
         :class:`Usage`; the first choice's generation reports through ``info``."""
         req = prepared.request
         total = 0
+        drafts = [0, 0, 0]  # accepted, rejected, trips
         for choice in range(req.n):
             sampling = prepared.sampling
             if choice and sampling.seed is not None:  # n seeded choices: n different draws, each reproducible
                 sampling = replace(sampling, seed=(sampling.seed + choice) % 2**64)
-            one = self._choice(prepared, choice, sampling, scope, info if choice == 0 else {})
+            own = info if choice == 0 else {}
+            one = self._choice(prepared, choice, sampling, scope, own)
             async with contextlib.aclosing(one) as events:
                 async for event in events:
                     if isinstance(event, Finished):
                         total += event.completion_tokens
                     yield event
-        yield Usage(len(prepared.prompt_ids), total, int(info.get("cached_tokens", 0)))
+            drafts = [a + b for a, b in zip(drafts, own.get("drafts", (0, 0, 0)), strict=True)]
+        yield Usage(len(prepared.prompt_ids), total, int(info.get("cached_tokens", 0)), *drafts)
 
     async def _choice(self, prepared: Prepared, choice: int, sampling: SamplingParams, scope: str,
                       info: dict) -> AsyncIterator[Event]:
@@ -236,7 +241,7 @@ class Pipeline:
         finish = "length"
         one_call = False
         generation = self.node.generate(prepared.prompt_ids, prepared.max_tokens, sampling, self.eos_ids,
-                                        cache_scope=scope, info=info)
+                                        cache_scope=scope, info=info, prediction=prepared.prediction_ids)
         async with contextlib.aclosing(generation) as tokens:
             async for token in tokens:
                 ids.append(int(token))

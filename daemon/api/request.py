@@ -108,6 +108,8 @@ class GenerationRequest:
             :class:`PromptProgress` events while the prompt is prefilled.
         cache_key: the client's ``prompt_cache_key``: it scopes the prefix cache as an
             API key does ("" for none).
+        prediction: the text the client expects the output to be (OpenAI's Predicted
+            Outputs): stage 0 drafts from it; it speeds up, never changes, the output.
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -136,6 +138,7 @@ class GenerationRequest:
     ignored: list[str] = field(default_factory=list)
     cache_key: str = ""
     progress: bool = False
+    prediction: str = ""
 
 
 # --- the event stream ------------------------------------------------------------------
@@ -271,11 +274,18 @@ class Usage:
         prompt_tokens: prompt length (counted once, however many choices).
         completion_tokens: generated tokens, summed over choices.
         cached_tokens: prompt tokens the prefix cache served (first choice).
+        accepted_prediction_tokens, rejected_prediction_tokens: drafted tokens
+            (speculative decoding: from the prompt, the output and ``prediction``) the
+            model accepted and rejected, summed over choices.
+        draft_trips: verifying steps around the ring, summed over choices.
     """
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    draft_trips: int = 0
 
 
 @dataclass(frozen=True)

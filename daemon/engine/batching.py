@@ -25,7 +25,7 @@ per step, and 2.27x with these rules and kept groups.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from ringlet.daemon.engine.sampling import SamplingParams
@@ -50,6 +50,7 @@ class Work:
     ids: list[int] | None = None  # the token ids a hidden-states payload stands for
     siblings: tuple[str, ...] | None = None  # the batch the previous stage computed it in
     queued_at: float = 0.0  # time.monotonic() when it was queued, seconds
+    drafts: int = 0  # a verifying step: its last ``drafts`` tokens are drafted (:mod:`.speculation`)
 
     @property
     def decode(self) -> bool:
@@ -114,3 +115,18 @@ def choose_batch(queue: Iterable[Work], group_of: Callable[[str], tuple | None],
                     and group_of(work.request_id) is None):
                 chosen[work.request_id] = work
     return [w for w in steps if chosen.get(w.request_id) is w], 0.0
+
+
+def batch_figures(max_batch: int, last: int, recent: Iterable[tuple[float, int]], histogram: Mapping[int, int],
+                  queued: int, window_s: float, now: float) -> dict:
+    """Decode batching figures for ``/v1/cluster``: the limit, the last batch, the mean
+    batch over the last ``window_s`` seconds (from ``recent`` (monotonic time, size)
+    pairs), the histogram since start (size -> forwards) and the steps waiting."""
+    sizes = [n for t, n in recent if now - t <= window_s]
+    return {
+        "max_batch": max_batch,
+        "last_batch": last,
+        "mean_batch_recent": sum(sizes) / len(sizes) if sizes else None,
+        "histogram": {str(k): v for k, v in sorted(histogram.items())},
+        "queued": queued,
+    }

@@ -155,6 +155,23 @@ class BoundaryStore(TokenIndex):
         self.inflight_bytes += out.nbytes
         return recording
 
+    def cut(self, recording: Recording, rows: int) -> None:
+        """Keep only the first ``rows`` states of ``recording`` (drafted positions the
+        model rejected, :mod:`.speculation`)."""
+        parts = recording.parts
+        while recording.rows > rows and parts:
+            last = parts[-1]
+            drop = min(last.shape[1], recording.rows - rows)
+            kept = last[:, :last.shape[1] - drop]
+            self.inflight_bytes -= last.nbytes - kept.nbytes
+            recording.nbytes -= last.nbytes - kept.nbytes
+            recording.rows -= drop
+            if kept.shape[1]:
+                parts[-1] = kept
+            else:
+                parts.pop()
+        recording.blocks = min(recording.blocks, len(parts))
+
     def end(self, recording: Recording | None, scope: str = "", tokens: list[int] | None = None,
             inflight: bool = False) -> Boundary | None:
         """The request's recording ends (released, or parked at a re-plan). With

@@ -63,3 +63,13 @@ def token_from_pb(message: pb.Activation | pb.GenerateEvent) -> Token:
         return Token(message.token)
     token, scores = message.token, message.scores
     return Token(token, scores.logprob, tuple(zip(scores.top_ids, scores.top_logprobs, strict=False)))
+
+
+def tokens_from_pb(message: pb.Activation) -> list[Token]:
+    """A verifying step's tokens (``Activation.tokens``: accepted drafts, then the next
+    token), with their scores when they came with them."""
+    scores = list(message.token_scores)
+    if len(scores) != len(message.tokens):
+        return [Token(t) for t in message.tokens]
+    return [Token(t, s.logprob, tuple(zip(s.top_ids, s.top_logprobs, strict=False)))
+            for t, s in zip(message.tokens, scores, strict=True)]

@@ -34,8 +34,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from ringlet.daemon.engine import kv_handoff
-from ringlet.daemon.engine.batching import Work, choose_batch
+from ringlet.daemon.engine import kv_handoff, speculation
+from ringlet.daemon.engine.batching import Work, batch_figures, choose_batch
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore, Recording
 from ringlet.daemon.engine.decode_groups import DecodeGroups
 from ringlet.daemon.engine.defaults import DEFAULT_GROUP_WAIT_S, DEFAULT_MAX_BATCH
@@ -82,6 +82,8 @@ class _RequestState:
     tokens: list[int] | None = None
     #: the hidden states this stage sent on for it (``None``: not all of them are kept)
     boundary: Recording | None = None
+    #: the offset before its latest verifying step while it may hold rejected drafts
+    drafted_from: int | None = None
 
 
 class StageEngine:
@@ -188,7 +190,7 @@ class StageEngine:
     def submit(self, request_id: str, step: int, offset: int, payload: list[int] | pb.Tensor,
                sampling: SamplingParams | None, more: bool = False, prefix_ids: list[int] | None = None,
                scope: str = "", ids: list[int] | None = None,
-               siblings: list[str] | None = None) -> asyncio.Future:
+               siblings: list[str] | None = None, drafts: int = 0) -> asyncio.Future:
         """Queue one forward of this stage for one request.
 
         Args:
@@ -209,11 +211,12 @@ class StageEngine:
                 (``Activation.token_ids``); the request's cache then knows its tokens.
             siblings: on a later stage, the requests the previous stage computed this
                 step with (``Activation.batch_ids``); this stage batches the same ones.
+            drafts: a verifying step's drafted tokens, last in its payload (:mod:`.speculation`).
 
         Returns:
-            A future with the encoded hidden states ``(1, tokens, hidden_size)`` for
-            the next stage, the sampled token id on the last stage, or ``None`` on the
-            last stage for a chunk with ``more``. Its exception:
+            A future with hidden states ``(1, tokens, hidden_size)`` for the next stage,
+            the sampled token id on the last stage (a verifying step's accepted drafts
+            then next token, a list), or ``None`` there for a chunk with ``more``. Its exception:
             codec.TensorDecodeError (malformed hidden states), RequestError (unknown
             request or offset mismatch), RequestDropped (released, or the plan
             changed, before the step ran), PrefixMiss (the store lacks ``prefix_ids``).
@@ -221,7 +224,7 @@ class StageEngine:
         work = Work(request_id, asyncio.get_running_loop().create_future(), step, offset, payload, sampling, more,
                      prefix_ids=list(prefix_ids) if prefix_ids else None, scope=scope,
                      ids=list(ids) if ids is not None else None,
-                     siblings=tuple(siblings) if siblings else None, queued_at=time.monotonic())
+                     siblings=tuple(siblings) if siblings else None, queued_at=time.monotonic(), drafts=drafts)
         self._enqueue(work)
         return work.future
 
@@ -362,7 +365,7 @@ class StageEngine:
         state = self._requests.get(request_id)
         if state is None:
             raise RequestError(f"request {request_id}: no KV cache on this stage (not prefilled or released)")
-        if state.offset != offset:
+        if state.offset != offset and not speculation.roll_back(state, offset, self.boundaries):
             raise RequestError(
                 f"request {request_id}: offset {offset} does not match the {state.offset} tokens in its KV cache"
             )
@@ -388,14 +391,17 @@ class StageEngine:
             return f"hidden states must have shape (1, tokens, {hidden}), got {shape}"
         return None
 
-    def _finish_one(self, state: _RequestState, out: mx.array, tokens: int, more: bool) -> pb.Tensor | int | None:
+    def _finish_one(self, state: _RequestState, out: mx.array, tokens: int, more: bool, drafts: int = 0) -> Any:
         state.offset += tokens
+        state.drafted_from = state.offset - tokens if drafts else None
         if not self.stage.last:
             state.boundary = self.boundaries.record(state.boundary, out)
             return codec.encode(out)
         if more:
             self.stage.settle(state.cache)  # fill the cache; the logits are never computed
             return None
+        if drafts:
+            return speculation.finish_verify(state, out, tokens, self.boundaries)
         return state.sampler(out[0, -1], state.tokens or ())
 
     def _run_batch(self, batch: list[Work]) -> list[Any]:
@@ -437,8 +443,8 @@ class StageEngine:
         else:
             for i, state, x in ready:
                 try:
-                    out = self.stage(x, state.cache, head=not batch[i].more)
-                    results[i] = self._finish_one(state, out, x.shape[1], batch[i].more)
+                    out = self.stage(x, state.cache, head=None if batch[i].drafts else not batch[i].more)
+                    results[i] = self._finish_one(state, out, x.shape[1], batch[i].more, batch[i].drafts)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     log.exception("stage forward failed for request %s", batch[i].request_id)
                     results[i] = exc
@@ -459,6 +465,7 @@ class StageEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
+        speculation.settle_for_release(state, token_ids, self.boundaries)
         kept = bool(token_ids) and len(token_ids) >= state.offset > 0
         self.boundaries.end(state.boundary, state.scope, token_ids[:state.offset] if kept else None)
         if kept:
@@ -472,15 +479,8 @@ class StageEngine:
         """Decode batching figures for ``/v1/cluster``: the limit, the last batch, the
         mean batch over the last ``window_s`` seconds, the histogram since start and
         the steps waiting."""
-        now = time.monotonic()
-        recent = [n for t, n in self.recent_batches if now - t <= window_s]
-        return {
-            "max_batch": self.max_batch,
-            "last_batch": self.last_batch,
-            "mean_batch_recent": sum(recent) / len(recent) if recent else None,
-            "histogram": {str(k): v for k, v in sorted(self.batch_histogram.items())},
-            "queued": self.queued,
-        }
+        return batch_figures(self.max_batch, self.last_batch, self.recent_batches, self.batch_histogram,
+                             self.queued, window_s, time.monotonic())
 
     def close(self) -> None:
         """Drop every cache and waiting step and stop the worker thread."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH, default_prefill_chunk
+from ringlet.daemon.engine.drafting import DEFAULT_SPEC_TOKENS
 from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.wire.serving_plan import StageSpec
 from ringlet.daemon.wire.transport import TransportConfig
@@ -57,6 +58,8 @@ class NodeConfig:
         prefill_chunk: prompt tokens per prefill chunk; stage 0 sends each chunk on
             as soon as it is computed, so stages prefill in a pipeline. ``None``: this
             device's default (:func:`ringlet.daemon.engine.defaults.default_prefill_chunk`).
+        spec_tokens: the most tokens stage 0 drafts per decode step for speculative
+            decoding (:mod:`ringlet.daemon.engine.drafting`; 0: off).
         vocab_size: the tokenizer's vocabulary (token ids at or past it are refused).
         context_tokens: the model's context length, tokens.
         dtype_choice: how ``--dtype`` resolved (:meth:`ringlet.daemon.engine.dtype.DtypeChoice.to_dict`),
@@ -90,6 +93,7 @@ class NodeConfig:
     fetch: Callable[[int, int], Awaitable[None]] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int | None = None
+    spec_tokens: int = DEFAULT_SPEC_TOKENS
     vocab_size: int | None = None
     context_tokens: int | None = None
     dtype_choice: dict | None = None

@@ -41,6 +41,7 @@ import psutil
 
 from ringlet.daemon.engine.boundary import BoundaryStore
 from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
+from ringlet.daemon.engine.drafting import SpecTotals
 from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
@@ -99,6 +100,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         self.memory: dict[str, Any] = {}
         self.recent: deque[dict] = deque(maxlen=32)
         self.tokens_generated_total = 0
+        self.spec_totals = SpecTotals()  # speculative decoding headed here
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
@@ -420,6 +422,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "boundary_cache": self.engine.boundaries.figures() if self.engine else None,
             "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
+            "speculation": self.spec_totals.figures(self.config.spec_tokens),
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,

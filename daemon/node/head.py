@@ -13,9 +13,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from ringlet.daemon.engine.drafting import Drafter, Speculation
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
+from ringlet.daemon.engine.speculation import trimmable
+from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS, TEST_CHUNK_DELAY_ENV
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
@@ -42,6 +45,10 @@ class Generation:
     cached: int = 0  # prompt tokens taken from the prefix stores
     prefilled: int = 0  # prompt tokens in stage 0's KV cache so far (cached ones included)
     on_prefill: Callable[[int, int, int], None] | None = None  # (processed, total, cached) tokens, per chunk
+    drafter: Drafter | None = None  # speculative decoding (None: off for this request)
+    spec: Speculation | None = None
+    drafting: int = 0  # drafted tokens in the step in flight
+    info: dict | None = None
 
     def prefill_info(self) -> dict:
         """This request's prefill progress at stage 0: prompt tokens done of total, the
@@ -74,13 +81,14 @@ class Head:
 
     async def _generate_local(self, request_id: str, prompt: list[int], max_tokens: int,
                               sampling: SamplingParams, stop_ids: frozenset[int], scope: str = "",
-                              info: dict | None = None) -> AsyncIterator[int]:
+                              info: dict | None = None, prediction: list[int] | None = None) -> AsyncIterator[int]:
         """Head a generation on this stage 0, reusing the longest prompt prefix that this
         stage's prefix store holds. A later stage lacking it answers with how much it
         holds, and the request starts again (under a new id) with at most that much,
         down to none: the ring always computes over one prefix length, so the output
         never depends on what the stores hold. ``info["cached_tokens"]`` gets the length
-        used."""
+        used; ``info["drafts"]`` (accepted, rejected, trips) the speculative decoding
+        figures, drafting from the prompt and ``prediction`` (the expected output's ids)."""
         cap = len(prompt) - 1  # at least one token is computed: its logits give the first token
         await self.await_installed()  # the KV that moved with its layers on a re-plan just now
         for attempt in range(PREFIX_ATTEMPTS + 1):
@@ -92,7 +100,7 @@ class Head:
                     await self.engine.run(self.engine.prefix.miss)
             try:
                 async for token in self._generate_once(rid, prompt, max_tokens, sampling, stop_ids, scope, reuse,
-                                                       info):
+                                                       info, prediction):
                     yield token
                 return
             except PrefixMissed as miss:
@@ -101,13 +109,15 @@ class Head:
 
     async def _generate_once(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                              stop_ids: frozenset[int], scope: str, reuse: int,
-                             info: dict | None) -> AsyncIterator[int]:
+                             info: dict | None, prediction: list[int] | None = None) -> AsyncIterator[int]:
         if not self.is_head:
             raise GenerationError("this node does not hold stage 0 of the current plan")
         if request_id in self._generations:
             raise GenerationError(f"request id {request_id} is already in flight")
         gen = Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch, scope=scope,
-                         cached=reuse, on_prefill=(info or {}).get("on_prefill"))
+                         cached=reuse, on_prefill=(info or {}).get("on_prefill"), info=info)
+        if self._may_speculate():
+            gen.drafter, gen.spec = Drafter(prompt, prediction or ()), Speculation(self.config.spec_tokens)
         self._generations[request_id] = gen
         gen.progressed(reuse)
         self.state = "serving"
@@ -156,14 +166,14 @@ class Head:
         if step == 0:
             chunk = max(1, self.config.prefill_chunk)
             pieces = [(off, payload[off:off + chunk]) for off in range(gen.cached, len(payload), chunk)]
-        else:
+        else:  # a decode step: the latest token, then the drafts to verify (if any)
             pieces = [(len(gen.prompt) + len(gen.tokens) - 1, payload)]
         for k, (offset, piece) in enumerate(pieces):
             more = k < len(pieces) - 1
             prefix = gen.prompt[:offset] if step == 0 and k == 0 and offset > 0 else None
             try:
                 out = await self.engine.submit(gen.request_id, step, offset, piece, gen.sampling, more=more,
-                                               prefix_ids=prefix, scope=gen.scope)
+                                               prefix_ids=prefix, scope=gen.scope, drafts=gen.drafting if step else 0)
             except Exception as exc:  # fail this request only
                 if not isinstance(exc, (RequestError, codec.TensorDecodeError)):
                     log.exception("stage 0 failed request %s", gen.request_id)
@@ -180,12 +190,13 @@ class Head:
                         return
             if out is None:  # a single-stage plan filling its cache chunk by chunk
                 continue
-            if isinstance(out, int):
-                self._on_token(gen, out)
+            if isinstance(out, (int, list)):
+                self._on_tokens(gen, out if isinstance(out, list) else [out])
                 return
             message = pb.Activation(request_id=gen.request_id, epoch=gen.epoch, step=step, offset=offset,
                                     hidden=out, stage=1, sent_at=time.time(), more=more, token_ids=piece,
-                                    batch_ids=self.engine.batch_of(gen.request_id))
+                                    batch_ids=self.engine.batch_of(gen.request_id),
+                                    drafts=gen.drafting if step else 0)
             if step == 0 and k == 0:
                 message.sampling.CopyFrom(sampling_to_pb(gen.sampling))
                 message.cache_scope = gen.scope
@@ -197,19 +208,66 @@ class Head:
                 self._finish(gen, GenerationError(f"next stage unreachable: {one_line(exc)}"))
                 return
 
-    def _on_token(self, gen: Generation, token: int) -> None:
+    def _on_tokens(self, gen: Generation, tokens: list[int]) -> None:
+        """The last stage's answer to a step: one token, or a verifying step's accepted
+        drafts then the next token. Each is streamed; a stop token or ``max_tokens`` cuts
+        them exactly; then the next step goes out with the latest token and new drafts."""
         if gen.finished:
             return
         if gen.ttft_s is None:
             gen.ttft_s = time.perf_counter() - gen.started
-        gen.tokens.append(token)
-        self.tokens_generated_total += 1
-        self._token_times.append(time.monotonic())
-        gen.queue.put_nowait(token)
-        if token in gen.stop_ids or len(gen.tokens) >= gen.max_tokens:
-            self._finish(gen, None)
-            return
-        asyncio.ensure_future(self._advance(gen, step=len(gen.tokens), payload=[token]))
+        if gen.drafting:
+            gen.spec.verified(gen.drafting, len(tokens) - 1)
+            self.spec_totals.count(gen.drafting, len(tokens) - 1)
+            gen.drafting = 0
+            if gen.info is not None:
+                gen.info["drafts"] = (gen.spec.accepted, gen.spec.rejected, gen.spec.trips)
+        for k, token in enumerate(tokens):
+            gen.tokens.append(token)
+            self.tokens_generated_total += 1
+            self._token_times.append(time.monotonic())
+            gen.queue.put_nowait(token)
+            if token in gen.stop_ids or len(gen.tokens) >= gen.max_tokens:
+                if gen.drafter is not None:
+                    gen.drafter.add(tokens[:k + 1])
+                self._finish(gen, None)
+                return
+        drafts = self._drafts(gen, tokens)
+        gen.drafting = len(drafts)
+        asyncio.ensure_future(self._advance(gen, step=len(gen.tokens), payload=[tokens[-1], *drafts]))
+
+    def _may_speculate(self) -> bool:
+        """Whether this stage 0 drafts for a new request: drafts are on (``--spec-tokens``),
+        the plan is a pipeline of engine stages, and every layer's KV cache can drop
+        rejected positions exactly (mlx-lm's plain ``KVCache``; not a rotating window or
+        a recurrent state). Counted in :attr:`spec_totals` when not."""
+        if self.config.spec_tokens <= 0:
+            return False
+        stage = self.engine.stage if self.engine is not None else None
+        if not isinstance(stage, Stage) or (self.plan is not None and (self.plan.is_tensor or self.plan.is_hybrid)):
+            self.spec_totals.skip("tensor")
+            return False
+        if not trimmable(stage.pattern.caches if stage.pattern is not None else stage.make_cache()):
+            self.spec_totals.skip("cache")
+            return False
+        return True
+
+    def _drafts(self, gen: Generation, new: list[int]) -> list[int]:
+        """The drafts for ``gen``'s next step: none while other requests decode here
+        (their steps batch instead), at most the tokens ``max_tokens`` leaves after the
+        next one, and cut before a stop token (the model's own draw decides a stop)."""
+        if gen.drafter is None:
+            return []
+        gen.drafter.add(new)
+        if len(self._generations) > 1:
+            self.spec_totals.skip("batching")
+            return []
+        k = min(gen.spec.allowance(), gen.max_tokens - len(gen.tokens) - 1)
+        drafts = gen.drafter.propose(gen.tokens, k) if k > 0 else []
+        for i, t in enumerate(drafts):
+            if t in gen.stop_ids:
+                return drafts[:i]
+        return drafts
 
     def _finish(self, gen: Generation, error: Exception | None) -> None:
         if gen.finished:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 
-from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb, token_from_pb
+from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb, token_from_pb, tokens_from_pb
 from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.signals import EpochSkew, PrefixMissed, RetryOnPlan
@@ -53,8 +53,10 @@ class Relay:
                 self._finish(gen, EpochSkew(message.error))  # that stage commits this epoch momentarily
             elif message.error:
                 self._finish(gen, (RetryOnPlan if message.retry else GenerationError)(message.error))
+            elif message.tokens:
+                self._on_tokens(gen, tokens_from_pb(message))
             elif message.WhichOneof("payload") == "token":
-                self._on_token(gen, token_from_pb(message))
+                self._on_tokens(gen, [token_from_pb(message)])
             return
         if self.index is None or message.epoch != self.epoch:
             if message.WhichOneof("payload") == "hidden" and not message.release:
@@ -81,7 +83,7 @@ class Relay:
         future = self.engine.submit(rid, message.step, message.offset, message.hidden, sampling, more=message.more,
                                     prefix_ids=list(message.prefix_ids), scope=message.cache_scope,
                                     ids=list(message.token_ids) if message.token_ids else None,
-                                    siblings=list(message.batch_ids) or None)
+                                    siblings=list(message.batch_ids) or None, drafts=message.drafts)
         self._spawn(self._complete(message, future))
 
     def _spawn(self, coro) -> None:
@@ -111,7 +113,11 @@ class Relay:
         nxt = pb.Activation(request_id=rid, epoch=message.epoch, step=message.step, offset=message.offset,
                             stage=(self.index + 1) % len(self.plan.stages), sent_at=time.time(), more=message.more,
                             batch_ids=self.engine.batch_of(rid))
-        if isinstance(out, int):
+        if isinstance(out, list):  # a verifying step: the accepted drafts, then the next token
+            nxt.tokens.extend(out)
+            if any(getattr(t, "logprob", None) is not None for t in out):
+                nxt.token_scores.extend(scores_to_pb(t) or pb.TokenScores() for t in out)
+        elif isinstance(out, int):
             nxt.token = out
             if (scores := scores_to_pb(out)) is not None:
                 nxt.scores.CopyFrom(scores)
@@ -122,6 +128,7 @@ class Relay:
             nxt.cache_scope = message.cache_scope
             nxt.prefix_ids.extend(message.prefix_ids)
             nxt.token_ids.extend(message.token_ids)
+            nxt.drafts = message.drafts
         await self._forward(nxt)
 
     async def _release_and_forward(self, message: pb.Activation) -> None:

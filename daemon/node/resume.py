@@ -81,7 +81,8 @@ class ResumingClient:
 
     async def generate(self, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                        stop_ids: frozenset[int] | set[int], request_id: str | None = None,
-                       cache_scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
+                       cache_scope: str = "", info: dict | None = None,
+                       prediction: list[int] | None = None) -> AsyncIterator[int]:
         """Generate up to ``max_tokens`` tokens after ``prompt``; yields token ids as they come.
 
         Stops after a token in ``stop_ids`` (that token is yielded). Works on any node:
@@ -91,6 +92,10 @@ class ResumingClient:
 
         The longest prompt prefix the stages' prefix stores hold under ``cache_scope``
         is reused; ``info["cached_tokens"]`` gets how many prompt tokens that was.
+        Stage 0 drafts tokens from the prompt, the output and ``prediction`` (the token
+        ids the caller expects the output to be, OpenAI's Predicted Outputs) and verifies
+        them in one trip (speculative decoding, exact); ``info["drafts"]`` gets
+        (accepted, rejected, trips).
 
         Raises:
             NoPlanError: no plan can serve the model (the message says why).
@@ -109,7 +114,7 @@ class ResumingClient:
             tried, context = ({} if again else info), prompt + produced
             try:
                 async for token in self._attempt(plan, request_id, context, max_tokens - len(produced),
-                                                 resumed, stop_ids, cache_scope, tried):
+                                                 resumed, stop_ids, cache_scope, tried, prediction):
                     if again:
                         again = False
                         self.count_resume(len(context), tried.get("cached_tokens", 0))
@@ -161,7 +166,7 @@ class ResumingClient:
 
     async def _attempt(self, plan: ServingPlan, request_id: str, prompt: list[int], max_tokens: int,
                        sampling: SamplingParams, stop_ids: frozenset[int], scope: str = "",
-                       info: dict | None = None) -> AsyncIterator[int]:
+                       info: dict | None = None, prediction: list[int] | None = None) -> AsyncIterator[int]:
         """One try of a generation on ``plan``; raises :class:`PlanChanged` as soon as
         this node commits another plan."""
         changed = self._plan_changed
@@ -169,10 +174,10 @@ class ResumingClient:
             raise PlanChanged("the plan changed before the request started")
         head = plan.stages[0]
         if plan.index_of(self.node_id, self.config.address) == 0:
-            source = self.head_source(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
+            source = self.head_source(request_id, prompt, max_tokens, sampling, stop_ids, scope, info, prediction)
         else:
             source = self._generate_remote(head.address, plan.epoch, request_id, prompt, max_tokens, sampling,
-                                           stop_ids, scope, info)
+                                           stop_ids, scope, info, prediction)
         it = source.__aiter__()
         change = asyncio.ensure_future(changed.wait())
         nxt: asyncio.Future | None = None
@@ -198,11 +203,13 @@ class ResumingClient:
 
     async def _generate_remote(self, address: str, epoch: int, request_id: str, prompt: list[int],
                                max_tokens: int, sampling: SamplingParams, stop_ids: frozenset[int],
-                               scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
+                               scope: str = "", info: dict | None = None,
+                               prediction: list[int] | None = None) -> AsyncIterator[int]:
         stub = pb_grpc.RingStub(self._channel(address))
         call = stub.Generate(pb.GenerateRequest(
             request_id=request_id, prompt=prompt, max_tokens=max_tokens, epoch=epoch,
-            sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids), cache_scope=scope))
+            sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids), cache_scope=scope,
+            prediction=prediction or []))
         first = True
         try:
             async for event in call:
@@ -215,6 +222,8 @@ class ResumingClient:
                 if first and info is not None:
                     info.setdefault("cached_tokens", event.cached_tokens)
                 first = False
+                if info is not None and event.draft_trips:
+                    info["drafts"] = (event.accepted_drafts, event.rejected_drafts, event.draft_trips)
                 yield token_from_pb(event)
         except grpc.aio.AioRpcError as exc:
             error = EpochSkew if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else GenerationError
@@ -230,10 +239,11 @@ class ResumingClient:
         return ch
 
     def head_source(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                    stop_ids: frozenset[int], scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
+                    stop_ids: frozenset[int], scope: str = "", info: dict | None = None,
+                    prediction: list[int] | None = None) -> AsyncIterator[int]:
         """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group
         (whose prefix cache lives in its ranks: :mod:`ringlet.daemon.tensor.rank_prefix`)."""
         if self.plan is not None and self.plan.is_tensor and self.tp is not None:
             return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
-        return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
+        return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids, scope, info, prediction)
 

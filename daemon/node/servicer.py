@@ -55,9 +55,12 @@ class RingServicer(pb_grpc.RingServicer):
         try:
             async for token in node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt),
                                                 request.max_tokens, sampling_from_pb(request.sampling),
-                                                frozenset(request.stop_ids), request.cache_scope, info):
+                                                frozenset(request.stop_ids), request.cache_scope, info,
+                                                list(request.prediction)):
+                accepted, rejected, trips = info.get("drafts", (0, 0, 0))
                 yield pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0,
-                                       scores=scores_to_pb(token))
+                                       scores=scores_to_pb(token), accepted_drafts=accepted,
+                                       rejected_drafts=rejected, draft_trips=trips)
                 first = False
         except GenerationError as exc:
             yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan), skew=isinstance(exc, EpochSkew),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ringlet.daemon.engine.defaults import CPU_PREFILL_CHUNK, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.drafting import DEFAULT_SPEC_TOKENS
 from ringlet.daemon.engine.dtype import CHOICES as DTYPE_CHOICES
 from ringlet.daemon.errors import RingletError
 from ringlet.daemon.ops.secret import add_run_arguments, positive_int
@@ -112,6 +113,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--initial-settle-s", type=float, default=1.0, help="quiet time before the first plan")
     run.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
                      help=f"most decode steps a stage runs as one batch (1: no batching; default {DEFAULT_MAX_BATCH})")
+    run.add_argument("--spec-tokens", type=int, default=DEFAULT_SPEC_TOKENS, metavar="K",
+                     help="speculative decoding: most tokens stage 0 drafts per decode step from the prompt, "
+                          "the output and a request's prediction, verified in one trip "
+                          f"(0: off; default {DEFAULT_SPEC_TOKENS})")
     run.add_argument("--prefill-chunk", type=positive_int, default=None,
                      help=f"prompt tokens per prefill chunk (default {CPU_PREFILL_CHUNK} on a CPU, "
                           f"{DEFAULT_PREFILL_CHUNK} on a GPU)")

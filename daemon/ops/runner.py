@@ -20,6 +20,7 @@ from pathlib import Path
 from ringlet.daemon.cluster.addresses import dial_addresses, log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
+from ringlet.daemon.engine.drafting import DEFAULT_SPEC_TOKENS
 from ringlet.daemon.engine.dtype import DtypeChoice, resolve_dtype
 from ringlet.daemon.engine.hub import parse_ref
 from ringlet.daemon.engine.memory_tuning import tune_allocator
@@ -71,6 +72,7 @@ def build_config(args) -> tuple[NodeConfig, int]:
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
                       prefill_chunk=getattr(args, "prefill_chunk", None),
+                      spec_tokens=max(0, getattr(args, "spec_tokens", DEFAULT_SPEC_TOKENS)),
                       transport=transport_config(args, getattr(args, "node_id", "") or address),
                       vocab_size=info.vocab_size, context_tokens=info.context_tokens), \
         info.context_tokens

@@ -61,7 +61,7 @@ class TokenScores(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Activation(_message.Message):
-    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind", "scores", "batch_ids")
+    __slots__ = ("request_id", "epoch", "step", "offset", "hidden", "token", "sampling", "release", "error", "sent_at", "stage", "more", "retry", "prefix_ids", "cache_scope", "token_ids", "prefix_miss", "prefix_holds", "behind", "scores", "batch_ids", "drafts", "tokens", "token_scores")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,9 @@ class Activation(_message.Message):
     BEHIND_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     BATCH_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SCORES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     step: int
@@ -104,7 +107,10 @@ class Activation(_message.Message):
     behind: bool
     scores: TokenScores
     batch_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ..., batch_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    drafts: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_scores: _containers.RepeatedCompositeFieldContainer[TokenScores]
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., release: _Optional[bool] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., stage: _Optional[int] = ..., more: _Optional[bool] = ..., retry: _Optional[bool] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., cache_scope: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefix_miss: _Optional[bool] = ..., prefix_holds: _Optional[int] = ..., behind: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ..., batch_ids: _Optional[_Iterable[str]] = ..., drafts: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., token_scores: _Optional[_Iterable[_Union[TokenScores, _Mapping]]] = ...) -> None: ...
 
 class HopAck(_message.Message):
     __slots__ = ("received",)
@@ -113,7 +119,7 @@ class HopAck(_message.Message):
     def __init__(self, received: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "max_tokens", "sampling", "stop_ids", "epoch", "steps_done", "cache_scope")
+    __slots__ = ("request_id", "prompt", "max_tokens", "sampling", "stop_ids", "epoch", "steps_done", "cache_scope", "prediction")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +128,7 @@ class GenerateRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -130,10 +137,11 @@ class GenerateRequest(_message.Message):
     epoch: int
     steps_done: int
     cache_scope: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
+    prediction: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prediction: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores")
+    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores", "accepted_drafts", "rejected_drafts", "draft_trips")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +150,9 @@ class GenerateEvent(_message.Message):
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SKEW_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TRIPS_FIELD_NUMBER: _ClassVar[int]
     token: int
     error: str
     ttft_s: float
@@ -150,7 +161,10 @@ class GenerateEvent(_message.Message):
     plan_epoch: int
     skew: bool
     scores: TokenScores
-    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
+    accepted_drafts: int
+    rejected_drafts: int
+    draft_trips: int
+    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ..., accepted_drafts: _Optional[int] = ..., rejected_drafts: _Optional[int] = ..., draft_trips: _Optional[int] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("node_id", "start", "end", "grpc_address", "rebuild", "why", "hop_address", "lost")

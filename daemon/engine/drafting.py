@@ -1,0 +1,241 @@
+"""Drafts for speculative decoding, made by stage 0 from tokens it already has.
+
+Two drafters, both free (no model runs):
+
+* **prompt lookup** (n-gram): the last ``n`` tokens of the request (prompt, then
+  output) are looked up among its earlier tokens, longest ``n`` first
+  (``max_n`` down to ``min_n``); the tokens that followed their most recent earlier
+  occurrence are the draft. Coding agents repeat their context (a file written back
+  with an edit), so these hit often. The idea is "prompt lookup decoding" (Saxena 2023)
+  as in vLLM's ``[ngram]`` speculator; the index here is built incrementally, one
+  dictionary entry per n and token, so each step's lookup is O(max_n).
+* **prediction** (OpenAI's Predicted Outputs): the text the caller expects, as token
+  ids. While the output so far is a prefix of it, the draft is its continuation;
+  after the output departs from it (an edit), the output's last tokens are looked up
+  in it (from ``min_n`` = 2 tokens, at or after where it last agreed) to find where it
+  agrees again.
+
+:class:`Speculation` is one request's draft length, which adapts to its acceptance:
+up by one after a draft accepted whole, halved after a draft rejected whole, and after
+``BACKOFF`` drafts in a row rejected whole, no draft for a growing number of steps
+(a story, whose repeats are rare, costs almost nothing). Pure Python, no MLX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+#: Default most tokens drafted per step (``--spec-tokens``).
+DEFAULT_SPEC_TOKENS = 6
+
+
+class NgramIndex:
+    """Where each n-gram (``min_n`` <= n <= ``max_n``) of a token sequence last occurred
+    with at least one token after it.
+
+    Args:
+        min_n, max_n: the n-gram lengths indexed, tokens (1 <= min_n <= max_n).
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token after it
+        self._first: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to the sequence."""
+        seq = self.tokens
+        for t in tokens:
+            seq.append(int(t))
+            end = len(seq) - 1  # the n-grams ending just before the new token now have a follower
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n < 0:
+                    break
+                key = tuple(seq[end - n:end])
+                self._last[key] = end
+                self._first.setdefault(key, end)
+
+    def after(self, tail: Sequence[int], at_least: int = 0) -> int | None:
+        """The position following the most recent occurrence of ``tail`` (a tuple of
+        ``min_n``..``max_n`` tokens), or the first one at or after ``at_least`` when the
+        most recent is before it; ``None`` when it never occurred with a follower."""
+        key = tuple(tail)
+        last = self._last.get(key)
+        if last is None or last >= at_least:
+            return last
+        # the latest is before at_least: look for one at or after it (rare; linear)
+        n, seq = len(key), self.tokens
+        for pos in range(max(at_least, n), len(seq)):
+            if tuple(seq[pos - n:pos]) == key:
+                return pos
+        return last
+
+    def propose(self, context: Sequence[int], k: int, at_least: int = 0) -> tuple[list[int], int | None]:
+        """Up to ``k`` tokens following the longest indexed n-gram that ends ``context``,
+        and the position in this sequence where they start (``None``: no match)."""
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            pos = self.after(context[len(context) - n:], at_least)
+            if pos is not None:
+                return self.tokens[pos:pos + k], pos
+        return [], None
+
+
+@dataclass
+class Drafter:
+    """One request's drafts: prompt lookup over its prompt and output, and the caller's
+    prediction when given.
+
+    Args:
+        prompt: the prompt's token ids.
+        prediction: the expected output's token ids (empty: none).
+        min_n, max_n: prompt lookup's n-gram lengths.
+    """
+
+    prompt: Sequence[int]
+    prediction: Sequence[int] = ()
+    min_n: int = 3
+    max_n: int = 5
+    _own: NgramIndex = field(init=False)
+    _pred: NgramIndex | None = field(init=False, default=None)
+    _synced: tuple[int, int | None] = field(init=False, default=(0, 0))  # (output length, prediction position)
+    _floor: int = field(init=False, default=0)  # the prediction position where the output last agreed
+
+    def __post_init__(self) -> None:
+        self._own = NgramIndex(self.min_n, self.max_n)
+        self._own.extend(self.prompt)
+        if self.prediction:
+            self._pred = NgramIndex(2, self.max_n)
+            self._pred.extend(self.prediction)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        """The output's new tokens."""
+        self._own.extend(tokens)
+
+    def propose(self, output: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` drafted tokens to follow ``output`` (the tokens generated so far,
+        the same as given to :meth:`add`); ``[]`` for none."""
+        if k <= 0:
+            return []
+        if self._pred is not None and (draft := self._from_prediction(output, k)):
+            return draft
+        draft, _ = self._own.propose(self._own.tokens, k)
+        return draft
+
+    def _from_prediction(self, output: Sequence[int], k: int) -> list[int]:
+        """The prediction's tokens after the place the output has reached in it: the
+        same place moved on while the output follows it, else found again by n-gram."""
+        pred = self._pred.tokens
+        n0, p0 = self._synced
+        n = len(output)
+        if p0 is not None and pred[p0:p0 + n - n0] == list(output[n0:n]) and p0 + n - n0 <= len(pred):
+            p: int | None = p0 + n - n0
+        else:
+            _, p = self._pred.propose(output, k, self._floor)
+        self._synced = (n, p)
+        if p is None:
+            return []
+        self._floor = p
+        return list(pred[p:p + k])
+
+
+@dataclass
+class Speculation:
+    """One request's adaptive draft length and its figures.
+
+    Args:
+        limit: the most tokens drafted per step (>= 1).
+
+    Attributes:
+        k: the draft length the next step may use.
+        drafted, accepted: drafted tokens sent to be verified, and those accepted.
+        trips: verifying steps around the ring; tokens: tokens they produced.
+    """
+
+    limit: int
+    k: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    trips: int = 0
+    tokens: int = 0
+    _misses: int = 0
+    _pause: int = 0  # steps left without a draft
+    _pauses: int = 0
+
+    #: drafts in a row rejected whole before pausing
+    BACKOFF = 2
+
+    def __post_init__(self) -> None:
+        self.k = self.limit
+
+    def allowance(self) -> int:
+        """Tokens the next step may draft (0 while paused); counts the step."""
+        if self._pause > 0:
+            self._pause -= 1
+            return 0
+        return self.k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A step drafted ``drafted`` tokens and the model accepted ``accepted`` of them."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.trips += 1
+        self.tokens += accepted + 1
+        if accepted == drafted:
+            self.k = min(self.limit, self.k + 1)
+            self._misses = 0
+            self._pauses = 0
+        elif accepted == 0:
+            self.k = max(1, self.k // 2)
+            self._misses += 1
+            if self._misses >= self.BACKOFF:
+                self._pauses += 1
+                self._pause = 4 << min(self._pauses, 5)  # 8, 16, ... 128 steps
+                self._misses = 0
+        else:
+            self.k = max(1, min(self.limit, accepted + 1))
+            self._misses = 0
+
+    @property
+    def rejected(self) -> int:
+        """Drafted tokens the model rejected."""
+        return self.drafted - self.accepted
+
+
+@dataclass
+class SpecTotals:
+    """A stage 0's speculative decoding figures since start, for ``/v1/cluster``.
+
+    Attributes:
+        trips: verifying steps (each one trip around the ring); tokens: tokens they gave.
+        drafted, accepted: drafted tokens verified, and those the model accepted.
+        off: why requests or steps ran without drafts -> how many (``"sampled"`` etc.).
+    """
+
+    trips: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    off: dict[str, int] = field(default_factory=dict)
+
+    def count(self, drafted: int, accepted: int) -> None:
+        """One verifying step: ``drafted`` drafts sent, ``accepted`` of them accepted."""
+        self.trips += 1
+        self.tokens += accepted + 1
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def skip(self, why: str) -> None:
+        """A request (or step) ran without drafts, because of ``why``."""
+        self.off[why] = self.off.get(why, 0) + 1
+
+    def figures(self, limit: int) -> dict:
+        """The JSON form: the draft limit, the counts, tokens per trip and acceptance rate."""
+        return {"spec_tokens": limit, "trips": self.trips, "tokens": self.tokens, "drafted": self.drafted,
+                "accepted": self.accepted,
+                "tokens_per_trip": round(self.tokens / self.trips, 3) if self.trips else None,
+                "acceptance": round(self.accepted / self.drafted, 3) if self.drafted else None,
+                "off": dict(self.off)}
