@@ -356,3 +356,16 @@ def test_prefilling_request_in_the_requests_title():
                            "elapsed_s": 10.0, "eta_s": 13.5}]
     text = "\n".join(frame(snap, 160))
     assert "prefilling 1280/3000 ETA 13.50 s" in text
+
+
+def test_speculative_decoding_on_the_cluster_line():
+    """Tokens per trip and the acceptance of drafts, from the summed counters
+    ((30 + 10) / (12 + 4) = 2.50 tokens per trip, (18 + 6) / (40 + 20) = 40 %)."""
+    infos = batched_infos()
+    urls = list(infos)
+    infos[urls[0]]["speculation"] = {"trips": 12, "tokens": 30, "drafted": 40, "accepted": 18}
+    infos[urls[1]]["speculation"] = {"trips": 4, "tokens": 10, "drafted": 20, "accepted": 6}
+    lines = frame(build_snapshot("http://a0", infos, {}, now=1_700_000_100), 200)
+    assert any("drafts 2.50 tok/trip 40% accepted" in ln for ln in lines), lines
+    plain = frame(build_snapshot("http://a0", batched_infos(), {}, now=1_700_000_100), 200)
+    assert not any("tok/trip" in ln for ln in plain)

@@ -279,6 +279,23 @@ def test_the_last_re_plans_kv_migration_summed_over_the_nodes_that_saw_it():
     assert build_snapshot("http://a0", batched_infos(), {})["cluster"]["kv_migration"] is None
 
 
+def test_speculative_decoding_figures_summed_in_the_status_line():
+    """/v1/cluster's ``speculation`` counters per node, summed; tokens per trip and the
+    acceptance rate from the sums (hand computed: (30 + 10) / (12 + 4) = 2.5 tokens per
+    trip, (18 + 6) / (40 + 20) = 40 %); no line when no node made a verifying trip."""
+    infos = batched_infos()
+    urls = list(infos)
+    infos[urls[0]]["speculation"] = {"trips": 12, "tokens": 30, "drafted": 40, "accepted": 18}
+    infos[urls[1]]["speculation"] = {"trips": 4, "tokens": 10, "drafted": 20, "accepted": 6}
+    snap = build_snapshot("http://a0", infos, {})
+    assert snap["cluster"]["speculation"] == {"trips": 16, "tokens": 40, "drafted": 60, "accepted": 24,
+                                              "tokens_per_trip": 2.5, "acceptance": 0.4}
+    assert ("speculative decoding: 2.50 tokens per trip · 40% of 60 drafted tokens accepted · 16 trips"
+            in format_status(snap))
+    assert build_snapshot("http://a0", batched_infos(), {})["cluster"]["speculation"] is None
+    assert "speculative decoding" not in format_status(build_snapshot("http://a0", batched_infos(), {}))
+
+
 def test_compute_column_and_the_fix_for_a_slow_path():
     """What each node computes on (its loaded dtype and BLAS, from /v1/cluster) and, for a
     node on MLX's reference BLAS or quantized weights on a CPU, one line with the fix."""

@@ -289,6 +289,10 @@ class Dashboard:
             disk = f" + {fmt_bytes(c['prefix_disk_bytes'])} on disk" if c.get("prefix_disk_bytes") else ""
             t.append_text(Text.assemble(" · prefix cache ", (fmt_bytes(c["prefix_bytes"]), "bold"), disk,
                                         f" {c.get('prefix_hits') or 0} hits/{c.get('prefix_misses') or 0} misses"))
+        if (spec := c.get("speculation")) is not None:
+            rate = spec.get("acceptance")
+            t.append_text(Text.assemble(" · drafts ", (f"{spec['tokens_per_trip']:.2f}", "bold"), " tok/trip ",
+                                        (f"{'—' if rate is None else f'{rate:.0%}'}", "bold"), " accepted"))
         t.no_wrap = True
         t.overflow = "ellipsis"
         return t

@@ -86,6 +86,8 @@ def format_status(snap: dict) -> str:
                      f"{kv['resumed']} request(s) resumed · {kv['rebuilt_tokens']} token(s) of lost layers rebuilt · "
                      f"{kv['reprefilled_tokens']} token(s) prefilled again ({kv['full_reprefills']} full "
                      "re-prefill(s))")
+    if (spec := c.get("speculation")) is not None:
+        lines.append(spec_text(spec))
     negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
     for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
         lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")
@@ -130,3 +132,12 @@ def prefix_text(node: dict) -> str:
     disk = f"+{fmt_bytes(node['prefix_disk_bytes']).replace(' ', '')}disk" if node.get("prefix_disk_bytes") else ""
     return (f"{fmt_bytes(node['prefix_bytes']).replace(' ', '')}{disk}:{node.get('prefix_hits') or 0}h/"
             f"{node.get('prefix_misses') or 0}m")
+
+
+def spec_text(spec: dict) -> str:
+    """The cluster's speculative decoding in one line: tokens per trip around the ring,
+    acceptance of the drafted tokens, over how many trips."""
+    rate = spec.get("acceptance")
+    return (f"speculative decoding: {spec['tokens_per_trip']:.2f} tokens per trip · "
+            f"{'—' if rate is None else f'{rate:.0%}'} of {spec['drafted']} drafted tokens accepted · "
+            f"{spec['trips']} trips")

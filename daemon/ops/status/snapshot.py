@@ -17,7 +17,9 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                  "address", "error", "via" (the address used instead, or None), "in_plan", "fix"}]),
                  "nodes", "nodes_ready", "requests_in_flight", "tokens_per_s",
                  "tokens_generated_total", "memory_total_bytes", "memory_usable_bytes",
-                 "memory_used_bytes"},
+                 "memory_used_bytes", "speculation" (speculative decoding over the nodes
+                 that head requests: {"trips", "tokens", "drafted", "accepted",
+                 "tokens_per_trip", "acceptance"}, or None when none drafted)},
      "nodes": [{"stage" (hybrid: its group's stage), "rank" (tensor rank, in its group when hybrid, or None),
                 "in_plan", "address", "node_id", "name", "chip", "state",
                 "loading_progress" (0..1), "download" (the stage's files coming from the Hub:
@@ -191,6 +193,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             **compute_fields(info),
             **prefix_fields(info),
             **migration_fields(info),
+            **spec_fields(info),
             "api_url": api_url,
             "reachable": reachable,
             "error": error,
@@ -295,6 +298,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "prefix_misses": sum_known([n["prefix_misses"] for n in in_plan]),
         "prefix_disk_bytes": sum_known([n["prefix_disk_bytes"] for n in in_plan]),
         "kv_migration": migration_summary(nodes),
+        "speculation": spec_summary(nodes),
     }
     if cluster["num_layers"] is None and plan:
         ends = [as_int(s.get("end")) for s in plan]
@@ -416,3 +420,23 @@ def migration_summary(nodes: list[dict]) -> dict | None:
     epoch = max(epochs)
     at = [n for n in nodes if n.get("kv_epoch") == epoch]
     return {"epoch": epoch, **{k: sum(n.get(f"kv_{k}") or 0 for n in at) for k in KV_COUNTERS}}
+
+
+SPEC_COUNTERS = ("trips", "tokens", "drafted", "accepted")
+
+
+def spec_fields(info: dict) -> dict:
+    """One node's speculative decoding counters (``/v1/cluster``'s ``speculation``:
+    verifying trips, the tokens they gave, drafted and accepted tokens)."""
+    spec = info.get("speculation") if isinstance(info.get("speculation"), dict) else {}
+    return {f"spec_{k}": as_int(spec.get(k)) for k in SPEC_COUNTERS}
+
+
+def spec_summary(nodes: list[dict]) -> dict | None:
+    """Speculative decoding over every node: the counters summed, tokens per trip and the
+    acceptance rate (``None``: no node made a verifying trip)."""
+    sums = {k: sum(n.get(f"spec_{k}") or 0 for n in nodes) for k in SPEC_COUNTERS}
+    if not sums["trips"]:
+        return None
+    return {**sums, "tokens_per_trip": sums["tokens"] / sums["trips"],
+            "acceptance": sums["accepted"] / sums["drafted"] if sums["drafted"] else None}

@@ -1,0 +1,154 @@
+"""Speculative decoding benchmark (issue #34): decode tokens/s with drafts on against off
+(``--spec-tokens 0``), in the same run, on 1 and 3 local daemons (float32, the default
+model SmolLM2-135M-Instruct), with acceptance and tokens per trip.
+
+Cases (greedy chat completions, streamed, ``return_token_ids``):
+
+* ``edit``: a ~600-token Python file in the prompt, "rename ``x`` to ``y`` and return
+  the whole file" (drafts come from the prompt: prompt lookup);
+* ``edit+prediction``: the same with ``prediction`` = the file with the rename done;
+* ``story``: free text (the drafter should back off);
+* ``4 edits``: 4 concurrent edits (different files), aggregate tokens/s.
+
+Definitions: decode tokens/s of one request = (completion tokens - 1) / (arrival of its
+last token - arrival of its first token) at the client; for 4 concurrent requests, the
+sum over requests of (tokens - 1) over the span from the earliest first token to the
+last token. Each figure is the median of ``REPEATS`` runs. acceptance = accepted
+drafts / drafted tokens and tokens per trip = tokens the verifying steps gave / those
+steps, from stage 0's ``/v1/cluster`` ``speculation`` (differences over the case).
+Ratios on / off are the result; absolute times depend on what else runs on the machine.
+
+Run: ``python bench/run.py bench_spec``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+
+from ringlet.daemon.ops.demo import LocalCluster
+
+STAGES = (1, 3)
+REPEATS = 2
+EDIT_TOKENS = 320  # completion cap of an edit (the file is ~600 tokens; a cap keeps the run short)
+STORY_TOKENS = 96
+CONCURRENT = 4
+
+
+def python_file(seed: int) -> str:
+    """A ~600-token Python module that uses a variable ``x`` throughout."""
+    names = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda_",
+             "mu", "nu", "xi"][:12]
+    out = [f'"""Helpers for module {seed}."""\n\nimport math\n']
+    for i, name in enumerate(names):
+        out.append(f"\ndef {name}_{seed}(x, scale={i + 1}):\n"
+                   f"    \"\"\"Return {name} of x scaled by {i + 1}.\"\"\"\n"
+                   f"    if x < 0:\n        x = -x\n"
+                   f"    return math.sqrt(x) * scale + {i}\n")
+    return "".join(out)
+
+
+def edit_message(seed: int) -> tuple[str, str]:
+    code = python_file(seed)
+    renamed = code.replace("(x,", "(y,").replace("x < 0", "y < 0").replace("x = -x", "y = -y") \
+        .replace("sqrt(x)", "sqrt(y)").replace("of x", "of y")
+    return (f"Rename the variable `x` to `y` in this file and return the whole file, nothing else:\n\n"
+            f"```python\n{code}```", f"```python\n{renamed}```")
+
+
+STORY = "Write a long story about a lighthouse keeper and a storm."
+
+
+async def _one(client: httpx.AsyncClient, url: str, message: str, max_tokens: int,
+               prediction: str | None = None) -> dict:
+    body = {"messages": [{"role": "user", "content": message}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if prediction is not None:
+        body["prediction"] = {"type": "content", "content": prediction}
+    times: list[float] = []
+    usage: dict = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if payload.get("usage"):
+                usage = payload["usage"]
+            for choice in payload.get("choices") or ():
+                ids = choice.get("token_ids") or (choice.get("delta") or {}).get("token_ids") or []
+                times.extend([time.perf_counter()] * len(ids))
+    return {"first": times[0], "last": times[-1], "tokens": len(times), "usage": usage}
+
+
+async def _case(url: str, case: str) -> dict:
+    async with httpx.AsyncClient(timeout=900) as client:
+        if case == "4 edits":
+            reqs = await asyncio.gather(*(_one(client, url, edit_message(10 + i)[0], EDIT_TOKENS // 2)
+                                          for i in range(CONCURRENT)))
+            span = max(r["last"] for r in reqs) - min(r["first"] for r in reqs)
+            return {"tokens_per_s": sum(r["tokens"] - 1 for r in reqs) / span,
+                    "tokens": [r["tokens"] for r in reqs]}
+        if case == "story":
+            r = await _one(client, url, STORY, STORY_TOKENS)
+        else:
+            message, renamed = edit_message(1)
+            r = await _one(client, url, message, EDIT_TOKENS, renamed if case == "edit+prediction" else None)
+        return {"tokens_per_s": (r["tokens"] - 1) / (r["last"] - r["first"]), "tokens": r["tokens"],
+                "usage_details": r["usage"].get("completion_tokens_details")}
+
+
+CASES = ("edit", "edit+prediction", "story", "4 edits")
+
+
+def _spec(url: str) -> dict:
+    return httpx.get(f"{url}/v1/cluster", timeout=10).json().get("speculation") or {}
+
+
+def measure(stages: int, spec_tokens: int | None) -> dict:
+    args = ["--spec-tokens", str(spec_tokens)] if spec_tokens is not None else []
+    out: dict = {}
+    with LocalCluster(stages, dtype="float32", extra_args=args) as c:
+        url = c.api_urls[0]
+        asyncio.run(_case(url, "story"))  # warm up: tokenizer, first forwards
+        for case in CASES:
+            before = _spec(url)
+            runs = [asyncio.run(_case(url, case)) for _ in range(REPEATS)]
+            after = _spec(url)
+            trips = after.get("trips", 0) - before.get("trips", 0)
+            drafted = after.get("drafted", 0) - before.get("drafted", 0)
+            out[case] = {
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                "completion_tokens": runs[0]["tokens"],
+                "usage_details": runs[0].get("usage_details"),
+                "trips": trips,
+                "tokens_per_trip": (after.get("tokens", 0) - before.get("tokens", 0)) / trips if trips else None,
+                "acceptance": (after.get("accepted", 0) - before.get("accepted", 0)) / drafted if drafted else None,
+            }
+    return out
+
+
+def main() -> dict:
+    results: dict = {}
+    for stages in STAGES:
+        off = measure(stages, 0)
+        on = measure(stages, None)
+        rows = {}
+        for case in CASES:
+            ratio = on[case]["tokens_per_s"] / off[case]["tokens_per_s"]
+            rows[case] = {"on": on[case], "off": off[case], "ratio_on_off": round(ratio, 3)}
+            print(f"  {stages} stage(s) {case:16s} on {on[case]['tokens_per_s']:7.2f} tok/s  "
+                  f"off {off[case]['tokens_per_s']:7.2f} tok/s  ratio {ratio:5.2f}  "
+                  f"tokens/trip {on[case]['tokens_per_trip']}  acceptance {on[case]['acceptance']}  "
+                  f"tokens {on[case]['completion_tokens']} vs {off[case]['completion_tokens']}")
+        results[f"{stages}_stages"] = rows
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=1, default=str))
