@@ -244,6 +244,8 @@ class ResumingClient:
         """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group
         (whose prefix cache lives in its ranks: :mod:`ringlet.daemon.tensor.rank_prefix`)."""
         if self.plan is not None and self.plan.is_tensor and self.tp is not None:
+            if self.config.spec_tokens > 0:
+                self.spec_totals.skip("tensor")  # a tensor group's ranks hold the KV: no drafts (yet)
             return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
         return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids, scope, info, prediction)
 
