@@ -13,7 +13,9 @@ Cases (greedy chat completions, streamed, ``return_token_ids``):
 Definitions: decode tokens/s of one request = (completion tokens - 1) / (arrival of its
 last token - arrival of its first token) at the client; for 4 concurrent requests, the
 sum over requests of (tokens - 1) over the span from the earliest first token to the
-last token. Each figure is the median of ``REPEATS`` runs. acceptance = accepted
+last token. Each figure is the median of ``REPEATS`` runs; one
+cluster runs at a time, off and on alternating (off, on, on, off, ...), so load from
+elsewhere on the machine tends to fall on both. acceptance = accepted
 drafts / drafted tokens and tokens per trip = tokens the verifying steps gave / those
 steps, from stage 0's ``/v1/cluster`` ``speculation`` (differences over the case).
 Ratios on / off are the result; absolute times depend on what else runs on the machine.
@@ -34,7 +36,7 @@ from ringlet.daemon.ops.demo import LocalCluster
 
 STAGES = (1, 3)
 REPEATS = 2
-EDIT_TOKENS = 320  # completion cap of an edit (the file is ~600 tokens; a cap keeps the run short)
+EDIT_TOKENS = 200  # completion cap of an edit (the file is ~600 tokens; a cap keeps the run short)
 STORY_TOKENS = 96
 CONCURRENT = 4
 
@@ -110,42 +112,41 @@ def _spec(url: str) -> dict:
     return httpx.get(f"{url}/v1/cluster", timeout=10).json().get("speculation") or {}
 
 
-def measure(stages: int, spec_tokens: int | None) -> dict:
-    args = ["--spec-tokens", str(spec_tokens)] if spec_tokens is not None else []
-    out: dict = {}
-    with LocalCluster(stages, dtype="float32", extra_args=args) as c:
-        url = c.api_urls[0]
-        asyncio.run(_case(url, "story"))  # warm up: tokenizer, first forwards
-        for case in CASES:
-            before = _spec(url)
-            runs = [asyncio.run(_case(url, case)) for _ in range(REPEATS)]
-            after = _spec(url)
-            trips = after.get("trips", 0) - before.get("trips", 0)
-            drafted = after.get("drafted", 0) - before.get("drafted", 0)
-            out[case] = {
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-                "completion_tokens": runs[0]["tokens"],
-                "usage_details": runs[0].get("usage_details"),
-                "trips": trips,
-                "tokens_per_trip": (after.get("tokens", 0) - before.get("tokens", 0)) / trips if trips else None,
-                "acceptance": (after.get("accepted", 0) - before.get("accepted", 0)) / drafted if drafted else None,
-            }
-    return out
-
-
 def main() -> dict:
     results: dict = {}
     for stages in STAGES:
-        off = measure(stages, 0)
-        on = measure(stages, None)
+        # one cluster at a time (the machine is shared): off and on alternate, repeat by
+        # repeat, so a change in what else runs on the machine tends to hit both
+        runs: dict = {(case, side): [] for case in CASES for side in ("off", "on")}
+        figures: dict = {case: {"trips": 0, "tokens": 0, "drafted": 0, "accepted": 0} for case in CASES}
+        for rep in range(REPEATS):
+            for side in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                args = ["--spec-tokens", "0"] if side == "off" else []
+                with LocalCluster(stages, dtype="float32", extra_args=args) as c:
+                    url = c.api_urls[0]
+                    asyncio.run(_case(url, "story"))  # warm up: tokenizer, first forwards
+                    for case in CASES:
+                        before = _spec(url)
+                        runs[case, side].append(asyncio.run(_case(url, case)))
+                        after = _spec(url)
+                        for k in figures[case]:
+                            figures[case][k] += after.get(k, 0) - before.get(k, 0)
         rows = {}
         for case in CASES:
-            ratio = on[case]["tokens_per_s"] / off[case]["tokens_per_s"]
-            rows[case] = {"on": on[case], "off": off[case], "ratio_on_off": round(ratio, 3)}
-            print(f"  {stages} stage(s) {case:16s} on {on[case]['tokens_per_s']:7.2f} tok/s  "
-                  f"off {off[case]['tokens_per_s']:7.2f} tok/s  ratio {ratio:5.2f}  "
-                  f"tokens/trip {on[case]['tokens_per_trip']}  acceptance {on[case]['acceptance']}  "
-                  f"tokens {on[case]['completion_tokens']} vs {off[case]['completion_tokens']}")
+            on = statistics.median(r["tokens_per_s"] for r in runs[case, "on"])
+            off = statistics.median(r["tokens_per_s"] for r in runs[case, "off"])
+            fig = figures[case]
+            row = {"on_tokens_per_s": round(on, 2), "off_tokens_per_s": round(off, 2),
+                   "ratio_on_off": round(on / off, 3),
+                   "tokens_per_trip": round(fig["tokens"] / fig["trips"], 2) if fig["trips"] else None,
+                   "acceptance": round(fig["accepted"] / fig["drafted"], 3) if fig["drafted"] else None,
+                   "trips": fig["trips"], "runs_on": [round(r["tokens_per_s"], 2) for r in runs[case, "on"]],
+                   "runs_off": [round(r["tokens_per_s"], 2) for r in runs[case, "off"]],
+                   "completion_tokens": runs[case, "on"][0]["tokens"],
+                   "same_length_off": runs[case, "off"][0]["tokens"] == runs[case, "on"][0]["tokens"]}
+            rows[case] = row
+            print(f"  {stages} stage(s) {case:16s} on {on:6.2f} tok/s  off {off:6.2f} tok/s  ratio {on / off:5.2f}  "
+                  f"tokens/trip {row['tokens_per_trip']}  acceptance {row['acceptance']}", flush=True)
         results[f"{stages}_stages"] = rows
     return results
 

@@ -62,12 +62,16 @@ def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any
             "top_logprobs": [{s: v for s, _, v in t.top} for t in items], "text_offset": offsets}
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "completion_tokens_details": {"accepted_prediction_tokens": usage.accepted_prediction_tokens,
-                                          "rejected_prediction_tokens": usage.rejected_prediction_tokens}}
+def usage_json(usage: Usage, kind: str = "chat") -> dict[str, Any]:
+    """OpenAI's usage object; a chat completion's also has ``completion_tokens_details``
+    with the drafted tokens accepted and rejected (speculative decoding)."""
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if kind == "chat":
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                                            "rejected_prediction_tokens": usage.rejected_prediction_tokens}
+    return out
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:
@@ -160,7 +164,7 @@ async def _whole(kind: str, internal, events: AsyncIterator, head: dict[str, Any
             choice["token_ids"] = list(finished[i].token_ids)
         choices.append(choice)
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {**head, "object": obj, "choices": choices, "usage": usage_json(usage)}
+    return {**head, "object": obj, "choices": choices, "usage": usage_json(usage, kind)}
 
 
 async def _stream(kind: str, internal, events: AsyncIterator, head: dict[str, Any], include_usage: bool,
@@ -219,7 +223,7 @@ async def _stream(kind: str, internal, events: AsyncIterator, head: dict[str, An
                         sent_ids[event.choice] = len(event.token_ids)
                     yield chunk(event.choice, {} if kind == "chat" else "", event.reason, extra=extra)
                 elif isinstance(event, Usage) and include_usage:
-                    yield sse({**head, "object": obj, "choices": [], "usage": usage_json(event)})
+                    yield sse({**head, "object": obj, "choices": [], "usage": usage_json(event, kind)})
                 if await request.is_disconnected():
                     return  # closing the generators releases the KV caches on every stage
     except GenerationError as exc:

@@ -260,10 +260,13 @@ def test_chat_completions_hints_are_named_and_store_true_refused(http):
         assert r.status_code == 200
         text = "".join(r.iter_text())
     assert "data: [DONE]" in text
-    assert ignored(r) == {"user", "metadata", "service_tier", "safety_identifier", "store", "prediction",
-                          "verbosity", "stream_options.include_obfuscation"}
+    assert ignored(r) == {"user", "metadata", "service_tier", "safety_identifier", "store",
+                          "verbosity", "stream_options.include_obfuscation"}  # prediction is honoured (drafts)
     refused = http.post("/v1/chat/completions", json={**body, "stream": False, "store": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+    for bad in ({"type": "text", "content": "Hello"}, {"type": "content", "content": 3}):
+        refused = http.post("/v1/chat/completions", json={**body, "stream": False, "prediction": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prediction"
 
 
 def test_no_hints_no_header(http):

@@ -8,6 +8,8 @@
   :mod:`spec_support`). The 2-stage case is in ``test_concurrency.py`` (its cluster).
 * The drafts really ran: usage reports accepted and rejected prediction tokens, and
   ``/v1/cluster`` tokens per trip above 1.
+* Logprobs are those of the accepted tokens at their own positions; a grammar
+  (``response_format``) applies at every verified position.
 * The prefix store keeps exactly the accepted tokens: a follow-up turn that reuses the
   first turn's KV (cached tokens > 0) still gives the reference ids.
 * A seeded sampled request follows the same distribution with and without drafts: the
@@ -95,6 +97,42 @@ def test_three_stages_follow_up_reuses_exactly_the_accepted_kv(ring3, whole):
     choice = follow["choices"][0]
     want, rows = whole.greedy(choice["prompt_token_ids"], 24, STOP)
     assert_same_or_near_tie(choice["token_ids"], want, rows, "follow-up")
+
+
+def test_three_stages_logprobs_are_the_accepted_tokens_own(ring3, whole):
+    """With drafts accepted, each token's logprob is the log softmax of the logits at its
+    own position (the whole model's, computed here token by token), within 1e-3."""
+    import numpy as np
+
+    message, n, _ = CASES[0]
+    r = httpx.post(f"{ring3.api_urls[0]}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": message}], "max_tokens": n, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2, "return_token_ids": True}).json()
+    assert r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    choice = r["choices"][0]
+    want, rows = whole.greedy(choice["prompt_token_ids"], n, STOP)
+    assert_same_or_near_tie(choice["token_ids"], want, rows, "logprobs")
+    scored = [e["logprob"] for e in choice["logprobs"]["content"]]
+    for k, (token, logprob) in enumerate(zip(choice["token_ids"], scored, strict=False)):
+        if token != want[k]:
+            break
+        row = np.asarray(rows[k], dtype=np.float64)
+        expected = row[token] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        assert abs(logprob - expected) < 1e-3, (k, logprob, expected)
+
+
+def test_three_stages_grammar_applies_at_every_verified_position(ring3):
+    """A JSON object repeated back under ``response_format`` json_object: drafts from the
+    prompt are verified through the grammar, and the output is one JSON object."""
+    import json
+
+    obj = {"name": "lighthouse", "keeper": "Ada", "lamps": [1, 2, 3], "storm": True}
+    r = httpx.post(f"{ring3.api_urls[0]}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": f"Repeat this JSON exactly: {json.dumps(obj)}"}],
+        "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}}).json()
+    assert r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert r["choices"][0]["finish_reason"] == "stop", r
+    assert isinstance(json.loads(r["choices"][0]["message"]["content"]), dict)
 
 
 def seeded_draws(url: str) -> tuple[list[list[int]], int]:
