@@ -146,6 +146,12 @@ class Drafter:
 class Speculation:
     """One request's adaptive draft length and its figures.
 
+    The length goes up by one after a draft accepted whole, to one more than the
+    accepted part after a partial one, halves after one rejected whole; after
+    :data:`BACKOFF` of those in a row, no draft for 8, 16, ... 128 steps. And the
+    request drafts only while its tokens per verifying trip beat what such a trip costs
+    (:meth:`allowance`).
+
     Args:
         limit: the most tokens drafted per step (>= 1).
 
@@ -164,6 +170,9 @@ class Speculation:
     _misses: int = 0
     _pause: int = 0  # steps left without a draft
     _pauses: int = 0
+    #: moving average of this request's tokens per verifying trip (None: no trip yet)
+    per_trip: float | None = None
+    _steps: int = 0
 
     #: drafts in a row rejected whole before pausing
     BACKOFF = 2
@@ -171,10 +180,18 @@ class Speculation:
     def __post_init__(self) -> None:
         self.k = self.limit
 
-    def allowance(self) -> int:
-        """Tokens the next step may draft (0 while paused); counts the step."""
+    #: while drafts do not pay, one step in this many still drafts, to measure again
+    PROBE = 16
+
+    def allowance(self, cost: float | None = None) -> int:
+        """Tokens the next step may draft (0 while paused, or while this request's tokens
+        per verifying trip do not exceed ``cost``, a verifying trip's cost in plain
+        trips: :class:`TripMeter`); counts the step."""
+        self._steps += 1
         if self._pause > 0:
             self._pause -= 1
+            return 0
+        if cost is not None and self.per_trip is not None and self.per_trip <= cost and self._steps % self.PROBE:
             return 0
         return self.k
 
@@ -184,6 +201,8 @@ class Speculation:
         self.accepted += accepted
         self.trips += 1
         self.tokens += accepted + 1
+        got = accepted + 1
+        self.per_trip = got if self.per_trip is None else self.per_trip + TripMeter.ALPHA * (got - self.per_trip)
         if accepted == drafted:
             self.k = min(self.limit, self.k + 1)
             self._misses = 0
@@ -203,6 +222,48 @@ class Speculation:
     def rejected(self) -> int:
         """Drafted tokens the model rejected."""
         return self.drafted - self.accepted
+
+
+@dataclass
+class TripMeter:
+    """What a verifying trip around the ring costs at one stage 0, measured: the
+    seconds of a decode trip without drafts and with them (exponential moving averages
+    over trips made while this request was the only one decoding here).
+
+    On a GPU a forward of k + 1 positions reads the weights once and costs about one
+    decode step; on a CPU it can cost nearly k + 1 of them (compute-bound), and then no
+    draft pays. A request drafts only while its own tokens per verifying trip exceed
+    :meth:`cost` (the draft trip's seconds over the plain trip's).
+    """
+
+    plain_s: float | None = None
+    draft_s: float | None = None
+    _asked: int = 0
+
+    #: weight of the newest trip in the averages
+    ALPHA = 0.2
+
+    def observe(self, drafted: int, seconds: float) -> None:
+        """A decode trip that carried ``drafted`` drafts took ``seconds``."""
+        if drafted:
+            self.draft_s = seconds if self.draft_s is None else self.draft_s + self.ALPHA * (seconds - self.draft_s)
+        else:
+            self.plain_s = seconds if self.plain_s is None else self.plain_s + self.ALPHA * (seconds - self.plain_s)
+
+    #: one decode trip in this many goes without drafts, to keep ``plain_s`` measured
+    PLAIN_EVERY = 32
+
+    def wants_plain(self) -> bool:
+        """Whether the next decode trip should go without drafts, to measure a plain one
+        (none measured yet, or one in :data:`PLAIN_EVERY`); counts the trip."""
+        self._asked += 1
+        return self.plain_s is None or self._asked % self.PLAIN_EVERY == 0
+
+    def cost(self) -> float | None:
+        """A verifying trip's seconds in plain trips (``None`` until both are measured)."""
+        if self.plain_s is None or self.draft_s is None or self.plain_s <= 0:
+            return None
+        return self.draft_s / self.plain_s
 
 
 @dataclass

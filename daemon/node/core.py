@@ -41,7 +41,7 @@ import psutil
 
 from ringlet.daemon.engine.boundary import BoundaryStore
 from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
-from ringlet.daemon.engine.drafting import SpecTotals
+from ringlet.daemon.engine.drafting import SpecTotals, TripMeter
 from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
@@ -101,6 +101,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         self.recent: deque[dict] = deque(maxlen=32)
         self.tokens_generated_total = 0
         self.spec_totals = SpecTotals()  # speculative decoding headed here
+        self.trip_meter = TripMeter()  # what a verifying trip costs here, measured
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
@@ -422,7 +423,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "boundary_cache": self.engine.boundaries.figures() if self.engine else None,
             "batching": {**self.engine.batch_stats(), "prefill_chunk": self.config.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
-            "speculation": self.spec_totals.figures(self.config.spec_tokens),
+            "speculation": {**self.spec_totals.figures(self.config.spec_tokens),
+                            "trip_cost": self.trip_meter.cost()},
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,

@@ -20,7 +20,7 @@ from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.engine.speculation import trimmable
 from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.errors import GenerationError, one_line
-from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS, TEST_CHUNK_DELAY_ENV
+from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS, SPEC_ALWAYS_ENV, TEST_CHUNK_DELAY_ENV
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -48,6 +48,7 @@ class Generation:
     drafter: Drafter | None = None  # speculative decoding (None: off for this request)
     spec: Speculation | None = None
     drafting: int = 0  # drafted tokens in the step in flight
+    sent_s: float = 0.0  # perf_counter() when the decode step in flight went out (0: not timed)
     info: dict | None = None
 
     def prefill_info(self) -> dict:
@@ -216,6 +217,9 @@ class Head:
             return
         if gen.ttft_s is None:
             gen.ttft_s = time.perf_counter() - gen.started
+        if gen.sent_s:  # a decode trip while this request decoded alone here: what it cost
+            self.trip_meter.observe(gen.drafting, time.perf_counter() - gen.sent_s)
+            gen.sent_s = 0.0
         if gen.drafting:
             gen.spec.verified(gen.drafting, len(tokens) - 1)
             self.spec_totals.count(gen.drafting, len(tokens) - 1)
@@ -234,6 +238,7 @@ class Head:
                 return
         drafts = self._drafts(gen, tokens)
         gen.drafting = len(drafts)
+        gen.sent_s = time.perf_counter() if gen.drafter is not None and len(self._generations) == 1 else 0.0
         asyncio.ensure_future(self._advance(gen, step=len(gen.tokens), payload=[tokens[-1], *drafts]))
 
     def _may_speculate(self) -> bool:
@@ -254,7 +259,8 @@ class Head:
 
     def _drafts(self, gen: Generation, new: list[int]) -> list[int]:
         """The drafts for ``gen``'s next step: none while other requests decode here
-        (their steps batch instead), at most the tokens ``max_tokens`` leaves after the
+        (their steps batch instead) or while its drafts do not pay for their trips
+        (:class:`~ringlet.daemon.engine.drafting.TripMeter`), at most the tokens ``max_tokens`` leaves after the
         next one, and cut before a stop token (the model's own draw decides a stop)."""
         if gen.drafter is None:
             return []
@@ -262,7 +268,11 @@ class Head:
         if len(self._generations) > 1:
             self.spec_totals.skip("batching")
             return []
-        k = min(gen.spec.allowance(), gen.max_tokens - len(gen.tokens) - 1)
+        measured = os.environ.get(SPEC_ALWAYS_ENV) != "1"
+        if measured and self.trip_meter.wants_plain():
+            return []
+        cost = self.trip_meter.cost() if measured else None
+        k = min(gen.spec.allowance(cost), gen.max_tokens - len(gen.tokens) - 1)
         drafts = gen.drafter.propose(gen.tokens, k) if k > 0 else []
         for i, t in enumerate(drafts):
             if t in gen.stop_ids:

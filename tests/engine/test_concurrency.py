@@ -30,6 +30,7 @@ from conftest import REFERENCE
 from spec_support import CASES, WholeModel, assert_same_or_near_tie
 from spec_support import chat as spec_chat
 
+from ringlet.daemon.node.config import SPEC_ALWAYS_ENV
 from ringlet.daemon.ops.demo import LocalCluster
 
 CHATS = [
@@ -43,7 +44,8 @@ NEAR_TIE = 1e-3
 
 @pytest.fixture(scope="module")
 def batched():
-    with LocalCluster(2, dtype="float32") as c:
+    # drafts on every step they can (the speculative test below), whatever they cost here
+    with LocalCluster(2, dtype="float32", env={SPEC_ALWAYS_ENV: "1"}) as c:
         yield c
 
 

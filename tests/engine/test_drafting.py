@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringlet.daemon.engine.drafting import Drafter, NgramIndex, Speculation
+from ringlet.daemon.engine.drafting import Drafter, NgramIndex, Speculation, TripMeter
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
@@ -60,3 +60,20 @@ def test_draft_length_adapts_and_backs_off():
 def test_bad_ngram_lengths_are_refused():
     with pytest.raises(ValueError, match="min_n"):
         NgramIndex(3, 2)
+
+
+def test_trip_meter_says_when_a_verifying_trip_costs_more_than_it_gives():
+    meter = TripMeter()
+    assert meter.cost() is None and meter.wants_plain()  # nothing measured: measure a plain trip first
+    meter.observe(0, 0.040)
+    meter.observe(4, 0.100)
+    assert meter.cost() == pytest.approx(2.5)  # 0.100 / 0.040
+    meter.observe(4, 0.200)  # moving average: 0.100 + 0.2 * (0.200 - 0.100) = 0.120
+    assert meter.cost() == pytest.approx(3.0)
+    assert [meter.wants_plain() for _ in range(TripMeter.PLAIN_EVERY)].count(True) == 1
+    spec = Speculation(limit=4)
+    spec.verified(4, 1)  # 2 tokens for that trip: below a cost of 3 plain trips
+    assert spec.per_trip == 2
+    allowed = [spec.allowance(meter.cost()) for _ in range(Speculation.PROBE)]
+    assert allowed.count(0) == Speculation.PROBE - 1  # only the probe step drafts
+    assert spec.allowance(1.5) == spec.k  # it pays where a trip costs 1.5 plain ones

@@ -28,9 +28,13 @@ import pytest
 from conftest import REFERENCE
 from spec_support import CASES, WholeModel, assert_same_or_near_tie, chat
 
+from ringlet.daemon.node.config import SPEC_ALWAYS_ENV
 from ringlet.daemon.ops.demo import LocalCluster
 
 STOP = {0, 2}  # SmolLM2's <|endoftext|> and <|im_end|>
+#: draft on every step a drafter can, whatever a verifying trip costs on this CPU (the
+#: measured policy would stop drafting after a few trips here: exactness needs drafts)
+ALWAYS = {SPEC_ALWAYS_ENV: "1"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,7 @@ def whole():
 
 @pytest.fixture(scope="module")
 def ring3():
-    with LocalCluster(3, dtype="float32") as c:
+    with LocalCluster(3, dtype="float32", env=ALWAYS) as c:
         yield c
 
 
@@ -126,9 +130,9 @@ def test_three_stages_grammar_applies_at_every_verified_position(ring3):
     prompt are verified through the grammar, and the output is one JSON object."""
     import json
 
-    obj = {"name": "lighthouse", "keeper": "Ada", "lamps": [1, 2, 3], "storm": True}
+    text = json.dumps({"name": "lighthouse", "keeper": "Ada", "lamps": [1, 2, 3]}, separators=(",", ":"))
     r = httpx.post(f"{ring3.api_urls[0]}/v1/chat/completions", timeout=300, json={
-        "messages": [{"role": "user", "content": f"Repeat this JSON exactly: {json.dumps(obj)}"}],
+        "messages": [{"role": "user", "content": f"Repeat this JSON exactly: {text}"}],
         "max_tokens": 40, "temperature": 0, "response_format": {"type": "json_object"}}).json()
     assert r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
     assert r["choices"][0]["finish_reason"] == "stop", r
@@ -188,7 +192,7 @@ def test_chi_square_helper_against_known_values():
 
 
 def test_one_stage_greedy_and_seeded_sampling_with_and_without_drafts(whole):
-    with LocalCluster(1, dtype="float32") as on:
+    with LocalCluster(1, dtype="float32", env=ALWAYS) as on:
         check_cases(on.api_urls[0], whole)
         drawn_on, accepted = seeded_draws(on.api_urls[0])
         assert accepted > 0  # sampled steps verified drafts too
