@@ -148,7 +148,7 @@ def test_batched_concurrent_requests_equal_solo_or_diverge_at_a_near_tie(batched
 def test_speculative_greedy_on_two_stages_equals_without_drafts(batched):
     whole = WholeModel()
     accepted = 0
-    for message, n, prediction in CASES:
+    for message, n, prediction in CASES[1:]:  # a rename with its prediction (hits), a story (misses)
         got = spec_chat(batched.api_urls[1], message, n, prediction)  # through the node that is not stage 0
         want, rows = whole.greedy(got["prompt"], n, {0, 2})
         assert_same_or_near_tie(got["ids"], want, rows, message[:30])
