@@ -204,9 +204,16 @@ class ResumingClient:
             request_id=request_id, prompt=prompt, max_tokens=max_tokens, epoch=epoch,
             sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids), cache_scope=scope))
         first = True
+        on_prefill = (info or {}).get("on_prefill")
         try:
             async for event in call:
-                if event.WhichOneof("event") == "error":
+                kind = event.WhichOneof("event")
+                if kind == "progress":  # stage 0 reports its prefill: pass it on to the API's stream
+                    if on_prefill is not None:
+                        p = event.progress
+                        on_prefill(p.processed, p.total, p.cached)
+                    continue
+                if kind == "error":
                     if event.plan_epoch:
                         raise PlanChanged(event.error, event.plan_epoch)
                     if event.skew:

@@ -133,9 +133,10 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores")
+    __slots__ = ("token", "error", "progress", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -144,13 +145,24 @@ class GenerateEvent(_message.Message):
     SCORES_FIELD_NUMBER: _ClassVar[int]
     token: int
     error: str
+    progress: PrefillProgress
     ttft_s: float
     retry: bool
     cached_tokens: int
     plan_epoch: int
     skew: bool
     scores: TokenScores
-    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
+    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ...) -> None: ...
+
+class PrefillProgress(_message.Message):
+    __slots__ = ("processed", "total", "cached")
+    PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    processed: int
+    total: int
+    cached: int
+    def __init__(self, processed: _Optional[int] = ..., total: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("node_id", "start", "end", "grpc_address", "rebuild", "why", "hop_address", "lost")
