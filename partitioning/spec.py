@@ -381,6 +381,13 @@ class Policy:
             into the old ring" orders tried before falling back to re-choosing.
         ring_order: pin the ring order (node ids); usable nodes not listed are
             left out with a reason. None lets the planner choose.
+        prefill_share: for ``balanced``, in [0, 1]: how much of the stages' time is
+            prefill (prompt tokens, which skip the head) rather than decode. A stage's
+            cost is ``(1 - share)`` x its share of a decoded token's time plus ``share``
+            x its share of a prompt token's (:meth:`.costs.CostModel.balance_time`).
+            0 balances decode alone (concurrent decoding's throughput), 1 prefill alone
+            (a long prompt's time to first token). Default 0 here; the daemon plans
+            with ``--prefill-share`` (0.5 by default).
 
     Raises:
         ValueError: an unknown name or a bad number (naming the field).
@@ -395,6 +402,7 @@ class Policy:
     max_candidate_orders: int = 16
     max_insertion_orders: int = 720
     ring_order: tuple[str, ...] | None = field(default=None)
+    prefill_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -409,6 +417,10 @@ class Policy:
             _number(self.fallback_bandwidth_bytes_per_s, "Policy.fallback_bandwidth_bytes_per_s", positive=True),
         )
         object.__setattr__(self, "fallback_latency_s", _number(self.fallback_latency_s, "Policy.fallback_latency_s"))
+        share = _number(self.prefill_share, "Policy.prefill_share")
+        if share > 1:
+            raise ValueError(f"Policy.prefill_share must be in [0, 1], got {self.prefill_share!r}")
+        object.__setattr__(self, "prefill_share", share)
         object.__setattr__(self, "token_bytes", _whole(self.token_bytes, "Policy.token_bytes"))
         for name in ("exact_ring_max_nodes", "max_candidate_orders", "max_insertion_orders"):
             object.__setattr__(self, name, _whole(getattr(self, name), f"Policy.{name}", positive=True))
