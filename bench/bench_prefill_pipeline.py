@@ -8,9 +8,12 @@ run prefills the whole prompt; 1 token out. Same run, same prompts. Also one req
 decode tokens/s (48 greedy tokens after a short prompt) on both, so a prefill change that
 costs decode shows here.
 
-Reported: TTFT seconds per setup and prompt length, and the ratio 2 stages / 1 process
-(issue #35's goal: at most 0.55 at 3k tokens); each stage's busy time from the daemons'
-own per-chunk timings is not available through the API, so the ratio is the figure.
+Two stages are measured on the splits the planner gives two equal nodes with
+``--prefill-share`` 0 (decode balanced alone: ringlet before issue #35), 0.5 (the
+default) and 1 (prefill alone), as static plans so that the probe's noise cannot move
+them. Reported: TTFT seconds per setup and prompt length and the ratio 2 stages / 1
+process (issue #35's goal: at most 0.55 at 3k tokens). ``BENCH_LENGTHS=1000,3000``
+and ``BENCH_RUNS`` change what is measured.
 
 Run: ``python bench/run.py bench_prefill_pipeline`` or ``python bench/bench_prefill_pipeline.py``
 (needs 2 cores; nothing else should run meanwhile).
@@ -41,9 +44,14 @@ class PinnedCluster(LocalCluster):
         return ["taskset", "-c", str(i % (os.cpu_count() or 1))] + super()._command(i) + ["--threads", "1"]
 
 
+_WORDS = ("the river stone light house garden window morning paper table green music quiet road "
+          "winter summer bread water city field letter night market story friend train door "
+          "mountain cloud apple voice forest ocean bridge tower candle pocket silver engine").split()
+
+
 def _prompt(tokens: int, salt: int) -> str:
-    # " w<i>" is about 2.9 SmolLM2 tokens a word; a salt makes every prompt new
-    return f"Run {salt}." + "".join(f" w{(i * 7919 + salt) % 100003}" for i in range(int(tokens / 2.9)))
+    """About ``tokens`` SmolLM2 tokens of common words (one token each), new for each ``salt``."""
+    return f"Run {salt}:" + "".join(f" {_WORDS[(i * 7919 + salt) % len(_WORDS)]}" for i in range(tokens - 4))
 
 
 def _ttft(url: str, text: str) -> tuple[float, int]:
@@ -54,12 +62,14 @@ def _ttft(url: str, text: str) -> tuple[float, int]:
 
 
 def _decode_tps(url: str) -> float:
-    body = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": DECODE_TOKENS,
-            "temperature": 0, "stream": True}
+    """One request's decode tokens/s: streamed chunks after the first, over their time."""
+    body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper."}],
+            "max_tokens": DECODE_TOKENS, "temperature": 0, "stream": True}
     times = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+            if line.startswith("data: {") and (json.loads(line[6:]).get("choices") or [{}])[0].get(
+                    "delta", {}).get("content"):
                 times.append(time.perf_counter())
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
 
@@ -79,16 +89,27 @@ def measure(stages: int, ranges: list[tuple[int, int]] | None = None, lengths=LE
     return out
 
 
+#: the 2-stage splits of SmolLM2's 30 layers the planner gives 2 equal nodes with
+#: --prefill-share 0 (decode alone, ringlet before issue #35), 0.5 (the default) and 1
+SPLITS = {"share 0": [(0, 18), (18, 30)], "share 0.5": [(0, 16), (16, 30)], "share 1": [(0, 15), (15, 30)]}
+
+
 def main() -> dict:
-    one, two = measure(1), measure(2)
-    print(f"pinned cores, --threads 1, float32, prefix cache off, medians of {RUNS}")
-    print(f"{'prompt':>8}{'1 process s':>13}{'2 stages s':>12}{'ratio':>7}")
-    ratios = {}
-    for n in LENGTHS:
-        ratios[n] = two["ttft_s"][n] / one["ttft_s"][n]
-        print(f"{one['prompt_tokens'][n]:>8}{one['ttft_s'][n]:>13.2f}{two['ttft_s'][n]:>12.2f}{ratios[n]:>7.2f}")
-    print(f"decode tokens/s: 1 process {one['decode_tokens_per_s']:.2f}, 2 stages {two['decode_tokens_per_s']:.2f}")
-    out = {"bench": "prefill_pipeline", "runs": RUNS, "one": one, "two": two, "ratio_two_to_one": ratios}
+    lengths = tuple(int(n) for n in os.environ.get("BENCH_LENGTHS", ",".join(map(str, LENGTHS))).split(","))
+    one = measure(1, lengths=lengths)
+    twos = {name: measure(2, ranges, lengths) for name, ranges in SPLITS.items()}
+    print(f"pinned cores, --threads 1, float32, prefix cache off, medians of {RUNS}; TTFT s (ratio to 1 process)")
+    print(f"{'prompt':>8}{'1 process':>11}" + "".join(f"{name:>18}" for name in twos))
+    ratios: dict = {name: {} for name in twos}
+    for n in lengths:
+        row = f"{one['prompt_tokens'][n]:>8}{one['ttft_s'][n]:>11.2f}"
+        for name, two in twos.items():
+            ratios[name][n] = two["ttft_s"][n] / one["ttft_s"][n]
+            row += f"{two['ttft_s'][n]:>11.2f} ({ratios[name][n]:.2f})"
+        print(row)
+    print(f"decode tokens/s, one request: 1 process {one['decode_tokens_per_s']:.2f}; "
+          + "; ".join(f"{name} {two['decode_tokens_per_s']:.2f}" for name, two in twos.items()))
+    out = {"bench": "prefill_pipeline", "runs": RUNS, "one": one, "two": twos, "ratio_two_to_one": ratios}
     Path(__file__).with_name("results_prefill_pipeline.json").write_text(json.dumps(out, indent=1))
     return out
 
