@@ -74,11 +74,14 @@ def _decode_tps(url: str) -> float:
     return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
 
 
-def measure(stages: int, ranges: list[tuple[int, int]] | None = None, lengths=LENGTHS) -> dict:
+def measure(stages: int, ranges: list[tuple[int, int]] | None = None, lengths=LENGTHS,
+            chunk: int | None = None) -> dict:
     """TTFT per prompt length (median of RUNS) and decode tokens/s on ``stages`` pinned
-    daemons (layer ``ranges``, default an even split)."""
-    out: dict = {"stages": stages, "ranges": ranges, "ttft_s": {}, "prompt_tokens": {}}
-    with PinnedCluster(stages, dtype="float32", extra_args=["--prefix-cache-bytes", "0"], ranges=ranges) as c:
+    daemons (layer ``ranges``, default an even split; ``chunk`` prompt tokens a prefill
+    chunk, default the daemon's)."""
+    out: dict = {"stages": stages, "ranges": ranges, "chunk": chunk, "ttft_s": {}, "prompt_tokens": {}}
+    args = ["--prefix-cache-bytes", "0"] + (["--prefill-chunk", str(chunk)] if chunk else [])
+    with PinnedCluster(stages, dtype="float32", extra_args=args, ranges=ranges) as c:
         url = c.api_urls[-1]  # the last stage's API: the request goes through the whole ring
         _ttft(url, "Hi")  # the tokenizer, the first forward
         for n in lengths:
@@ -92,12 +95,16 @@ def measure(stages: int, ranges: list[tuple[int, int]] | None = None, lengths=LE
 #: the 2-stage splits of SmolLM2's 30 layers the planner gives 2 equal nodes with
 #: --prefill-share 0 (decode alone, ringlet before issue #35), 0.5 (the default) and 1
 SPLITS = {"share 0": [(0, 18), (18, 30)], "share 0.5": [(0, 16), (16, 30)], "share 1": [(0, 15), (15, 30)]}
+#: a 2-stage ring's prefill takes about one stage's work plus one chunk's (the pipeline's
+#: fill or drain), so smaller chunks than the CPU's 256 may pay: measured on the default split
+SMALL_CHUNK = 128
 
 
 def main() -> dict:
     lengths = tuple(int(n) for n in os.environ.get("BENCH_LENGTHS", ",".join(map(str, LENGTHS))).split(","))
     one = measure(1, lengths=lengths)
     twos = {name: measure(2, ranges, lengths) for name, ranges in SPLITS.items()}
+    twos[f"0.5, chunk {SMALL_CHUNK}"] = measure(2, SPLITS["share 0.5"], lengths, SMALL_CHUNK)
     print(f"pinned cores, --threads 1, float32, prefix cache off, medians of {RUNS}; TTFT s (ratio to 1 process)")
     print(f"{'prompt':>8}{'1 process':>11}" + "".join(f"{name:>18}" for name in twos))
     ratios: dict = {name: {} for name in twos}
