@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
 
 from ringlet.daemon.engine import cache_kinds, kv_handoff
@@ -40,21 +40,6 @@ def model(request, tmp_path_factory):
     path = make_tiny_model(name, tmp_path_factory.mktemp(name), config=MODELS[name])
     location = resolve(str(path))
     return name, path, [load_stage(location, s, e) for s, e in SPLIT]
-
-
-def whole_greedy(path, prompt: list[int], n: int) -> list[int]:
-    """mlx-lm's whole model: the prompt in one forward, then ``n - 1`` greedy steps."""
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    m, _ = load_model(path)
-    cache = make_prompt_cache(m)
-    logits = m(mx.array([prompt]), cache=cache)
-    out = []
-    for _ in range(n):
-        out.append(mx.argmax(logits[0, -1]).item())
-        logits = m(mx.array([[out[-1]]]), cache=cache)
-    return out
 
 
 def ring_turn(stages, stores, prompt: list[int], n: int) -> tuple[list[int], int]:
@@ -94,7 +79,7 @@ def test_a_chat_reuses_each_turns_end_state_and_equals_the_whole_model(model):
     for turn, user in enumerate(TURNS):
         prompt = prompt + user
         got, reuse = ring_turn(stages, stores, prompt, NEW)
-        assert got == whole_greedy(path, prompt, NEW), f"{name}: turn {turn}"
+        assert got == whole_model_greedy(path, prompt, NEW), f"{name}: turn {turn}"
         # the previous turn's end: its prompt and answer but the answer's last token
         assert reuse == (0 if turn == 0 else previous - 1), (turn, reuse)
         previous = len(prompt) + NEW
