@@ -179,3 +179,17 @@ def whole_model_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
         out.append(mx.argmax(logits[0, -1]).item())
         logits = model(mx.array([[out[-1]]]), cache=cache)
     return out
+
+
+def make_chat_model(arch: str, directory: Path, config: dict) -> Path:
+    """:func:`make_tiny_model` for end-to-end chats over token ids: ``config``'s
+    vocabulary should be the character tokenizer's 98 ids (a generated id is then a valid
+    prompt id of the next turn), and the head's rows of the special tokens (``<unk>``,
+    ``<s>``, ``</s>``) are zeroed: their logit is exactly 0, below the largest of the 95
+    random others, so no greedy stream stops early at ``</s>``."""
+    path = make_tiny_model(arch, directory, config=config)
+    weights = mx.load(str(path / "model.safetensors"))
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[head] = mx.concatenate([mx.zeros_like(weights[head][:3]), weights[head][3:]])
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path

@@ -88,8 +88,9 @@ def nbytes(cache: list) -> int:
 
 
 def kinds(cache: list) -> list[str]:
-    """The class name of each layer's cache (``CacheList`` members joined by ``+``)."""
-    return ["+".join(type(m).__name__ for m in c.caches) if isinstance(c, mlx_cache.CacheList)
+    """The class name of each layer's cache (a ``CacheList`` with its members:
+    ``CacheList(ArraysCache+KVCache)``)."""
+    return [f"CacheList({'+'.join(type(m).__name__ for m in c.caches)})" if isinstance(c, mlx_cache.CacheList)
             else type(c).__name__ for c in cache]
 
 

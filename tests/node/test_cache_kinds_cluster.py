@@ -15,11 +15,10 @@ rebuilt: the stream resumes by prefilling again, counted as a full re-prefill.
 from __future__ import annotations
 
 import httpx
-import mlx.core as mx
 import pytest
 from conftest import index_of
 from streaming import Stream, completion_body, read_events
-from tiny_models import make_tiny_model, whole_model_greedy
+from tiny_models import make_chat_model, whole_model_greedy
 from zoo_models import ZOO
 
 from ringlet.daemon.ops.demo import LocalCluster
@@ -67,18 +66,6 @@ class CutStream(Stream):
             self.error = repr(exc)
 
 
-def build(name: str, directory) -> str:
-    """The tiny model, its head's rows of the special tokens (``<unk>``, ``<s>``, ``</s>``)
-    zeroed: their logit is exactly 0, below the largest of 95 random ones, so no stream
-    stops early at ``</s>`` (the same weights serve the reference)."""
-    path = make_tiny_model(name, directory, config=MODELS[name])
-    weights = mx.load(str(path / "model.safetensors"))
-    weights["lm_head.weight"] = mx.concatenate([mx.zeros_like(weights["lm_head.weight"][:3]),
-                                                weights["lm_head.weight"][3:]])
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    return str(path)
-
-
 def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
     r = httpx.post(f"{url}/v1/completions", timeout=120, json={
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
@@ -89,7 +76,7 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], i
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_chat_hits_then_a_join_and_a_kill_mid_stream_equal_the_whole_model(name, tmp_path):
-    path = build(name, tmp_path / name)
+    path = str(make_chat_model(name, tmp_path / name, MODELS[name]))
     with LocalCluster(3, model=path, dynamic=True) as c:
         plan = c.wait_plan(stages=3)
         head = index_of(c, plan["plan"][0]["node_id"])
