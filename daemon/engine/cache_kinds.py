@@ -127,10 +127,30 @@ def freeze(cache: list) -> list[Frozen]:
     return out
 
 
-def thaw(layers: list[Frozen]) -> list:
+def thaw(layers: list) -> list:
     """Fresh mlx-lm caches holding the states ``layers`` keep (new array objects, so a
-    request updating them never reaches the kept copies)."""
-    return [getattr(mlx_cache, f.kind).from_state(_copy(f.state)) for f in layers]
+    request updating them never reaches the kept copies): a :class:`Frozen` state as its
+    own kind, a ``(keys, values)`` pair (a plain layer joined to them) as a ``KVCache``
+    of all its tokens."""
+    out = []
+    for f in layers:
+        if isinstance(f, Frozen):
+            out.append(getattr(mlx_cache, f.kind).from_state(_copy(f.state)))
+        else:
+            keys, values = f
+            out.append(mlx_cache.KVCache.from_state((mx.array(keys), mx.array(values), keys.shape[2])))
+    return out
+
+
+def layers_nbytes(layers: list) -> int:
+    """Bytes of stored layers: ``(keys, values)`` pairs or :class:`Frozen` states."""
+    return sum(x.nbytes if isinstance(x, Frozen) else x[0].nbytes + x[1].nbytes for x in layers)
+
+
+def frozen(layers: list) -> bool:
+    """Whether stored layers hold any whole state (:class:`Frozen`): reusable only at
+    exactly their length."""
+    return any(isinstance(x, Frozen) for x in layers)
 
 
 def _copy(state: Any) -> Any:

@@ -9,11 +9,12 @@ has into sequences over the new range and puts them in the prefix store. A reque
 resumed on the new plan finds its tokens there on every stage and prefills only the
 one token its next decode step would have computed anyway.
 
-Only plain ``KVCache`` layers move (:mod:`.cache_kinds`): a request in flight whose
-stage caches another kind (a sliding window, a recurrent state) is not parked and
-resumes by prefilling again (counted in the node's ``kv_migration`` figures, as a
-resume without cached tokens), and the store's exact entries stay behind, counted in
-:data:`DECLINED` (and logged).
+Caches of other kinds than plain ``KVCache`` (:mod:`.cache_kinds`: sliding windows,
+recurrent states) are parked whole, exact at their length: they serve this node's layers
+it keeps (and join a rebuild of lost layers, :mod:`.rebuild`), but never move to another
+node (``FetchKV`` leaves them out, counted in :data:`DECLINED` and logged): a request
+whose new stage lacks them prefills again, counted in the node's ``kv_migration``
+figures as a resume without cached tokens.
 
 Entries of requests in flight are pinned: the store's byte budget never evicts them,
 and they are unpinned when the resumed request takes them (or at the next re-plan).
@@ -25,14 +26,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore
 from ringlet.daemon.engine.kv_pieces import Piece, assemble
 from ringlet.daemon.engine.prefix_store import PrefixStore, snapshot, storable
 
 log = logging.getLogger(__name__)
 
-#: sequences a park left behind because their caches are not plain KV (since start):
-#: ``{"inflight": requests in flight, "entries": prefix-store entries}``
+#: pieces of whole states (not plain KV) that stayed on their node instead of moving to
+#: another (since start): ``{"inflight": requests in flight, "entries": prefix-store entries}``
 DECLINED = {"inflight": 0, "entries": 0}
 
 
@@ -67,29 +69,31 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
     if not hasattr(stage, "start") or getattr(stage, "prefix_store", None) is not None:
         return []
     pieces = []
-    declined = {"inflight": 0, "entries": 0}
     for state in requests.values():
         tokens = state.tokens
-        if tokens is not None and len(tokens) == state.offset > 0 and storable(state.cache):
-            pieces.append(Piece(state.scope, list(tokens), stage.start, stage.end,
-                                snapshot(state.cache, state.offset), inflight=True))
-        elif state.cache and not storable(state.cache):
-            declined["inflight"] += 1
+        if tokens is not None and len(tokens) == state.offset > 0 and state.cache:
+            layers = snapshot(state.cache, state.offset) if storable(state.cache) else cache_kinds.freeze(state.cache)
+            pieces.append(Piece(state.scope, list(tokens), stage.start, stage.end, layers, inflight=True))
     for entry in store.entries():
-        if entry.exact:
-            declined["entries"] += 1
-        elif entry.start <= stage.start and entry.end >= stage.end:
+        if entry.start <= stage.start and entry.end >= stage.end:
             pieces.append(Piece(entry.scope, entry.tokens, entry.start, entry.end, entry.layers).within(
                 stage.start, stage.end))
-    if any(declined.values()):
-        for key, n in declined.items():
-            DECLINED[key] += n
-        log.info("layers [%d, %d): %d request(s) in flight and %d prefix entr(ies) cache other kinds than plain KV "
-                 "(windows, recurrent states): their KV does not move, they prefill again", stage.start, stage.end,
-                 declined["inflight"], declined["entries"])
     if clear:
         store.clear()
     return pieces
+
+
+def declined(pieces: list[Piece], start: int, end: int) -> list[Piece]:
+    """``pieces`` less the ones holding whole states (they have no wire form), counted in
+    :data:`DECLINED` and logged; layers ``[start, end)`` name them in the log."""
+    kept = [p for p in pieces if not p.exact]
+    left = [p for p in pieces if p.exact]
+    if left:
+        DECLINED["inflight"] += sum(p.inflight for p in left)
+        DECLINED["entries"] += sum(not p.inflight for p in left)
+        log.info("layers [%d, %d): %d sequence(s) hold windows or recurrent states, which do not move to another "
+                 "node: requests that need them there prefill again", start, end, len(left))
+    return kept
 
 
 def park_boundaries(requests: dict, boundaries: BoundaryStore, new_end: int | None) -> list[Boundary]:

@@ -99,9 +99,7 @@ def storable(cache: list) -> bool:
     return cache_kinds.plain(cache)
 
 
-def layers_nbytes(layers: list) -> int:
-    """Bytes of an entry's layers: ``(keys, values)`` pairs or frozen states."""
-    return sum(x.nbytes if isinstance(x, cache_kinds.Frozen) else x[0].nbytes + x[1].nbytes for x in layers)
+layers_nbytes = cache_kinds.layers_nbytes
 
 
 class PrefixStore(TokenIndex):
@@ -207,16 +205,17 @@ class PrefixStore(TokenIndex):
         self.stats.inserted += 1
         return True
 
-    def adopt(self, scope: str, tokens: list[int], start: int, end: int, layers: list[tuple[mx.array, mx.array]],
+    def adopt(self, scope: str, tokens: list[int], start: int, end: int, layers: list,
               pinned: bool = False) -> bool:
         """Keep KV that came with a re-plan: ``layers`` of ``[start, end)`` (this stage's
-        range) for ``tokens``. ``pinned``: a request in flight, kept whatever the budget
-        until it is taken. Returns whether it was kept."""
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        range) for ``tokens``, keys and values or whole states (an exact entry).
+        ``pinned``: a request in flight, kept whatever the budget until it is taken.
+        Returns whether it was kept."""
+        nbytes = layers_nbytes(layers)
         if (start, end) != (self.start, self.end) or not tokens or (not pinned and nbytes > self.budget_bytes):
             return False
         self._forget_prefixes_of(scope, tokens)
-        entry = Entry(scope, list(tokens), start, end, layers, nbytes, next(self._ids))
+        entry = Entry(scope, list(tokens), start, end, layers, nbytes, next(self._ids), cache_kinds.frozen(layers))
         self._add(entry)
         if pinned:
             self.pinned.add(entry.id)

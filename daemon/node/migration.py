@@ -210,7 +210,8 @@ class Migration:
             pieces = list(own) + rebuilt
             if after:  # the rest of what was recomputed by choice, from holders still here
                 fetched += await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b, held=[
-                    q for p in rebuilt if p.start <= a and p.end >= b and (q := p.within(a, b)) is not None])
+                    q for p in rebuilt if not p.exact and p.start <= a and p.end >= b
+                    and (q := p.within(a, b)) is not None])
                     for s, a, b in after), return_exceptions=True)
                 sources = sources + after
             for (spec, a, b), result in zip(sources, fetched, strict=True):
@@ -306,6 +307,7 @@ class Migration:
                                        f"{self.epoch})")
                 return
         pieces = [p for p in pieces if (p.start, p.end) == (request.start, request.end)]
+        pieces = kv_handoff.declined(pieces, request.start, request.end)  # whole states stay here
         held = [held_prefix(p, list(request.have)) for p in pieces] if request.have else None
         chunks = await self.engine.run(lambda: list(to_chunks(pieces, self.config.transport.max_message_bytes // 4,
                                                               held)))

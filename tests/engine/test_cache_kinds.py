@@ -18,8 +18,11 @@ from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
 
 from ringlet.daemon.engine import cache_kinds, kv_handoff
+from ringlet.daemon.engine.boundary import Boundary
 from ringlet.daemon.engine.decode_groups import DecodeGroups
+from ringlet.daemon.engine.kv_pieces import Piece, assemble
 from ringlet.daemon.engine.prefix_store import PrefixStore
+from ringlet.daemon.engine.rebuild import rebuild
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.engine.stage import load_stage, mergeable
 
@@ -110,14 +113,21 @@ def test_an_exact_state_is_never_served_cut_or_extended(model):
     assert stores[0].stats.misses == 1
 
 
-def test_a_replan_leaves_exact_entries_behind_counted(model):
+def test_a_replan_keeps_exact_entries_on_their_node_and_never_sends_them(model):
     _, _, stages = model
     store = PrefixStore(1 << 26, stages[1].start, stages[1].end)
-    ring_turn(stages, [PrefixStore(1 << 26, s.start, s.end) for s in (stages[0],)] + [store] +
-              [PrefixStore(1 << 26, stages[2].start, stages[2].end)], TURNS[0], NEW)
+    ring_turn(stages, [PrefixStore(1 << 26, stages[0].start, stages[0].end), store,
+                       PrefixStore(1 << 26, stages[2].start, stages[2].end)], TURNS[0], NEW)
+    saved = len(TURNS[0]) + NEW - 1
+    (piece,) = kv_handoff.park(stages[1], {}, store)
+    assert piece.exact and len(piece.tokens) == saved and len(store) == 0
     before = dict(kv_handoff.DECLINED)
-    assert kv_handoff.park(stages[1], {}, store) == []
-    assert kv_handoff.DECLINED["entries"] == before["entries"] + 1 and len(store) == 0
+    assert kv_handoff.declined([piece], piece.start, piece.end) == []  # FetchKV leaves it out, counted
+    assert kv_handoff.DECLINED["entries"] == before["entries"] + 1
+    # the node keeps the layers: back in its store, served at exactly its length
+    again = PrefixStore(1 << 26, piece.start, piece.end)
+    assert kv_handoff.install(again, [piece], piece.start, piece.end).sequences == 1
+    assert again.longest("", piece.tokens + [1]) == saved and again.longest("", piece.tokens[:-1]) == 0
 
 
 def test_trimmable_follows_mlx_lm():
@@ -160,3 +170,62 @@ def test_windows_and_recurrent_states_decode_as_one_batch_equal_each_alone(model
             alone = stage(mx.array([[tokens[i]]]), own[i])
             assert mx.allclose(alone[0, 0], want[i][0, 0], rtol=1e-4, atol=1e-4).item(), (name, step, i)
     assert groups.unmerged == 0
+
+
+@pytest.mark.parametrize("chunk", [64, 4])
+def test_a_lost_middle_stage_is_rebuilt_from_boundary_states_and_decodes_as_the_whole_model(model, chunk):
+    """Stages [0, 2) [2, 5) [5, 6) prefill a prompt; [2, 5) is lost, the new plan is [0, 3)
+    [3, 6). The first new stage rebuilds layer 2 from the states stage 0 sent on, the second
+    layers 3-4 from what that sends on; joined with the whole states the survivors parked
+    (kv_handoff.park) into each stage's prefix store (kv_handoff.install), they decode the
+    tokens mlx-lm's whole model decodes after the prompt."""
+    name, path, old = model
+    prompt = TURNS[0] + TURNS[1]
+    caches = [s.make_cache() for s in old]
+    h = mx.array([prompt])
+    sent = []
+    for s, c in zip(old, caches, strict=True):
+        h = s(h, c)
+        mx.eval(h)
+        sent.append(h)
+    state = type("State", (), {"tokens": prompt, "offset": len(prompt), "scope": "", "cache": None})
+    parked = []
+    for s, c in ((old[0], caches[0]), (old[2], caches[2])):
+        state.cache = c
+        parked += kv_handoff.park(s, {"r": state}, PrefixStore(0, s.start, s.end))
+    assert [p.exact for p in parked] == [True, cache_kinds.exact_only(caches[2])]
+
+    location = resolve(str(path))
+    first, second = load_stage(location, 0, 3), load_stage(location, 3, 6)
+    rebuilt_2, out_3 = rebuild(first, 2, 3, [Boundary("", prompt, 2, sent[0], inflight=True)], chunk)
+    rebuilt_3, _ = rebuild(second, 3, 5, out_3, chunk)
+    assert len(rebuilt_2) == len(rebuilt_3) == 1
+    stores = [PrefixStore(1 << 26, 0, 3), PrefixStore(1 << 26, 3, 6)]
+    for store, pieces in zip(stores, ([parked[0], *rebuilt_2], [*rebuilt_3, parked[1]]), strict=True):
+        done = kv_handoff.install(store, pieces, store.start, store.end)
+        assert (done.inflight, done.left_out) == (1, 0), name
+    new_caches = [store.take("", prompt) for store in stores]
+    x = mx.array([[whole_model_greedy(path, prompt, 1)[0]]])
+    got = [x.item()]
+    for _ in range(4):
+        for stage, cache in zip((first, second), new_caches, strict=True):
+            x = stage(x, cache)
+        got.append(mx.argmax(x[0, -1]).item())
+        x = mx.array([[got[-1]]])
+    assert got == whole_model_greedy(path, prompt, 5), (name, chunk)
+
+
+def test_whole_states_join_only_at_their_own_length(model):
+    _, _, stages = model
+    prompt = TURNS[0]
+    cache = stages[0].make_cache()
+    mx.eval(stages[0](mx.array([prompt]), cache))
+    whole = Piece("", prompt, 0, 2, cache_kinds.freeze(cache), inflight=True)
+    shorter = Piece("", prompt[:-2], 2, 3, [(mx.zeros((1, 2, 8, 16)), mx.zeros((1, 2, 8, 16)))])
+    longer = Piece("", prompt + [4, 4], 2, 3, [(mx.zeros((1, 2, 12, 16)), mx.zeros((1, 2, 12, 16)))])
+    assert assemble([whole, shorter], 0, 3) == []  # it cannot be cut to 8 tokens
+    (joined,) = assemble([whole, longer], 0, 3)  # the plain one is cut to its 10
+    assert joined.tokens == prompt and joined.exact
+    before = dict(kv_handoff.DECLINED)
+    assert kv_handoff.declined([whole, longer], 0, 3) == [longer]  # only plain KV goes on the wire
+    assert kv_handoff.DECLINED["inflight"] == before["inflight"] + 1

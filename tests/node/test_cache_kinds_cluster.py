@@ -8,8 +8,9 @@ stage is killed with kill -9.
 Expected token ids: mlx-lm's whole model alone (``tiny_models.whole_model_greedy``), the
 prompt in one forward. Expected reuse: the issue's rule, a window's or a recurrent state
 is reusable only at the length it was saved, the previous turn's prompt and answer but
-its last token (which no stage computed). Such KV does not move with its layers or get
-rebuilt: the stream resumes by prefilling again, counted as a full re-prefill.
+its last token (which no stage computed). Such state never crosses the wire (a node
+keeps its own, and rebuilds lost layers from boundary states): after the join the stream
+resumes by prefilling again, counted as a full re-prefill.
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ def test_chat_hits_then_a_join_and_a_kill_mid_stream_equal_the_whole_model(name,
         after = c.wait_plan(stages=3, nodes=survivors)
         assert after["epoch"] > joined["epoch"]
         migration = [c.cluster_info(i)["kv_migration"] for i in survivors]
-        # a window's or a recurrent state neither moves nor is rebuilt: the stream prefilled
-        # again from scratch after the join and after the kill, counted
-        assert sum(m["full_reprefills"] for m in migration) >= 2, migration
-        assert sum(m["rebuilt_tokens"] for m in migration) == 0, migration
+        total = {k: sum(m[k] for m in migration) for k in ("resumed", "full_reprefills", "rebuilt_tokens")}
+        # resumed twice; the joined node's layers came over the wire, which windows and
+        # recurrent states never cross: that resume prefilled again from scratch, counted
+        assert total["resumed"] >= 2 and total["full_reprefills"] >= 1, migration
+        print(name, total)
         print(f"{name}: {len(stream.ids)} tokens, longest gap {stream.max_gap_s:.2f} s, "
               f"kill at token {killed_at - AFTER_KILL}")
