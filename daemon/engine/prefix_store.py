@@ -40,8 +40,8 @@ Design (issue "Conversations stay in the ring"):
   (:meth:`longest` says that many, or a shorter plain answer, never a cut). A release
   keeps the state at the turn's end (prompt and output), which the next turn of a chat
   starts with. Such entries stay in memory (the disk tier takes plain ones only: one
-  evicted is dropped, counted in ``exact_dropped``) and do not move with their layers
-  on a re-plan (:mod:`.kv_handoff` counts them).
+  evicted is dropped, counted in ``exact_dropped``); on a re-plan they stay on their
+  node, never crossing the wire (:mod:`.kv_handoff` counts them).
 
 A tensor group's stage has a store of its own (:mod:`ringlet.daemon.tensor.group_prefix`).
 All methods run on the engine's MLX worker thread.
