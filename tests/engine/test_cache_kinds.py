@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
@@ -229,3 +230,52 @@ def test_whole_states_join_only_at_their_own_length(model):
     before = dict(kv_handoff.DECLINED)
     assert kv_handoff.declined([whole, longer], 0, 3) == [longer]  # only plain KV goes on the wire
     assert kv_handoff.DECLINED["inflight"] == before["inflight"] + 1
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache", "ArraysCache", "ChunkedKVCache", "QuantizedKVCache",
+                                  "CacheList"])
+def test_every_kind_is_kept_whole_and_goes_on_as_the_original(kind):
+    """freeze/thaw (the prefix store's exact entries): a restored cache, fed the same next
+    tokens, returns what the original returns (mlx-lm's own update_and_fetch), and the
+    original going on never changes the kept copy."""
+    from mlx_lm.models.cache import CacheList, ChunkedKVCache, QuantizedKVCache
+
+    make = {"KVCache": KVCache, "RotatingKVCache": lambda: RotatingKVCache(max_size=6, keep=1),
+            "ChunkedKVCache": lambda: ChunkedKVCache(8), "QuantizedKVCache": lambda: QuantizedKVCache(32, 8),
+            "ArraysCache": lambda: ArraysCache(2), "CacheList": lambda: CacheList(ArraysCache(2), KVCache())}[kind]
+
+    def feed(cache, t: int):
+        """t tokens of keys and values (or states), as the layer kinds write them."""
+        kv = mx.random.normal((1, 2, t, 64))
+        for c in getattr(cache, "caches", None) or (cache,):
+            if isinstance(c, ArraysCache):
+                c[0], c[1] = kv[:, :, -1], (c[1] if c[1] is not None else 0) + kv.sum(axis=2)
+                out = (c[0], c[1])
+            else:
+                if isinstance(c, ChunkedKVCache):
+                    c.maybe_trim_front()
+                out = c.update_and_fetch(kv, kv)
+        return out
+
+    mx.random.seed(3)
+    original = make()
+    feed(original, 5)
+    for _ in range(4):  # decode steps: the window wraps, the chunk fills
+        feed(original, 1)
+    (kept,) = cache_kinds.freeze([original])
+    restored = cache_kinds.thaw([kept])[0]
+    outputs = []
+    for step, t in enumerate((1, 1, 3)):
+        mx.random.seed(10 + step)
+        a = feed(original, t)
+        mx.random.seed(10 + step)
+        b = feed(restored, t)
+        outputs.append([x + 0 for _, x in tree_flatten(a)])  # copies: a window's buffer is written in place
+        mx.eval(outputs[-1])
+        for (_, x), (_, y) in zip(tree_flatten(a), tree_flatten(b), strict=True):
+            assert mx.array_equal(x, y).item(), (kind, step)
+    again = cache_kinds.thaw([kept])[0]  # the copy kept is untouched by both going on
+    mx.random.seed(10)
+    for x, (_, y) in zip(outputs[0], tree_flatten(feed(again, 1)), strict=True):
+        assert mx.array_equal(x, y).item(), kind
+    assert kept.kind == kind and kept.nbytes > 0
