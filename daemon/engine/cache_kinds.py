@@ -67,7 +67,8 @@ def mergeable(caches: list[list]) -> bool:
     """Whether several requests' caches (one list per request, per layer) can join one
     batched forward through mlx-lm's own batch caches: every layer of the same kind in
     every request, a kind of :data:`MERGEABLE` (or a ``CacheList`` of them), and of the
-    same size parameter (window, state arrays). A ``QuantizedKVCache`` or a
+    same size parameter (window, state arrays), a window keeping no first tokens
+    (``keep=0``, as every mlx-lm model's). A ``QuantizedKVCache`` or a
     ``ChunkedKVCache`` has no batched form in mlx-lm: such requests run one at a time."""
     if not caches or not all(caches) or len({len(c) for c in caches}) != 1:
         return False
@@ -77,8 +78,8 @@ def mergeable(caches: list[list]) -> bool:
         if len({cache_signature(c) for c in layer}) != 1 or len({type(c) for c in layer}) != 1:
             return False
         members = layer[0].caches if isinstance(layer[0], mlx_cache.CacheList) else (layer[0],)
-        if not all(type(m).__name__ in MERGEABLE for m in members):
-            return False
+        if not all(type(m).__name__ in MERGEABLE and not getattr(m, "keep", 0) for m in members):
+            return False  # (BatchRotatingKVCache keeps no first tokens: extract gives keep=0)
     return True
 
 

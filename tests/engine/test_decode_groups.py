@@ -83,6 +83,8 @@ def test_caches_that_cannot_merge_are_left_whole(stage):
     # nor do requests whose windows differ
     windows = [[RotatingKVCache(max_size=m) for _ in range(NUM_LAYERS)] for m in (8, 16)]
     assert not mergeable(windows) and mergeable([windows[0], windows[0]])
+    keeping = [RotatingKVCache(max_size=8, keep=4) for _ in range(NUM_LAYERS)]  # no batched form keeps them
+    assert not mergeable([keeping, keeping])
 
 
 def _engine_run(location, body, **kwargs):
