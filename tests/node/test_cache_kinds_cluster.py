@@ -112,9 +112,11 @@ def test_chat_hits_then_a_join_and_a_kill_mid_stream_equal_the_whole_model(name,
         after = c.wait_plan(stages=3, nodes=survivors)
         assert after["epoch"] > joined["epoch"]
         migration = [c.cluster_info(i)["kv_migration"] for i in survivors]
-        total = {k: sum(m[k] for m in migration) for k in ("resumed", "full_reprefills", "rebuilt_tokens")}
+        total = {k: sum(m[k] for m in migration) for k in ("resumed", "full_reprefills", "rebuilt_tokens",
+                                                              "states_not_sent")}
         # resumed twice; the joined node's layers came over the wire, which windows and
-        # recurrent states never cross: that resume prefilled again from scratch, counted
+        # recurrent states never cross (``states_not_sent``, counted by the node that kept
+        # them, maybe the one killed since): that resume prefilled again from scratch, counted
         assert total["resumed"] >= 2 and total["full_reprefills"] >= 1, migration
         print(name, total)
         print(f"{name}: {len(stream.ids)} tokens, longest gap {stream.max_gap_s:.2f} s, "
