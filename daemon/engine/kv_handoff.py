@@ -12,9 +12,9 @@ one token its next decode step would have computed anyway.
 Caches of other kinds than plain ``KVCache`` (:mod:`.cache_kinds`: sliding windows,
 recurrent states) are parked whole, exact at their length: they serve this node's layers
 it keeps (and join a rebuild of lost layers, :mod:`.rebuild`), but never move to another
-node (``FetchKV`` leaves them out, counted in :data:`DECLINED` and logged): a request
-whose new stage lacks them prefills again, counted in the node's ``kv_migration``
-figures as a resume without cached tokens.
+node (``FetchKV`` leaves them out, :func:`declined`; logged, and counted in the node's
+``kv_migration`` figures as ``states_not_sent``): a request whose new stage lacks them
+prefills again, counted there as a resume without cached tokens.
 
 Entries of requests in flight are pinned: the store's byte budget never evicts them,
 and they are unpinned when the resumed request takes them (or at the next re-plan).
@@ -32,10 +32,6 @@ from ringlet.daemon.engine.kv_pieces import Piece, assemble
 from ringlet.daemon.engine.prefix_store import PrefixStore, snapshot, storable
 
 log = logging.getLogger(__name__)
-
-#: pieces of whole states (not plain KV) that stayed on their node instead of moving to
-#: another (since start): ``{"inflight": requests in flight, "entries": prefix-store entries}``
-DECLINED = {"inflight": 0, "entries": 0}
 
 
 @dataclass
@@ -84,13 +80,11 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
 
 
 def declined(pieces: list[Piece], start: int, end: int) -> list[Piece]:
-    """``pieces`` less the ones holding whole states (they have no wire form), counted in
-    :data:`DECLINED` and logged; layers ``[start, end)`` name them in the log."""
+    """``pieces`` less the ones holding whole states (they have no wire form), logged;
+    layers ``[start, end)`` name them in the log."""
     kept = [p for p in pieces if not p.exact]
     left = [p for p in pieces if p.exact]
     if left:
-        DECLINED["inflight"] += sum(p.inflight for p in left)
-        DECLINED["entries"] += sum(not p.inflight for p in left)
         log.info("layers [%d, %d): %d sequence(s) hold windows or recurrent states, which do not move to another "
                  "node: requests that need them there prefill again", start, end, len(left))
     return kept

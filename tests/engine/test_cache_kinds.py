@@ -122,9 +122,7 @@ def test_a_replan_keeps_exact_entries_on_their_node_and_never_sends_them(model):
     saved = len(TURNS[0]) + NEW - 1
     (piece,) = kv_handoff.park(stages[1], {}, store)
     assert piece.exact and len(piece.tokens) == saved and len(store) == 0
-    before = dict(kv_handoff.DECLINED)
-    assert kv_handoff.declined([piece], piece.start, piece.end) == []  # FetchKV leaves it out, counted
-    assert kv_handoff.DECLINED["entries"] == before["entries"] + 1
+    assert kv_handoff.declined([piece], piece.start, piece.end) == []  # FetchKV leaves it out
     # the node keeps the layers: back in its store, served at exactly its length
     again = PrefixStore(1 << 26, piece.start, piece.end)
     assert kv_handoff.install(again, [piece], piece.start, piece.end).sequences == 1
@@ -227,9 +225,7 @@ def test_whole_states_join_only_at_their_own_length(model):
     assert assemble([whole, shorter], 0, 3) == []  # it cannot be cut to 8 tokens
     (joined,) = assemble([whole, longer], 0, 3)  # the plain one is cut to its 10
     assert joined.tokens == prompt and joined.exact
-    before = dict(kv_handoff.DECLINED)
     assert kv_handoff.declined([whole, longer], 0, 3) == [longer]  # only plain KV goes on the wire
-    assert kv_handoff.DECLINED["inflight"] == before["inflight"] + 1
 
 
 @pytest.mark.parametrize("kind", ["KVCache", "RotatingKVCache", "ArraysCache", "ChunkedKVCache", "QuantizedKVCache",
