@@ -7,7 +7,9 @@ A stage holding layers ``[s, e)`` of an ``L``-layer model on node ``n`` needs
                    + head_bytes        if e == L
 
     KV(s, e)     = sum over layers l in [s, e) of kv_bytes_per_token_per_layer[l] * kv_tokens(l)
-                   (kv_tokens = context_tokens, or the sliding window if smaller)
+                   + state_bytes_per_layer[l]
+                   (kv_tokens = context_tokens, or the sliding window if smaller; a
+                   recurrent layer's state is constant)
 
 and spends per decoded token (the roofline of a memory-bound decode step, with
 the memory and compute terms added as the issue specifies)
@@ -60,9 +62,7 @@ class CostModel:
         self.L = L = model.num_layers
         ctx = model.context_tokens if context_tokens is None else context_tokens
         self.context_tokens = ctx
-        kv = np.array(
-            [model.kv_bytes_per_token_per_layer[i] * model.kv_tokens(i, ctx) for i in range(L)], dtype=np.float64
-        )
+        kv = np.array([model.layer_cache_bytes(i, ctx) for i in range(L)], dtype=np.float64)
         w = np.array(model.layer_bytes, dtype=np.float64)
         r = np.array(model.layer_read_bytes, dtype=np.float64)
         f = np.array(model.flops_per_token_per_layer, dtype=np.float64)

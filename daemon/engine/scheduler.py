@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ringlet.daemon.engine import kv_handoff
+from ringlet.daemon.engine import cache_kinds, kv_handoff
 from ringlet.daemon.engine.batching import Work, choose_batch
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore, Recording
 from ringlet.daemon.engine.decode_groups import DecodeGroups
@@ -164,8 +164,7 @@ class StageEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV caches of the requests in flight on this stage (not the
         prefix store's entries)."""
-        own = sum(c.nbytes for state in list(self._requests.values()) for c in list(state.cache)
-                  if getattr(c, "keys", None) is not None)
+        own = sum(cache_kinds.nbytes(list(state.cache)) for state in list(self._requests.values()))
         return own + self._groups.nbytes()
 
     def batch_of(self, request_id: str) -> tuple[str, ...]:
@@ -480,6 +479,7 @@ class StageEngine:
             "mean_batch_recent": sum(recent) / len(recent) if recent else None,
             "histogram": {str(k): v for k, v in sorted(self.batch_histogram.items())},
             "queued": self.queued,
+            "unmerged": self._groups.unmerged,
         }
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.engine import gguf as gguf_source
 from ringlet.daemon.engine.embed_scale import neutralize
 from ringlet.daemon.engine.layer_pattern import LayerPattern
@@ -61,11 +62,10 @@ def token_id_error(ids: list[int], vocab_size: int | None) -> str | None:
 
 
 def mergeable(caches: list[list]) -> bool:
-    """Whether these requests' caches can join one batched forward: every layer a plain
-    ``KVCache`` (rotating, quantized or state-space caches run one request at a time)."""
-    from mlx_lm.models.cache import KVCache
-
-    return all(cache and all(type(c) is KVCache for c in cache) for cache in caches)
+    """Whether these requests' caches can join one batched forward
+    (:func:`.cache_kinds.mergeable`: mlx-lm's batch caches for full attention, sliding
+    windows and recurrent states; quantized or chunked caches run one request at a time)."""
+    return cache_kinds.mergeable(caches)
 
 
 class StageRange:
