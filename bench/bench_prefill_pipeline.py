@@ -88,6 +88,8 @@ def measure(stages: int, ranges: list[tuple[int, int]] | None = None, lengths=LE
             runs = [_ttft(url, _prompt(n, 1000 * n + r)) for r in range(RUNS)]
             out["ttft_s"][n] = statistics.median(t for t, _ in runs)
             out["prompt_tokens"][n] = runs[0][1]
+            print(f"  {stages} stage(s) {ranges or ''} chunk {chunk or 'default'}: {runs[0][1]} tokens, "
+                  f"TTFT {out['ttft_s'][n]:.2f} s", flush=True)
         out["decode_tokens_per_s"] = _decode_tps(url)
     return out
 
