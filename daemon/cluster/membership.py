@@ -14,6 +14,14 @@ the responder's record version, and a newer version is fetched, so every member
 converges on the same records (gossip: replies also list the responder's members,
 and unknown ones are handshaken).
 
+Members learn members from members: mDNS and ``--peers`` are how a node is first found,
+not the only way. A member another member lists (in its beats, or in a proposal's or a
+refusal's member list: :meth:`Membership.learn`) is dialled at the address listed and
+admitted by the same handshake (cluster id, protocol version, with a secret the same
+authenticated channel). A dial that fails drops that address's channel, so the next try
+connects afresh: gRPC's reconnect backoff on a cached channel (doubling up to 2 minutes
+while a peer was down) must not keep a restarted peer out after it answers again.
+
 A member may answer at several addresses; it is dialled at :attr:`Member.address`, which
 only :meth:`Membership.use_address` changes (the address in use stopped answering and
 another does, or a faster link was measured: :mod:`ringlet.daemon.cluster.router`), never
@@ -24,16 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import grpc
 
+from ringlet.daemon.cluster.member import Member, membership_digest
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_channel
@@ -43,38 +50,6 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 #: How long a removed member's address is re-dialled, seconds.
 LOST_MEMORY_S = 600.0
-
-
-@dataclass
-class Member:
-    """One peer admitted to the cluster.
-
-    Attributes:
-        node_id: its id.
-        address: its gRPC ``host:port``.
-        incarnation: changes every time its process starts.
-        record: its self-description (see :meth:`Membership.own_record`).
-        record_version: version of ``record`` (owned and bumped by the member).
-        state: ``alive`` or ``suspect``.
-        last_ok: ``time.monotonic()`` of the last successful exchange.
-    """
-
-    node_id: str
-    address: str
-    incarnation: str = ""
-    record: dict = field(default_factory=dict)
-    record_version: int = 0
-    state: str = "alive"
-    last_ok: float = field(default_factory=time.monotonic)
-    joined_at: float = field(default_factory=time.time)
-    committed_epoch: int = 0
-    plan_id: str = ""
-    failures: int = 0
-
-
-def membership_digest(node_ids) -> str:
-    """sha256 (hex, 16 chars) of the sorted member ids: the view a plan is made for."""
-    return hashlib.sha256("\n".join(sorted(node_ids)).encode()).hexdigest()[:16]
 
 
 class Membership:
@@ -201,6 +176,16 @@ class Membership:
     def stub(self, address: str) -> pb_grpc.RingStub:
         return pb_grpc.RingStub(self.channel(address))
 
+    def _drop_channel(self, address: str) -> None:
+        """Close and forget the cached channel to ``address`` unless a member is dialled
+        there: the next dial connects afresh instead of waiting out the channel's reconnect
+        backoff (which grows to minutes while a peer is down)."""
+        if any(m.address == address for m in self.members.values()):
+            return
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            self._spawn(ch.close())
+
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -249,6 +234,7 @@ class Membership:
                 timeout=max(2.0, 4 * self.heartbeat_s))
         except grpc.aio.AioRpcError as exc:
             self._refuse(address, f"no gRPC handshake ({exc.code().name}); retrying quietly")
+            self._drop_channel(address)
             return
         finally:
             self._pending.discard(address)
@@ -341,6 +327,7 @@ class Membership:
         if member is None:
             return
         self.lost[node_id] = (member.address, time.monotonic())
+        self._drop_channel(member.address)
         self.departed[node_id] = why
         while len(self.departed) > 256:
             self.departed.pop(next(iter(self.departed)))
@@ -359,14 +346,30 @@ class Membership:
 
     # --- heartbeats ----------------------------------------------------------------------
 
+    def member_digests(self) -> list[pb.MemberDigest]:
+        """This node's alive members as they travel in beats and refusals: id, the address
+        this node dials it at, its record version."""
+        return [pb.MemberDigest(node_id=m.node_id, grpc_address=m.address, record_version=m.record_version)
+                for m in self.members.values() if m.state == "alive"]
+
+    def learn(self, listed) -> int:
+        """Dial every node in ``listed`` (``(node id, address)`` pairs another member
+        listed: beats, proposals, refusals) that is not a member yet, in the background
+        (:meth:`consider`: the same handshake and checks as for an mDNS advert). Returns
+        how many were unknown."""
+        unknown = 0
+        for node_id, address in listed:
+            if node_id and address and node_id != self.node_id and node_id not in self.members:
+                unknown += 1
+                self.consider(address, node_id)
+        return unknown
+
     def make_beat(self) -> pb.Heartbeat:
         """This node's heartbeat message."""
         epoch, plan_id = self.epoch_fn()
         return pb.Heartbeat(
             sender_id=self.node_id, incarnation=self.incarnation, record_version=self.record_version,
-            members=[pb.MemberDigest(node_id=m.node_id, grpc_address=m.address, record_version=m.record_version)
-                     for m in self.members.values() if m.state == "alive"],
-            committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address)
+            members=self.member_digests(), committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address)
 
     def on_beat(self, beat: pb.Heartbeat) -> pb.Heartbeat:
         """Handle a peer's heartbeat; returns ours. A beat marked ``leaving`` removes
@@ -398,8 +401,7 @@ class Membership:
         for digest in beat.members:
             if digest.node_id == self.node_id and digest.grpc_address:
                 self.seen_as[member.node_id] = digest.grpc_address  # how it reaches us: a route that works
-            elif digest.node_id not in self.members and digest.grpc_address:
-                self.consider(digest.grpc_address, digest.node_id)
+        self.learn((d.node_id, d.grpc_address) for d in beat.members)
 
     def consider_refresh(self, member: Member) -> None:
         """Fetch a member's newer record (another handshake to the same address)."""
