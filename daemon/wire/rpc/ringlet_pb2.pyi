@@ -267,18 +267,20 @@ class Proposal(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ..., previous: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
 
 class Vote(_message.Message):
-    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens")
+    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens", "members")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NEWEST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     node_id: str
     newest_epoch: int
     kv_tokens: int
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberDigest]
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("epoch", "proposer_id", "plan_id")
