@@ -35,6 +35,8 @@ class Member:
     committed_epoch: int = 0
     plan_id: str = ""
     failures: int = 0
+    #: the digest of its view of the membership, from its last beat (:func:`membership_digest`)
+    digest: str = ""
 
 
 def membership_digest(node_ids) -> str:

@@ -139,6 +139,11 @@ class Membership:
         """Digest of :meth:`alive_ids` (see :func:`membership_digest`)."""
         return membership_digest(self.alive_ids())
 
+    def views_agree(self) -> bool:
+        """Every alive member's last beat reported this node's view (:meth:`digest`)."""
+        mine = self.digest()
+        return all(m.digest == mine for m in self.members.values() if m.state == "alive")
+
     def reachable_address(self) -> str:
         """The address this node's stage goes by in a plan: the one most of its alive
         members reach it at (each member's beats list the address it has for this node,
@@ -369,7 +374,8 @@ class Membership:
         epoch, plan_id = self.epoch_fn()
         return pb.Heartbeat(
             sender_id=self.node_id, incarnation=self.incarnation, record_version=self.record_version,
-            members=self.member_digests(), committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address)
+            members=self.member_digests(), committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address,
+            membership_digest=self.digest())
 
     def on_beat(self, beat: pb.Heartbeat) -> pb.Heartbeat:
         """Handle a peer's heartbeat; returns ours. A beat marked ``leaving`` removes
@@ -393,6 +399,7 @@ class Membership:
             member.state = "alive"
             self.on_event("alive", f"{member.node_id} is alive again")
         member.committed_epoch, member.plan_id = beat.committed_epoch, beat.plan_id
+        member.digest = beat.membership_digest
         if beat.incarnation and member.incarnation and beat.incarnation != member.incarnation:
             member.incarnation = beat.incarnation
             self.on_event("restart", f"{member.node_id} restarted")

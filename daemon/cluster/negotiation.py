@@ -29,8 +29,9 @@ Protocol (all over ringlet's gRPC)::
   when two partitions merged) would otherwise refuse every later one at its epoch.
 * A refusal for a membership difference reconciles the two views and backs off
   (:mod:`.refusals`): the refuser dials the proposal's members it lacks, the proposer
-  those the refusal lists, and the next round waits 1 s, doubling to 8 s, unless the
-  membership changes; refusals are logged once per cause with a count.
+  those the refusal lists, and the next round waits 1 s, doubling to 8 s, unless every
+  member's beats report the proposer's view first (or its membership changes);
+  refusals are logged once per cause with a count.
 * Churn is debounced: the proposer waits until the membership has been stable for
   ``settle_s`` and proposes only when the plan would differ from the committed one
   or the membership changed, or a stage's address moved (a route broke or a faster one
@@ -59,7 +60,7 @@ from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.model_agreement import ModelAgreement
 from ringlet.daemon.cluster.proposal import layout, proposal_addresses, readdress, routes_moved
 from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
-from ringlet.daemon.cluster.refusals import MEMBERSHIP_DIFFERS, RECONCILE_MIN_S, Backoff, CountedLog
+from ringlet.daemon.cluster.refusals import MEMBERSHIP_DIFFERS, Backoff, CountedLog, wait_to_propose
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
@@ -196,10 +197,8 @@ class Negotiator:
             except Exception:  # a round must never kill the loop
                 log.exception("negotiation round failed")
                 retry = True
-            if retry:  # a membership change (views reconciling) ends a long wait early
-                await asyncio.sleep(min(self._retry_s, RECONCILE_MIN_S))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), max(0.0, self._retry_s - RECONCILE_MIN_S))
+            if retry:  # views that came to agree, or a membership change, end a long wait early
+                await wait_to_propose(self._retry_s, self.settle_s, self._changed, self.membership.views_agree)
                 self._changed.set()
 
     def compute_plan(self, kv_tokens: int = 0) -> tuple[Plan | None, str | None]:

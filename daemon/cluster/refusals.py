@@ -9,21 +9,25 @@ be repeated twice a second (143 refusals a minute in issue 36's soak). Instead:
   its own members (``Vote.members``), which the proposer dials
   (:meth:`~ringlet.daemon.cluster.membership.Membership.learn`): the views converge
   through the same handshakes as an mDNS advert;
-* the proposer waits :class:`Backoff` before the next round (at least
-  :data:`RECONCILE_MIN_S`, doubling to :data:`RECONCILE_MAX_S`), and proposes sooner
-  only when its membership changes (never within :data:`RECONCILE_MIN_S`);
+* the proposer waits :class:`Backoff` before the next round (:data:`RECONCILE_MIN_S`,
+  doubling to :data:`RECONCILE_MAX_S`), and proposes sooner when every member's beats
+  report its own view (``Heartbeat.membership_digest``: the views agree now), or when
+  its own membership changed (not within :data:`RECONCILE_MIN_S`): :func:`wait_to_propose`;
 * each side logs a cause once, then how many more times it happened, at most every
   :data:`LOG_EVERY_S` seconds (:class:`CountedLog`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 
-__all__ = ["LOG_EVERY_S", "MEMBERSHIP_DIFFERS", "RECONCILE_MAX_S", "RECONCILE_MIN_S", "Backoff", "CountedLog"]
+__all__ = ["LOG_EVERY_S", "MEMBERSHIP_DIFFERS", "RECONCILE_MAX_S", "RECONCILE_MIN_S", "Backoff", "CountedLog",
+           "wait_to_propose"]
 
 #: The refusal reason for a proposal made from another view of the membership.
 MEMBERSHIP_DIFFERS = "membership differs from this node's view"
@@ -36,6 +40,21 @@ RECONCILE_MAX_S = 8.0
 LOG_EVERY_S = 30.0
 #: Causes remembered by a :class:`CountedLog` (the oldest is forgotten beyond).
 MAX_CAUSES = 256
+#: How often :func:`wait_to_propose` looks whether the views agree, seconds.
+POLL_S = 0.05
+
+
+async def wait_to_propose(wait_s: float, floor_s: float, changed: asyncio.Event,
+                          agreed: Callable[[], bool]) -> None:
+    """The wait after a refused round: ``floor_s`` seconds at least, then until ``wait_s``
+    seconds have passed, or ``agreed()`` (every member reports this node's view), or
+    ``changed`` is set (this node's membership changed) and :data:`RECONCILE_MIN_S` passed."""
+    t0 = time.monotonic()
+    await asyncio.sleep(min(wait_s, floor_s))
+    while (elapsed := time.monotonic() - t0) < wait_s:
+        if agreed() or (changed.is_set() and elapsed >= RECONCILE_MIN_S):
+            return
+        await asyncio.sleep(POLL_S)
 
 
 class Backoff:

@@ -227,7 +227,7 @@ class MemberDigest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., record_version: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving")
+    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving", "membership_digest")
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class Heartbeat(_message.Message):
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     sender_id: str
     incarnation: str
     record_version: int
@@ -244,7 +245,8 @@ class Heartbeat(_message.Message):
     plan_id: str
     grpc_address: str
     leaving: bool
-    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json", "previous")
