@@ -54,13 +54,13 @@ from typing import Protocol
 
 import grpc
 
+from ringlet.daemon.cluster import refusals
 from ringlet.daemon.cluster.cluster_view import cluster_view
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.model_agreement import ModelAgreement
 from ringlet.daemon.cluster.proposal import layout, proposal_addresses, readdress, routes_moved
 from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
-from ringlet.daemon.cluster.refusals import MEMBERSHIP_DIFFERS, Backoff, CountedLog, wait_to_propose
 from ringlet.daemon.cluster.topology import build_graph, planner_inputs
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
@@ -151,9 +151,9 @@ class Negotiator:
         self.last_result = ""
         self.bytes_loaded_last = 0
         self.agreement = ModelAgreement(model_name, node.event)  # members of another model: kept out
-        self._backoff = Backoff()  # rounds refused for a membership difference in a row
+        self._backoff = refusals.Backoff()  # rounds refused for a membership difference in a row
         self._retry_s = settle_s  # the wait before the next round after a refused one
-        self.said = CountedLog(log)  # refusals, given and received: once per cause, with a count
+        self.said = refusals.CountedLog(log)  # refusals, given and received: once per cause, with a count
 
     # --- wiring --------------------------------------------------------------------------
 
@@ -198,7 +198,7 @@ class Negotiator:
                 log.exception("negotiation round failed")
                 retry = True
             if retry:  # views that came to agree, or a membership change, end a long wait early
-                await wait_to_propose(self._retry_s, self.settle_s, self._changed, self.membership.views_agree)
+                await refusals.wait_to_propose(self._retry_s, self.settle_s, self._changed, self.membership.views_agree)
                 self._changed.set()
 
     def compute_plan(self, kv_tokens: int = 0) -> tuple[Plan | None, str | None]:
@@ -267,7 +267,7 @@ class Negotiator:
         votes = await asyncio.gather(self.on_propose(proposal), *(ask(m) for m in members))
         refused = [v for v in votes if not v.ok]
         self._retry_s = self.settle_s
-        if any(v.reason == MEMBERSHIP_DIFFERS for v in refused):
+        if any(refusals.views_differ(v.reason) for v in refused):
             self.membership.learn((d.node_id, d.grpc_address) for v in refused for d in v.members)
             self._retry_s = self._backoff.next()
         else:
@@ -326,6 +326,14 @@ class Negotiator:
         newest = max(self.node.epoch, self._prepared_key[0] if self._prepared_key is not None else 0)
         return pb.Vote(ok=False, reason=why, node_id=self.node.node_id, newest_epoch=newest)
 
+    def _reconcile(self, p: pb.Proposal, why: str) -> pb.Vote:
+        """Refuse ``p``, made from another view: dial the members it lists that this node
+        lacks, and list this node's members in the refusal (for the proposer to dial)."""
+        self.membership.learn((a.node_id, a.grpc_address) for a in p.addresses)
+        vote = self._refuse(why)
+        vote.members.extend(self.membership.member_digests())
+        return vote
+
     def _no_room(self, serving: ServingPlan) -> pb.Vote | None:
         """A refusal when this node's stage of ``serving`` cannot hold its weights with the
         KV in flight, which arrives with the layers (``None``: it can)."""
@@ -354,7 +362,7 @@ class Negotiator:
         """Check and prepare a proposal (see the module docstring for the rules)."""
         me = self.node.node_id
         if p.proposer_id != me and p.proposer_id not in self.membership.members:
-            return self._refuse(f"proposal from a non-member ({p.proposer_id[:32]!r})")
+            return self._reconcile(p, f"{refusals.NON_MEMBER} ({p.proposer_id[:32]!r})")
         if p.epoch <= self.node.epoch:
             return self._refuse(f"stale epoch {p.epoch}: epoch {self.node.epoch} is committed")
         key = (p.epoch, p.proposer_id)
@@ -362,11 +370,8 @@ class Negotiator:
             return self._refuse(f"superseded: proposal {self._prepared_key} is newer")
         if p.model != self.model_name:
             return self._refuse(f"plan for another model ({p.model[:64]!r}; this node serves {self.model_name!r})")
-        if p.membership_digest != self.membership.digest():  # reconcile: dial whom it lists, list ours
-            self.membership.learn((a.node_id, a.grpc_address) for a in p.addresses)
-            vote = self._refuse(MEMBERSHIP_DIFFERS)
-            vote.members.extend(self.membership.member_digests())
-            return vote
+        if p.membership_digest != self.membership.digest():
+            return self._reconcile(p, refusals.MEMBERSHIP_DIFFERS)
         try:
             body = json.loads(p.plan_json)
         except ValueError:

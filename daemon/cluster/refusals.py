@@ -1,7 +1,8 @@
 """Refused proposals without a storm: reconciling two views of the membership, backing off,
 and logging each cause once with a count.
 
-A proposal refused because the membership differs means two members see different
+A proposal refused because the membership differs (or because the refuser has not
+admitted the proposer yet: :func:`views_differ`) means two members see different
 clusters. Proposing again at once cannot succeed until the views agree, and it used to
 be repeated twice a second (143 refusals a minute in issue 36's soak). Instead:
 
@@ -26,11 +27,19 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-__all__ = ["LOG_EVERY_S", "MEMBERSHIP_DIFFERS", "RECONCILE_MAX_S", "RECONCILE_MIN_S", "Backoff", "CountedLog",
-           "wait_to_propose"]
+__all__ = ["LOG_EVERY_S", "MEMBERSHIP_DIFFERS", "NON_MEMBER", "RECONCILE_MAX_S", "RECONCILE_MIN_S", "Backoff",
+           "CountedLog", "views_differ", "wait_to_propose"]
 
 #: The refusal reason for a proposal made from another view of the membership.
 MEMBERSHIP_DIFFERS = "membership differs from this node's view"
+#: How the refusal of a proposal whose proposer this node has not admitted begins.
+NON_MEMBER = "proposal from a non-member"
+
+
+def views_differ(reason: str) -> bool:
+    """Whether a refusal's ``reason`` says the two nodes see different memberships (the
+    digest differs, or the refuser has not admitted the proposer yet): both reconcile."""
+    return reason == MEMBERSHIP_DIFFERS or reason.startswith(NON_MEMBER)
 #: The least wait before a proposal follows one refused for a membership difference, s.
 RECONCILE_MIN_S = 1.0
 #: The longest such wait, seconds (views that disagree this long have a member that one

@@ -21,7 +21,7 @@ from test_negotiation import LAYERS, RECORD, SPEC, Host, free_port
 
 from ringlet.daemon.cluster.membership import PROTOCOL_VERSION, Member, Membership
 from ringlet.daemon.cluster.negotiation import Negotiator
-from ringlet.daemon.cluster.refusals import MEMBERSHIP_DIFFERS
+from ringlet.daemon.cluster.refusals import MEMBERSHIP_DIFFERS, NON_MEMBER
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_server
@@ -133,6 +133,23 @@ def test_a_proposer_that_lacks_a_member_learns_it_from_the_refusal():
 
     took, refused = asyncio.run(scenario())
     print(f"\none plan over all three after {took:.2f} s, {refused} refusal(s) for a membership difference")
+    assert 1 <= refused <= 3, refused
+
+
+def test_a_member_that_has_not_admitted_the_proposer_dials_it_from_the_proposal():
+    """``a`` restarted and is the proposer; ``b`` has not admitted it again (``c`` has): ``b``
+    refuses the proposal of a non-member, dials ``a`` at the address the proposal lists,
+    and the next proposal is accepted."""
+    a, b, c = "a" * 16, "b" * 16, "c" * 16
+
+    async def scenario():
+        async with members({a: {a, b, c}, b: {b, c}, c: {a, b, c}}) as parts:
+            took = await converged(parts, timeout_s=8.0)
+            given = sum(n.said.totals[f"given: {NON_MEMBER} ('{a}')"] for _, _, n in parts.values())
+            return took, given
+
+    took, refused = asyncio.run(scenario())
+    print(f"\none plan over all three after {took:.2f} s, {refused} refusal(s) of a non-member's proposal")
     assert 1 <= refused <= 3, refused
 
 
