@@ -14,13 +14,10 @@ the responder's record version, and a newer version is fetched, so every member
 converges on the same records (gossip: replies also list the responder's members,
 and unknown ones are handshaken).
 
-Members learn members from members: mDNS and ``--peers`` are how a node is first found,
-not the only way. A member another member lists (in its beats, or in a proposal's or a
-refusal's member list: :meth:`Membership.learn`) is dialled at the address listed and
-admitted by the same handshake (cluster id, protocol version, with a secret the same
-authenticated channel). A dial that fails drops that address's channel, so the next try
-connects afresh: gRPC's reconnect backoff on a cached channel (doubling up to 2 minutes
-while a peer was down) must not keep a restarted peer out after it answers again.
+Members learn members from members (beats, proposals, refusals: :meth:`Membership.learn`),
+by the same handshake as an mDNS advert. A failed dial drops that address's channel, so
+the next connects afresh: a cached channel's reconnect backoff (doubling to 2 minutes
+while a peer was down) must not keep a restarted peer out once it answers again.
 
 A member may answer at several addresses; it is dialled at :attr:`Member.address`, which
 only :meth:`Membership.use_address` changes (the address in use stopped answering and
@@ -50,6 +47,8 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 #: How long a removed member's address is re-dialled, seconds.
 LOST_MEMORY_S = 600.0
+#: A channel dropped after a failed dial is closed this much later, seconds.
+RETIRED_CLOSE_S = 30.0
 
 
 class Membership:
@@ -88,6 +87,7 @@ class Membership:
         self._record: dict = {}
         self.record_version = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[tuple[float, grpc.aio.Channel]] = []  # dropped channels, closed later
         self._pending: set[str] = set()  # addresses being handshaken
         self._refused: dict[str, float] = {}  # address -> monotonic time of the last refusal
         self._task: asyncio.Task | None = None
@@ -171,10 +171,10 @@ class Membership:
         return m.record if m else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        """A cached channel to ``address``."""
+        """A cached channel to ``address`` (its own connection: see :meth:`_drop_channel`)."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = make_channel(self.transport, address)
+            ch = make_channel(self.transport, address, own_connection=True)
             self._channels[address] = ch
         return ch
 
@@ -182,14 +182,17 @@ class Membership:
         return pb_grpc.RingStub(self.channel(address))
 
     def _drop_channel(self, address: str) -> None:
-        """Close and forget the cached channel to ``address`` unless a member is dialled
-        there: the next dial connects afresh instead of waiting out the channel's reconnect
-        backoff (which grows to minutes while a peer is down)."""
+        """Forget the channel to ``address`` unless a member is dialled there: the next dial
+        connects afresh, not after the channel's reconnect backoff (minutes while a peer
+        is down). Closed :data:`RETIRED_CLOSE_S` later: calls in flight on it end as usual."""
         if any(m.address == address for m in self.members.values()):
             return
+        now = time.monotonic()
+        while self._retired and now - self._retired[0][0] > RETIRED_CLOSE_S:
+            self._spawn(self._retired.pop(0)[1].close())
         ch = self._channels.pop(address, None)
         if ch is not None:
-            self._spawn(ch.close())
+            self._retired.append((now, ch))
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -206,9 +209,10 @@ class Membership:
             if t is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-        for ch in self._channels.values():
+        for ch in [*self._channels.values(), *(ch for _, ch in self._retired)]:
             await ch.close()
         self._channels.clear()
+        self._retired.clear()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -358,10 +362,8 @@ class Membership:
                 for m in self.members.values() if m.state == "alive"]
 
     def learn(self, listed) -> int:
-        """Dial every node in ``listed`` (``(node id, address)`` pairs another member
-        listed: beats, proposals, refusals) that is not a member yet, in the background
-        (:meth:`consider`: the same handshake and checks as for an mDNS advert). Returns
-        how many were unknown."""
+        """:meth:`consider` each ``(node id, address)`` another member listed (beats,
+        proposals, refusals) that is not a member yet; returns how many were unknown."""
         unknown = 0
         for node_id, address in listed:
             if node_id and address and node_id != self.node_id and node_id not in self.members:
