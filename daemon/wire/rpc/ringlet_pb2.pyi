@@ -239,7 +239,7 @@ class MemberDigest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., record_version: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving")
+    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving", "membership_digest")
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class Heartbeat(_message.Message):
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     sender_id: str
     incarnation: str
     record_version: int
@@ -256,7 +257,8 @@ class Heartbeat(_message.Message):
     plan_id: str
     grpc_address: str
     leaving: bool
-    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json", "previous")
@@ -279,18 +281,20 @@ class Proposal(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ..., previous: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
 
 class Vote(_message.Message):
-    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens")
+    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens", "members")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NEWEST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     node_id: str
     newest_epoch: int
     kv_tokens: int
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberDigest]
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("epoch", "proposer_id", "plan_id")
