@@ -40,13 +40,34 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+
 #: (attribute (dotted: of a sub-module), field of it or None, neutral value or a function of the attribute's value).
 Rule = tuple[str, str | None, Any]
 
+class NoPositions(nn.Module):
+    """Stands in for learned position embeddings on a stage that is not first: gives
+    ``-0.0``, which added to any float is that float, bit for bit (``+0.0`` and ``-0.0``
+    included), in its own dtype (a Python float is weakly typed in MLX)."""
+
+    def __call__(self, positions: mx.array) -> float:
+        return -0.0
+
+
 #: model_type -> rule on the inner model, for a stage that is not first.
 EMBED_SCALE: dict[str, Rule] = {
+    # gpt2.py GPT2Model.__call__ / gpt_bigcode.py GPTBigCodeModel.__call__: ``hidden_states += self.wpe(position_ids)``
+    # right after the token embedding: the first stage adds the learned positions, no other.
+    "gpt2": ("wpe", None, NoPositions()),
+    "gpt_bigcode": ("wpe", None, NoPositions()),
     "gemma": ("args", "hidden_size", 1),
     "gemma3_text": ("args", "hidden_size", 1),
+    "gemma3": ("args", "hidden_size", 1),  # gemma3.py serves text through gemma3_text.Model
+    # afmoe.py AfmoeModel.__call__: ``if self.mup_enabled: h = h * math.sqrt(self.hidden_size)``
+    "afmoe": ("mup_enabled", None, False),
+    # gear.py GearModel.__call__: ``h = self.embed_tokens(inputs) * self.embed_scale``
+    "gear": ("embed_scale", None, 1.0),
     "granite": ("embedding_multiplier", None, 1.0),
     "granitemoe": ("embedding_multiplier", None, 1.0),
     "granitemoehybrid": ("embedding_multiplier", None, 1.0),
@@ -63,6 +84,8 @@ HEAD_SCALE: dict[str, Rule] = {
     "minicpm3": ("args", "dim_model_base", lambda args: args.hidden_size),
     "cohere": ("model.args", "logit_scale", 1.0),
     "cohere2": ("model.args", "logit_scale", 1.0),
+    # gear.py Model.__call__: ``if self.args.final_logit_softcapping: out = mx.tanh(out / cap) * cap``
+    "gear": ("args", "final_logit_softcapping", None),
 }
 
 

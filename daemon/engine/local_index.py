@@ -30,6 +30,7 @@ from typing import Any
 LOCAL_INDEX: dict[str, tuple[str, str]] = {
     "gemma3_text": ("sliding_window_pattern", "window_size"),  # gemma3_text.py Gemma3Model.__init__
     "cohere2": ("args.sliding_window_pattern", "window_size"),  # cohere2.py CohereModel.__call__
+    "gemma3": ("sliding_window_pattern", "window_size"),  # gemma3.py: gemma3_text.Model under language_model
 }
 
 _CLASSES: dict[type, type] = {}
@@ -58,8 +59,8 @@ def _own_mask_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def own_masks(inner: Any, model_type: str, start: int) -> None:
-    """Make ``inner`` (its layers already the stage's, from global layer ``start``) give
+def own_masks(inner: Any, model_type: str, start: int, layers: list) -> None:
+    """Make ``inner`` (its ``layers`` already the stage's, from global layer ``start``) give
     each layer the mask of its global kind (module docstring). Other architectures: no-op."""
     if model_type not in LOCAL_INDEX:
         return
@@ -72,7 +73,7 @@ def own_masks(inner: Any, model_type: str, start: int) -> None:
     period, window = getattr(owner, name), getattr(inner, window_attr)
     if period <= 1:
         return
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(layers):
         is_global = (start + i) % period == period - 1
         layer.__class__ = _own_mask_class(type(layer))
         layer._ringlet_window = None if is_global else window
