@@ -6,8 +6,8 @@ right after ``embed_tokens``, or scale the head's input or output in the outer m
 forward, beside ``lm_head``. A stage that is not first gets hidden states through
 :class:`~ringlet.daemon.engine.prune.StageEmbedding` (a pass-through) and a stage that
 is not last has an identity head, so those forwards would scale hidden states that
-must pass unchanged. :func:`neutralize` sets each such factor to exactly 1 on a stage
-that must not apply it (``h * 1.0`` and ``h / 1.0`` are ``h``, bit for bit, in every
+must pass unchanged. :func:`neutralize` sets each such factor to exactly 1 (or switches
+it off) on a stage that must not apply it (``h * 1.0`` and ``h / 1.0`` are ``h``, bit for bit, in every
 float dtype). Each rule, from mlx-lm:
 
 Embedding (stage not first):
@@ -22,6 +22,12 @@ Embedding (stage not first):
   ``self.embed_tokens(inputs) * self.args.scale_emb`` -- a copy of ``args`` with
   ``scale_emb = 1.0``.
 
+* ``afmoe.py`` ``AfmoeModel.__call__``: ``if self.mup_enabled: h = h * math.sqrt(...)`` --
+  set to ``False``; ``gear.py`` ``GearModel.__call__``: ``* self.embed_scale`` -- set to ``1.0``.
+* ``gpt2.py`` ``GPT2Model.__call__``, ``gpt_bigcode.py`` ``GPTBigCodeModel.__call__``:
+  ``hidden_states += self.wpe(position_ids)`` -- learned positions, added once: ``wpe``
+  becomes :class:`NoPositions` (``-0.0``, the exact identity of addition).
+
 Head (stage not last):
 
 * granite.py, granitemoe.py, granitemoehybrid.py ``Model.__call__``:
@@ -32,6 +38,8 @@ Head (stage not last):
 * cohere.py and cohere2.py ``Model.__call__``: ``out = out * self.model.args.logit_scale`` -- the inner
   model's ``args`` becomes a copy with ``logit_scale = 1.0`` (``CohereModel`` reads its
   ``args`` only when built).
+* gear.py ``Model.__call__``: ``if self.args.final_logit_softcapping: out = tanh(out / cap) * cap``
+  -- a copy of ``args`` with ``final_logit_softcapping = None``.
 """
 
 from __future__ import annotations

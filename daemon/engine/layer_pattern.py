@@ -30,8 +30,10 @@ evaluated) model by :func:`capture`:
 
 Architectures whose forward decides a layer's kind by its local loop position
 (``enumerate(self.layers)`` with ``i % sliding_window_pattern``: gemma3_text.py,
-cohere2.py) have their layers build their own masks (:mod:`local_index`); ``(idx + 1) % 4``
-and ``cache[3]`` (llama4.py) are not handled yet.
+cohere2.py) have their layers build their own masks (:mod:`local_index`); llama4.py's
+``(idx + 1) % 4``, ``cache[0].start_position`` and ``cache[3]`` are refused (:data:`REFUSED`).
+A forward that builds a kind's mask from ``cache[idx]`` unconditionally gets, on a stage
+without that kind, a stand-in cache after its own (:meth:`LayerPattern.apply`).
 :data:`REFUSED` names what cannot be split and why, and :func:`check_split` refuses any other
 architecture whose layers are of more than one kind unless it is in
 :data:`PATTERN_VERIFIED` (verified split by split against mlx-lm's whole model by
