@@ -290,6 +290,17 @@ ZOO.update({
     "step3p5": _cfg("step3p5", 4, num_attention_groups=2, sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"] * 2, moe_num_experts=4, moe_top_k=2,
                     moe_intermediate_size=32, share_expert_dim=32, moe_layers_enum="1,2,3"),
+    # head and embedding rules (embed_scale.py), gemma2's head-less forward (prune.HEADLESS); phi3small's head
+    # writes -inf at token ids 100256.. (phi3small.py Model._dummy_tokenizer_ids): its vocabulary must hold them
+    "phi3small": {"model_type": "phi3small", "hidden_size": 64, "dense_attention_every_n_layers": 2,
+                  "ff_intermediate_size": 128, "gegelu_limit": 20.0, "num_hidden_layers": 4, "num_attention_heads": 4,
+                  "layer_norm_epsilon": 1e-5, "vocab_size": 100352, "num_key_value_heads": 2,
+                  "blocksparse_block_size": 64, "blocksparse_num_local_blocks": 2, "blocksparse_vert_stride": 2},
+    "recurrent_gemma": {"model_type": "recurrent_gemma", "attention_bias": False, "hidden_size": 64,
+                        "intermediate_size": 128, "logits_soft_cap": 30.0, "num_attention_heads": 4,
+                        "num_hidden_layers": 6, "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                        "attention_window_size": WINDOW, "vocab_size": 160, "conv1d_width": 4,
+                        "block_types": ["recurrent", "recurrent", "attention"]},
     # refused (layer_pattern.REFUSED): built to show every split is refused up front
     "afm7": {"model_type": "afm7", "vocab_size": 160, "hidden_dim": 64, "num_layers": 4, "num_kv_reuse_layers": 2,
              "num_heads": 4, "num_kv_heads": 2},

@@ -28,6 +28,10 @@ Embedding (stage not first):
   ``hidden_states += self.wpe(position_ids)`` -- learned positions, added once: ``wpe``
   becomes :class:`NoPositions` (``-0.0``, the exact identity of addition).
 
+* gemma2.py ``GemmaModel.__call__``: ``h * (self.args.hidden_size**0.5)`` -- as gemma;
+  recurrent_gemma.py ``Griffin.__call__``: ``if self.scale_by_sqrt_dim`` -- set to ``False``;
+  phi3small.py ``Phi3Model.__call__``: ``if self.mup_embedding_multiplier`` -- set to ``None``.
+
 Head (stage not last):
 
 * granite.py, granitemoe.py, granitemoehybrid.py ``Model.__call__``:
@@ -39,7 +43,12 @@ Head (stage not last):
   model's ``args`` becomes a copy with ``logit_scale = 1.0`` (``CohereModel`` reads its
   ``args`` only when built).
 * gear.py ``Model.__call__``: ``if self.args.final_logit_softcapping: out = tanh(out / cap) * cap``
-  -- a copy of ``args`` with ``final_logit_softcapping = None``.
+  -- a copy of ``args`` with ``final_logit_softcapping = None``; recurrent_gemma.py the same
+  with ``logits_soft_cap``.
+* phi3small.py ``Model.__call__``: ``if self.mup_width_multiplier: out = out / ...`` -- ``None``;
+  ``out[..., self._dummy_tokenizer_ids] = -inf`` -- no ids.
+* gemma2.py ``Model.__call__`` soft-caps unconditionally: a stage that is not last runs the
+  inner model alone (:data:`~ringlet.daemon.engine.prune.HEADLESS`).
 """
 
 from __future__ import annotations
@@ -54,6 +63,10 @@ import mlx.nn as nn
 #: (attribute (dotted: of a sub-module), field of it or None, neutral value or a function of the attribute's value).
 Rule = tuple[str, str | None, Any]
 
+#: no token ids: ``out[..., _NO_IDS] = -inf`` changes nothing
+_NO_IDS = mx.array([], dtype=mx.int32)
+
+
 class NoPositions(nn.Module):
     """Stands in for learned position embeddings on a stage that is not first: gives
     ``-0.0``, which added to any float is that float, bit for bit (``+0.0`` and ``-0.0``
@@ -63,8 +76,8 @@ class NoPositions(nn.Module):
         return -0.0
 
 
-#: model_type -> rule on the inner model, for a stage that is not first.
-EMBED_SCALE: dict[str, Rule] = {
+#: model_type -> rule (or rules) on the inner model, for a stage that is not first.
+EMBED_SCALE: dict[str, Rule | tuple[Rule, ...]] = {
     # gpt2.py GPT2Model.__call__ / gpt_bigcode.py GPTBigCodeModel.__call__: ``hidden_states += self.wpe(position_ids)``
     # right after the token embedding: the first stage adds the learned positions, no other.
     "gpt2": ("wpe", None, NoPositions()),
@@ -72,6 +85,11 @@ EMBED_SCALE: dict[str, Rule] = {
     "gemma": ("args", "hidden_size", 1),
     "gemma3_text": ("args", "hidden_size", 1),
     "gemma3": ("args", "hidden_size", 1),  # gemma3.py serves text through gemma3_text.Model
+    "gemma2": ("args", "hidden_size", 1),  # gemma2.py GemmaModel.__call__: h * (self.args.hidden_size**0.5)
+    # recurrent_gemma.py Griffin.__call__: ``if self.scale_by_sqrt_dim: x = x * math.sqrt(x.shape[-1])``
+    "recurrent_gemma": ("scale_by_sqrt_dim", None, False),
+    # phi3small.py Phi3Model.__call__: ``if self.mup_embedding_multiplier: h = self.mup_embedding_multiplier * h``
+    "phi3small": ("mup_embedding_multiplier", None, None),
     # afmoe.py AfmoeModel.__call__: ``if self.mup_enabled: h = h * math.sqrt(self.hidden_size)``
     "afmoe": ("mup_enabled", None, False),
     # gear.py GearModel.__call__: ``h = self.embed_tokens(inputs) * self.embed_scale``
@@ -83,8 +101,8 @@ EMBED_SCALE: dict[str, Rule] = {
     "minicpm3": ("args", "scale_emb", 1.0),
 }
 
-#: model_type -> rule on the outer model, for a stage that is not last.
-HEAD_SCALE: dict[str, Rule] = {
+#: model_type -> rule (or rules) on the outer model, for a stage that is not last.
+HEAD_SCALE: dict[str, Rule | tuple[Rule, ...]] = {
     "granite": ("logits_scaling", None, 1.0),
     "granitemoe": ("logits_scaling", None, 1.0),
     "granitemoehybrid": ("logits_scaling", None, 1.0),
@@ -94,6 +112,11 @@ HEAD_SCALE: dict[str, Rule] = {
     "cohere2": ("model.args", "logit_scale", 1.0),
     # gear.py Model.__call__: ``if self.args.final_logit_softcapping: out = mx.tanh(out / cap) * cap``
     "gear": ("args", "final_logit_softcapping", None),
+    # recurrent_gemma.py Model.__call__: ``if c: logits = mx.tanh(logits / c) * c`` (c = args.logits_soft_cap)
+    "recurrent_gemma": ("args", "logits_soft_cap", None),
+    # phi3small.py Model.__call__: ``if self.mup_width_multiplier: out = out / self.mup_width_multiplier`` and
+    # ``out[..., self._dummy_tokenizer_ids] = -inf``: no division, no ids to overwrite in hidden states
+    "phi3small": (("mup_width_multiplier", None, None), ("_dummy_tokenizer_ids", None, _NO_IDS)),
 }
 
 
@@ -112,14 +135,18 @@ def _apply(module: Any, rule: Rule) -> Callable[[], None]:
     return lambda: setattr(module, attribute, saved)
 
 
+def _rules(entry: Rule | tuple[Rule, ...]) -> tuple[Rule, ...]:
+    return entry if isinstance(entry[0], tuple) else (entry,)  # type: ignore[return-value]
+
+
 def neutralize(model: Any, inner: Any, model_type: str, *, embed: bool, head: bool) -> Callable[[], None]:
     """Make the forward leave hidden states unscaled where the stage has no embedding
     (``embed`` false) or no head (``head`` false). Returns a function restoring it."""
     undo = []
     if not embed and model_type in EMBED_SCALE:
-        undo.append(_apply(inner, EMBED_SCALE[model_type]))
+        undo += [_apply(inner, rule) for rule in _rules(EMBED_SCALE[model_type])]
     if not head and model_type in HEAD_SCALE:
-        undo.append(_apply(model, HEAD_SCALE[model_type]))
+        undo += [_apply(model, rule) for rule in _rules(HEAD_SCALE[model_type])]
 
     def restore() -> None:
         for step in reversed(undo):

@@ -94,7 +94,7 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 PATTERN_VERIFIED = frozenset((
     "afmoe baichuan_m1 bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 gemma3_text gpt_oss granitemoehybrid "
     "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama mellum mimo_v2_flash ministral3 olmo3 olmo_hybrid plamo2 "
-    "plamo3 qwen3_5 qwen3_5_moe qwen3_next spark2_5 step3p5").split())
+    "plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 #: Architectures (mlx-lm ``model_type``) whose every split the zoo (tests/engine/test_zoo.py)
@@ -104,27 +104,19 @@ PATTERN_VERIFIED = frozenset((
 #: alike). ``RINGLET_SPLIT_UNVERIFIED=1`` lets such a split run, at the user's risk.
 SPLIT_VERIFIED = frozenset((
     "afmoe apertus baichuan_m1 bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v2 deepseek_v3 "
-    "deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon_h1 gear gemma gemma3 gemma3_text glm "
-    "glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 gpt_bigcode gpt_neox gpt_oss gptj granite granitemoe "
-    "granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear kimi_vl Klear "
-    "laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4_text longcat_flash mamba mamba2 mellum mimo mimo_v2_flash "
-    "minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral nanbeige nemotron olmo2 "
-    "olmo3 olmo_hybrid olmoe openelm phi phi3 phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 qwen2_moe "
-    "qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe seed_oss smollm3 solar_open "
-    "spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
+    "deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon_h1 gear gemma gemma2 gemma3 "
+    "gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 gpt_bigcode gpt_neox gpt_oss gptj granite "
+    "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear "
+    "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4_text longcat_flash mamba mamba2 mellum mimo "
+    "mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral nanbeige "
+    "nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 "
+    "qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe "
+    "recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
 REFUSED: dict[str, str] = {
-    "gemma2": "its head soft-caps the output after ``embed_tokens.as_linear`` in Model.__call__ "
-              "(gemma2.py: tanh(out / final_logit_softcapping) * final_logit_softcapping), which a stage "
-              "that is not last would apply to its hidden states",
     "gemma3n": "its forward scales the embedding and shares KV across layers by global position (gemma3n.py)",
-    "recurrent_gemma": "its forward scales the embedding output and picks attention or recurrence by "
-                       "global position (recurrent_gemma.py)",
-    "phi3small": "its head writes -inf at fixed token ids (phi3small.py Model.__call__: "
-                 "out[..., self._dummy_tokenizer_ids] = -inf, ids from 100256), which a stage that is not last "
-                 "would write into its hidden states",
     "gemma4_text": "its last num_kv_shared_layers layers reuse the KV of earlier layers (gemma4_text.py "
                    "Attention.has_kv, shared_kv) and every layer takes per-layer inputs embedded from the token "
                    "ids (embed_tokens_per_layer), which a stage that is not first does not have",

@@ -26,8 +26,8 @@ from ringlet.daemon.errors import ModelFormatError, PlanError
 #: in lfm2.py (``Lfm2Model.__call__``: ``return self.embedding_norm(h)``), ``norm_f``
 #: (dbrx.py ``DBRX``, mamba.py), ``ln_f`` (gpt2.py ``GPT2Model``, gpt_bigcode.py, gptj.py,
 #: qwen.py ``QwenModel``, exaone.py ``ExaoneModel``), ``final_layer_norm`` (gpt_neox.py
-#: ``GPTNeoXModel``).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "ln_f", "final_layer_norm")
+#: ``GPTNeoXModel``), ``final_norm`` (recurrent_gemma.py ``Griffin``).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "ln_f", "final_layer_norm", "final_norm")
 
 #: Names of the inner model's token embedding: ``embed_tokens`` in most of mlx-lm,
 #: ``tok_embeddings`` (internlm2.py InternLM2Model), ``word_embeddings`` (bailing_moe.py
@@ -155,6 +155,40 @@ class Identity(nn.Module):
         return x
 
 
+#: Architectures whose outer forward does something to the head's output that no value
+#: neutralizes, after ``out = self.model(inputs, cache)``: on a stage without the head the
+#: outer forward is that call alone (:class:`_Headless`). gemma2.py ``Model.__call__``:
+#: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``.
+HEADLESS = frozenset({"gemma2"})
+
+
+class _Headless:
+    """Mixed into an outer model's class (:data:`HEADLESS`): while the stage runs no head
+    (its tied head's ``as_linear`` passes hidden states through, or its head is an
+    :class:`Identity`), the forward is ``self.model(inputs, cache)`` alone."""
+
+    def __call__(self, inputs, cache=None, *args, **kwargs):
+        inner = inner_module(self)
+        embedding = getattr(inner, embedding_name(inner))
+        head = head_owner(self).get(head_name(self))
+        if isinstance(head, Identity) or (head is None and isinstance(embedding, StageEmbedding)
+                                          and not embedding._head_output):
+            return inner(inputs, cache)
+        return super().__call__(inputs, cache, *args, **kwargs)
+
+
+_HEADLESS_CLASSES: dict[type, type] = {}
+
+
+def _headless(model: nn.Module, model_type: str) -> None:
+    base = type(model)
+    if model_type not in HEADLESS or issubclass(base, _Headless):
+        return
+    if base not in _HEADLESS_CLASSES:
+        _HEADLESS_CLASSES[base] = type(base.__name__, (_Headless, base), {"__module__": base.__module__})
+    model.__class__ = _HEADLESS_CLASSES[base]
+
+
 class LastPosition(nn.Module):
     """An untied head applied to the last position only: ``(B, T, H) -> (B, 1, vocab)``."""
 
@@ -233,6 +267,7 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
         setattr(inner, embedding, StageEmbedding(real if keep_embedding else None, first, last))
     neutralize(model, inner, model_type, embed=first, head=last)
     accept_hidden(model, model_type)
+    _headless(model, model_type)
     if not last:
         for name in FINAL_NORMS:
             if hasattr(inner, name):
