@@ -301,6 +301,13 @@ ZOO.update({
                         "num_hidden_layers": 6, "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
                         "attention_window_size": WINDOW, "vocab_size": 160, "conv1d_width": 4,
                         "block_types": ["recurrent", "recurrent", "attention"]},
+    # llama4.py: chunked attention on layers (i + 1) % 4 != 0, by the loop index (local_index.PERIOD4)
+    "llama4": {"model_type": "llama4", "vocab_size": 160, "text_config": {
+        "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": WINDOW, "head_dim": 16,
+        "hidden_size": 64, "interleave_moe_layer_step": 2, "intermediate_size": 32, "intermediate_size_mlp": 128,
+        "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 8,
+        "num_key_value_heads": 2, "num_local_experts": 4, "rms_norm_eps": 1e-5, "rope_scaling": None,
+        "rope_theta": 10000.0, "use_qk_norm": True, "vocab_size": 160}},
     # refused (layer_pattern.REFUSED): built to show every split is refused up front
     "afm7": {"model_type": "afm7", "vocab_size": 160, "hidden_dim": 64, "num_layers": 4, "num_kv_reuse_layers": 2,
              "num_heads": 4, "num_kv_heads": 2},

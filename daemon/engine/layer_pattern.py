@@ -30,8 +30,9 @@ evaluated) model by :func:`capture`:
 
 Architectures whose forward decides a layer's kind by its local loop position
 (``enumerate(self.layers)`` with ``i % sliding_window_pattern``: gemma3_text.py,
-cohere2.py) have their layers build their own masks (:mod:`local_index`); llama4.py's
-``(idx + 1) % 4``, ``cache[0].start_position`` and ``cache[3]`` are refused (:data:`REFUSED`).
+cohere2.py) have their layers build their own masks (:mod:`local_index`), and llama4.py's
+``(idx + 1) % 4``, ``cache[0].start_position`` and ``cache[3]`` see the global index modulo 4
+(:mod:`local_index`, padded in front).
 A forward that builds a kind's mask from ``cache[idx]`` unconditionally gets, on a stage
 without that kind, a stand-in cache after its own (:meth:`LayerPattern.apply`).
 :data:`REFUSED` names what cannot be split and why, and :func:`check_split` refuses any other
@@ -93,8 +94,8 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset((
     "afmoe baichuan_m1 bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 gemma3_text gpt_oss granitemoehybrid "
-    "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama mellum mimo_v2_flash ministral3 olmo3 olmo_hybrid plamo2 "
-    "plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
+    "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum mimo_v2_flash ministral3 olmo3 olmo_hybrid "
+    "plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 #: Architectures (mlx-lm ``model_type``) whose every split the zoo (tests/engine/test_zoo.py)
@@ -107,11 +108,12 @@ SPLIT_VERIFIED = frozenset((
     "deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon_h1 gear gemma gemma2 gemma3 "
     "gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 gpt_bigcode gpt_neox gpt_oss gptj granite "
     "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear "
-    "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4_text longcat_flash mamba mamba2 mellum mimo "
-    "mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral nanbeige "
-    "nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 "
-    "qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe "
-    "recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
+    "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text longcat_flash mamba mamba2 "
+    "mellum mimo mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral "
+    "nanbeige nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo "
+    "plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl "
+    "qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
+    "youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
@@ -134,10 +136,6 @@ REFUSED: dict[str, str] = {
                 "softcap(logits)), which stages that are not first / last would apply to hidden states",
     "talkie": "its blocks take the embedding output besides the hidden states (talkie.py TalkieModel.__call__: "
               "h = block(e_x, h, mask, c)), which a stage boundary does not carry",
-    "llama4": "its forward reads start_position and offset from cache[0], trims the caches its local index "
-              "(idx + 1) % 4 calls chunked (c.maybe_trim_front(), a ChunkedKVCache method) and takes the "
-              "global mask from cache[3] (llama4.py LlamaModel.__call__): a stage starting off a multiple of 4 "
-              "would call maybe_trim_front on a KVCache",
     "afm7": "its last num_kv_reuse_layers layers attend over the KV of the layer before them (afm7.py "
             "AFMModel.__call__: keys, values = cache[-1].keys_and_values()) and have no caches of their own",
     "bailing_hybrid": "every layer takes the position offset of the first attention layer's cache "
