@@ -106,6 +106,14 @@ def set_layer_list(inner: nn.Module, layers: list) -> None:
     setattr(_path(inner, ".".join(owner)) if owner else inner, name, layers)
 
 
+def prefix_of(model: nn.Module, name: str = "") -> str:
+    """The parameter-name prefix of the inner model's attribute ``name`` (``""``: the layer
+    list), from ``model``: ``model.layers.`` in most of mlx-lm, ``model.h.`` (gpt2.py),
+    ``transformer.blocks.`` (dbrx.py), ``language_model.model.norm.``..."""
+    inner = inner_module(model)
+    return ".".join([*model.__dict__["_ringlet_inner_at"], name or _layers_at(inner)]) + "."
+
+
 def layer_list_owner(inner: nn.Module) -> nn.Module:
     """The module whose attribute is the decoder layer list: ``inner``, or the decoder between
     (plamo3.py ``Plamo3Decoder``, which also keeps the forward's ``full_idx``/``swa_idx``)."""

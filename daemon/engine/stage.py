@@ -43,6 +43,7 @@ from ringlet.daemon.engine.prune import (
     last_position_only,
     layer_list,
     layer_list_owner,
+    prefix_of,
     prune,
     set_layer_list,
 )
@@ -249,14 +250,17 @@ def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage
     done: set[str] = set()
     for g in range(max(start, reuse.start), min(end, reuse.end)):
         layer_list(inner)[g - start] = layer_list(old_inner)[g - reuse.start]
-        done.add(f"model.layers.{g - start}.")
-    new_embed, old_embed = getattr(inner, embedding_name(inner)), getattr(old_inner, embedding_name(old_inner))
+        done.add(f"{prefix_of(model)}{g - start}.")
+    embedding = embedding_name(inner)
+    new_embed, old_embed = getattr(inner, embedding), getattr(old_inner, embedding_name(old_inner))
     if "real" in new_embed and isinstance(old_embed, StageEmbedding) and "real" in old_embed:
         new_embed.real = old_embed.real
-        done.add("model.embed_tokens.")
+        done.add(prefix_of(model, embedding))
     if reuse.last and end == num_layers:
-        inner.norm = old_inner.norm
-        done.add("model.norm.")
+        for name in FINAL_NORMS:  # norm, ln_f (gpt2.py), final_layernorm (phi.py)...
+            if name in inner and name in old_inner:
+                setattr(inner, name, old_inner[name])
+                done.add(prefix_of(model, name))
         head, owner, old_owner = head_name(model), head_owner(model), head_owner(reuse.model)
         if hasattr(owner, head) and hasattr(old_owner, head):
             setattr(owner, head, getattr(old_owner, head))

@@ -52,6 +52,26 @@ def test_every_split_is_exact_or_refused(name, tmp_path, monkeypatch):
         f"{name}: SPLIT_VERIFIED must list exactly the architectures the zoo finds exact"
 
 
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "plamo", "phixtral", "recurrent_gemma", "lfm2"])
+def test_a_reshard_reusing_the_old_stages_modules_is_exact(name, tmp_path):
+    """A re-shard (``load_stage(..., reuse=old)``, node/core.py) takes the layers, embedding,
+    final norm and head the new stage shares with the old one, whatever the architecture
+    names them (``h``/``ln_f`` in gpt2.py, ``final_layer_norm`` in gpt_neox.py, ``layers.layers``
+    in plamo.py, ``final_norm`` in recurrent_gemma.py), reads only the rest, and its logits
+    still equal mlx-lm's whole model."""
+    config = ZOO[name]
+    path = make_tiny_model(config["model_type"], tmp_path / name, config=config)
+    expected = reference_logits(path)
+    location = resolve(str(path))
+    n = load_stage(location, 0).num_layers
+    first = load_stage(location, 0, 2, reuse=load_stage(location, 0, 1))
+    last = load_stage(location, 2, n, reuse=load_stage(location, 1, n))
+    for stage in (first, last):
+        assert stage.reused_prefixes and stage.loaded_bytes() < stage.nbytes(), (name, stage.reused_prefixes)
+    for step, (e, g) in enumerate(zip(expected, split_logits([first, last]), strict=True)):
+        assert mx.array_equal(g, e).item(), f"{name}: logits differ at step {step} after a re-shard"
+
+
 def test_a_split_of_an_architecture_the_zoo_has_not_verified_is_refused(monkeypatch):
     monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
     with pytest.raises(PlanError, match="not yet verified"):
