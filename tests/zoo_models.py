@@ -209,6 +209,8 @@ for _name, _text in (("qwen2_vl", "qwen2"), ("qwen3_vl", "qwen3"), ("qwen3_vl_mo
                      ("kimi_k25", "deepseek_v3"), ("kimi_vl", "deepseek_v3"), ("gemma3", "gemma3_text")):
     ZOO[_name] = {"model_type": _name, "vocab_size": 160,
                   "text_config": {k: v for k, v in ZOO[_text].items() if _name != "kimi_vl" or k != "model_type"}}
+# gemma3_text's period of 3 is checked above; through the wrapper a period of 2 (4 layers) is enough
+ZOO["gemma3"]["text_config"].update(num_hidden_layers=4, sliding_window_pattern=2)
 ZOO["minimax_m3_vl"] = {"model_type": "minimax_m3_vl", "vocab_size": 160, "text_config": {
     "hidden_size": 64, "intermediate_size": 32, "dense_intermediate_size": 128, "shared_intermediate_size": 32,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "num_local_experts": 4,
@@ -304,7 +306,7 @@ ZOO.update({
     # llama4.py: chunked attention on layers (i + 1) % 4 != 0, by the loop index (local_index.PERIOD4)
     "llama4": {"model_type": "llama4", "vocab_size": 160, "text_config": {
         "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": WINDOW, "head_dim": 16,
-        "hidden_size": 64, "interleave_moe_layer_step": 2, "intermediate_size": 32, "intermediate_size_mlp": 128,
+        "hidden_size": 64, "interleave_moe_layer_step": 4, "intermediate_size": 32, "intermediate_size_mlp": 128,
         "max_position_embeddings": 256, "num_attention_heads": 4, "num_experts_per_tok": 1, "num_hidden_layers": 8,
         "num_key_value_heads": 2, "num_local_experts": 4, "rms_norm_eps": 1e-5, "rope_scaling": None,
         "rope_theta": 10000.0, "use_qk_norm": True, "vocab_size": 160}},
