@@ -335,7 +335,14 @@ ZOO.update({
                          {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
                          {"attention": {"n_heads_in_group": 2}, "ffn": {"no_op": True}},
                          {"attention": {"replace_with_linear": True}, "ffn": {"replace_with_linear": True}}]},
+    "nanochat": _cfg("nanochat", 4),
+    "talkie": _cfg("talkie", 4),
+    "iquestloopcoder": _cfg("iquestloopcoder", 4, loop_window_size=WINDOW),
+    "gemma4_text": _cfg("gemma4_text", 4, sliding_window=WINDOW, num_kv_shared_layers=2, vocab_size_per_layer_input=160,
+                        hidden_size_per_layer_input=16, layer_types=["sliding_attention", "full_attention"] * 2),
     "rwkv7": {"model_type": "rwkv7", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128, "norm_eps": 1e-5,
               "head_dim": 16, "num_hidden_layers": 4, "a_low_rank_dim": 8, "v_low_rank_dim": 8,
               "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
 })
+ZOO["gemma4"] = {"model_type": "gemma4", "vocab_size": 160,
+                 "text_config": {k: v for k, v in ZOO["gemma4_text"].items() if k != "vocab_size"}}
