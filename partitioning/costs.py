@@ -7,7 +7,9 @@ A stage holding layers ``[s, e)`` of an ``L``-layer model on node ``n`` needs
                    + head_bytes        if e == L
 
     KV(s, e)     = sum over layers l in [s, e) of kv_bytes_per_token_per_layer[l] * kv_tokens(l)
-                   (kv_tokens = context_tokens, or the sliding window if smaller)
+                   + state_bytes_per_layer[l]
+                   (kv_tokens = context_tokens, or the sliding window if smaller; a
+                   recurrent layer's state is constant)
 
 and spends per decoded token (the roofline of a memory-bound decode step, with
 the memory and compute terms added as the issue specifies)
@@ -19,6 +21,17 @@ the memory and compute terms added as the issue specifies)
 The KV term is read in full for every token at the target context (attention
 reads the whole cache), the worst case the plan must sustain. Reading one
 embedding row per token is negligible and not counted.
+
+A prompt token costs a stage (prefill, compute-bound: a chunk of tokens shares each
+weight read)
+
+    prefill_n(s, e) = sum(flops_per_token_per_layer[s:e]) / flops_n
+
+without the head, which a prefill computes for one position of the whole prompt. The
+balanced policy weighs the two by ``Policy.prefill_share`` (:meth:`CostModel.balance_time`): a decode-balanced split
+leaves the stages before a heavy head (a small model's tied embedding is 8 of SmolLM2's
+30 layers) with most of a prompt's work, and a prefill runs at the pace of its slowest
+stage.
 
 All quantities are tabulated once per model as ``(L+1) x (L+1)`` matrices indexed
 ``[s, e]`` (entries with ``s > e`` are infinite; ``s == e`` is "this node holds
@@ -49,9 +62,7 @@ class CostModel:
         self.L = L = model.num_layers
         ctx = model.context_tokens if context_tokens is None else context_tokens
         self.context_tokens = ctx
-        kv = np.array(
-            [model.kv_bytes_per_token_per_layer[i] * model.kv_tokens(i, ctx) for i in range(L)], dtype=np.float64
-        )
+        kv = np.array([model.layer_cache_bytes(i, ctx) for i in range(L)], dtype=np.float64)
         w = np.array(model.layer_bytes, dtype=np.float64)
         r = np.array(model.layer_read_bytes, dtype=np.float64)
         f = np.array(model.flops_per_token_per_layer, dtype=np.float64)
@@ -85,14 +96,17 @@ class CostModel:
         head_read = model.head_bytes + (model.embedding_bytes if model.tie_word_embeddings else 0)
         self.read = np.where(self.valid, span(prefix_read) + kv_span + heads * head_read, INF)
         self.flops = np.where(self.valid, span(prefix_flops) + heads * model.head_flops_per_token, INF)
+        self.prefill_flops = np.where(self.valid, span(prefix_flops), INF)
         self.read[~held & self.valid] = 0.0
         self.flops[~held & self.valid] = 0.0
+        self.prefill_flops[~held & self.valid] = 0.0
         self.stages = held.astype(np.float64)  # 1 for a stage that holds layers, 0 for "skip"
         self._time_cache: dict[tuple[float, float], np.ndarray] = {}
         self._fit_cache: dict[int, np.ndarray] = {}
         self._feasible_cache: dict[tuple, np.ndarray] = {}
         self._ns_cache: dict[tuple, np.ndarray] = {}
         self._util_cache: dict[int, np.ndarray] = {}
+        self._balance_cache: dict[tuple, np.ndarray] = {}
 
     # --- per node -----------------------------------------------------------------
 
@@ -122,6 +136,36 @@ class CostModel:
         if t is None:
             t = np.where(self.fits(node), self.time(node), INF)
             self._feasible_cache[node.signature] = t
+        return t
+
+    def prefill_time(self, node: NodeSpec) -> np.ndarray:
+        """Seconds per prompt token of every range on ``node`` (see module docstring;
+        inf where s > e), ignoring memory."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = self.prefill_flops / node.flops
+        t[~self.valid] = INF
+        t[np.isnan(t)] = INF
+        return t
+
+    def balance_time(self, node: NodeSpec, prefill_share: float, decode_ref_s: float,
+                     prefill_ref_s: float) -> np.ndarray:
+        """What the balanced policy evens out (dimensionless): ``(1 - prefill_share)`` x
+        :meth:`feasible_time` / ``decode_ref_s`` + ``prefill_share`` x :meth:`prefill_time`
+        / ``prefill_ref_s``. The references are a decoded token's and a prompt token's
+        time through the whole model (on the cluster's fastest node), so each term is a
+        stage's share of that work and the blend does not depend on how fast prefill is
+        against decode on the machine. Inf where the range does not fit (do not modify)."""
+        if prefill_share == 0:
+            return self.feasible_time(node)
+        key = (node.signature, prefill_share, decode_ref_s, prefill_ref_s)
+        t = self._balance_cache.get(key)
+        if t is None:
+            decode = self.feasible_time(node)
+            with np.errstate(invalid="ignore"):
+                t = ((1.0 - prefill_share) * decode / decode_ref_s
+                     + prefill_share * self.prefill_time(node) / prefill_ref_s)
+            t[~np.isfinite(decode)] = INF  # does not fit (or s > e), whatever the blend
+            self._balance_cache[key] = t
         return t
 
     def feasible_time_ns(self, node: NodeSpec) -> np.ndarray:

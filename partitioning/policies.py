@@ -1,7 +1,9 @@
 """The three policies, each choosing one (ring order, split) among candidate orders.
 
 * ``balanced`` -- minimise the largest stage time per token (the pipeline's
-  throughput bound), memory permitting. Phase 1 finds the optimum tau* exactly
+  throughput bound), memory permitting; a stage's time is a decoded token's plus
+  a prompt token's, weighed by ``Policy.prefill_share``
+  (:meth:`.costs.CostModel.balance_time`). Phase 1 finds the optimum tau* exactly
   with :func:`.split.min_max` on every candidate order (O(k L^2) each). Phase 2,
   over ranges whose time is <= tau* (<= tau* (1 + tolerance) with a previous plan),
   picks lexicographically the fewest bytes to load (with a previous plan), then
@@ -93,7 +95,14 @@ def choose(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
 
 def _balanced(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
     cost = ctx.cost
-    times = [[cost.feasible_time(ctx.nodes[n]) for n in o] for o in orders]
+    share, refs = ctx.policy.prefill_share, (1.0, 1.0)
+    if share:  # the whole model's decode and prompt-token times on the fastest node: the blend's units
+        whole = [(cost.time(node)[0, cost.L], cost.prefill_time(node)[0, cost.L]) for node in ctx.nodes.values()]
+        refs = (min(d for d, _ in whole), min(p for _, p in whole))
+        if not all(0 < r < INF for r in refs):  # no flops figures to weigh prefill by: decode alone
+            share = 0.0
+    times = [[cost.balance_time(ctx.nodes[n], share, *refs) if share else cost.feasible_time(ctx.nodes[n])
+              for n in o] for o in orders]
     taus = [splits.min_max(t) for t in times]
     best = min(taus)
     if not math.isfinite(best):

@@ -207,6 +207,9 @@ class ModelSpec:
             token (hidden_size x dtype size); sets hop transfer times.
         kv_window_tokens: per layer, a sliding-window length (KV cache holds at
             most this many tokens) or None for full attention. Default: all full.
+        state_bytes_per_layer: per layer, bytes of a constant-size state one request
+            holds whatever its context (a recurrent layer's: linear attention, SSM,
+            short convolution; 0 for attention). Default: 0.
 
     Raises:
         ValueError: no layers, a wrong-length sequence, or a bad number (naming
@@ -225,6 +228,7 @@ class ModelSpec:
     head_flops_per_token: float = 0.0
     activation_bytes_per_token: int = 0
     kv_window_tokens: tuple[int | None, ...] | None = None
+    state_bytes_per_layer: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         lb = self.layer_bytes
@@ -278,6 +282,9 @@ class ModelSpec:
                     for i, v in enumerate(w)
                 ),
             )
+        setattr_(self, "state_bytes_per_layer",
+                 _per_layer(0 if self.state_bytes_per_layer is None else self.state_bytes_per_layer, n,
+                            "ModelSpec.state_bytes_per_layer", _number))
         for i, (r, b) in enumerate(zip(self.layer_read_bytes, self.layer_bytes, strict=True)):
             if r > b:
                 raise ValueError(
@@ -296,11 +303,16 @@ class ModelSpec:
         w = self.kv_window_tokens[layer]
         return ctx if w is None else min(ctx, w)
 
+    def layer_cache_bytes(self, layer: int, context_tokens: int | None = None) -> float:
+        """Cache bytes of one request in ``layer`` at ``context_tokens`` (default: the
+        target): its KV (at most its window) and its constant state."""
+        return (self.kv_bytes_per_token_per_layer[layer] * self.kv_tokens(layer, context_tokens)
+                + self.state_bytes_per_layer[layer])
+
     def kv_cache_bytes(self, context_tokens: int | None = None) -> float:
-        """KV-cache bytes of all layers at ``context_tokens`` (default: the target)."""
-        return sum(
-            self.kv_bytes_per_token_per_layer[i] * self.kv_tokens(i, context_tokens) for i in range(self.num_layers)
-        )
+        """Cache bytes of all layers at ``context_tokens`` (default: the target): KV, at
+        most each window, and constant states."""
+        return sum(self.layer_cache_bytes(i, context_tokens) for i in range(self.num_layers))
 
     @property
     def weight_bytes(self) -> int:
@@ -345,6 +357,7 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_word_embeddings,
             "kv_bytes_per_token_per_layer": list(self.kv_bytes_per_token_per_layer),
             "kv_window_tokens": list(self.kv_window_tokens),
+            "state_bytes_per_layer": list(self.state_bytes_per_layer),
             "context_tokens": self.context_tokens,
             "flops_per_token_per_layer": list(self.flops_per_token_per_layer),
             "head_flops_per_token": self.head_flops_per_token,
@@ -381,6 +394,13 @@ class Policy:
             into the old ring" orders tried before falling back to re-choosing.
         ring_order: pin the ring order (node ids); usable nodes not listed are
             left out with a reason. None lets the planner choose.
+        prefill_share: for ``balanced``, in [0, 1]: how much of the stages' time is
+            prefill (prompt tokens, which skip the head) rather than decode. A stage's
+            cost is ``(1 - share)`` x its share of a decoded token's time plus ``share``
+            x its share of a prompt token's (:meth:`.costs.CostModel.balance_time`).
+            0 balances decode alone (concurrent decoding's throughput), 1 prefill alone
+            (a long prompt's time to first token). Default 0 here; the daemon plans
+            with ``--prefill-share`` (0.5 by default).
 
     Raises:
         ValueError: an unknown name or a bad number (naming the field).
@@ -395,6 +415,7 @@ class Policy:
     max_candidate_orders: int = 16
     max_insertion_orders: int = 720
     ring_order: tuple[str, ...] | None = field(default=None)
+    prefill_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
@@ -409,6 +430,10 @@ class Policy:
             _number(self.fallback_bandwidth_bytes_per_s, "Policy.fallback_bandwidth_bytes_per_s", positive=True),
         )
         object.__setattr__(self, "fallback_latency_s", _number(self.fallback_latency_s, "Policy.fallback_latency_s"))
+        share = _number(self.prefill_share, "Policy.prefill_share")
+        if share > 1:
+            raise ValueError(f"Policy.prefill_share must be in [0, 1], got {self.prefill_share!r}")
+        object.__setattr__(self, "prefill_share", share)
         object.__setattr__(self, "token_bytes", _whole(self.token_bytes, "Policy.token_bytes"))
         for name in ("exact_ring_max_nodes", "max_candidate_orders", "max_insertion_orders"):
             object.__setattr__(self, name, _whole(getattr(self, name), f"Policy.{name}", positive=True))

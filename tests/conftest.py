@@ -69,7 +69,8 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
 #: verifier) and compute little: they also carry the ``serial`` mark, to run in the lane
 #: beside the tensor files, which is otherwise done ~70 s before them, instead of in the
 #: parallel phase, whose two workers keep both cores busy.
-WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "ops/test_service.py")
+WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "ops/test_service.py",
+           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py")
 
 
 def pytest_collection_modifyitems(config, items):

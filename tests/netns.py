@@ -21,7 +21,8 @@ same for a thread of the caller's own (sockets belong to the namespace of the
 thread that opens them).
 
 Links: :meth:`NetnsLab.shape` puts ``tbf`` on both ends of a node's veth pair;
-:meth:`NetnsLab.cut` / :meth:`NetnsLab.restore` set it down / up.
+:meth:`NetnsLab.cut` / :meth:`NetnsLab.restore` set it down / up;
+:meth:`NetnsLab.drop_mdns` / :meth:`NetnsLab.allow_mdns` drop / pass its mDNS packets.
 
 Cleanup: :meth:`NetnsLab.close` stops the daemons (SIGTERM, then SIGKILL) and
 deletes the namespaces, which destroys the veths and the bridge with them; it
@@ -349,6 +350,34 @@ class NetnsLab:
     def restore(self, i: int, side: str = "hub") -> None:
         """Undo :meth:`cut`."""
         sh(*self._link_cmd(i, side), "up")
+
+    MDNS_SINK = "mdnsnull"  # a veth end whose peer is down: what is sent there is dropped
+
+    def drop_mdns(self, d: Daemon) -> None:
+        """Drop every mDNS packet (UDP port 5353) into and out of daemon ``d``'s link, as a
+        busy or lossy host loses them; gRPC and everything else still pass. ``tc`` filters on
+        the node's veth redirect them to a sink (no iptables or nftables needed, nor the
+        ``gact`` action module): :meth:`allow_mdns` removes them."""
+        if shutil.which("tc") is None:
+            raise RuntimeError("tc not found")
+        if sh("ip", "-n", d.ns, "link", "show", self.MDNS_SINK, check=False).returncode != 0:
+            sh("ip", "-n", d.ns, "link", "add", self.MDNS_SINK, "type", "veth", "peer", "name", f"{self.MDNS_SINK}1")
+            sh("ip", "-n", d.ns, "link", "set", self.MDNS_SINK, "up")
+        sh("tc", "-n", d.ns, "qdisc", "replace", "dev", d.link, "clsact")
+        for hook in ("ingress", "egress"):
+            sh("tc", "-n", d.ns, "filter", "add", "dev", d.link, hook, "protocol", "ip", "u32",
+               "match", "ip", "protocol", "17", "0xff", "match", "ip", "dport", "5353", "0xffff",
+               "action", "mirred", "egress", "redirect", "dev", self.MDNS_SINK)
+
+    def allow_mdns(self, d: Daemon) -> None:
+        """Undo :meth:`drop_mdns`."""
+        sh("tc", "-n", d.ns, "qdisc", "del", "dev", d.link, "clsact", check=False)
+
+    def kill(self, d: Daemon) -> None:
+        """SIGKILL daemon ``d`` (no goodbye, no leave: its peers learn it from heartbeats)."""
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(timeout=10)
 
     def _link_cmd(self, i: int, side: str) -> list[str]:
         if side == "hub":

@@ -162,3 +162,34 @@ def stage_file_names(start: int, end: int, num_layers: int = NUM_LAYERS) -> set[
     if end == num_layers:
         names.add(f"model-{n:05d}-of-{n:05d}.safetensors")
     return names
+
+
+def whole_model_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy token ids of mlx-lm's whole model alone (``mlx_lm.utils.load_model``,
+    ``make_prompt_cache``, its forward): the prompt in one forward, then one token a step.
+    The independent reference of the tests that run tiny models split."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(mx.argmax(logits[0, -1]).item())
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+def make_chat_model(arch: str, directory: Path, config: dict) -> Path:
+    """:func:`make_tiny_model` for end-to-end chats over token ids: ``config``'s
+    vocabulary should be the character tokenizer's 98 ids (a generated id is then a valid
+    prompt id of the next turn), and the head's rows of the special tokens (``<unk>``,
+    ``<s>``, ``</s>``) are zeroed: their logit is exactly 0, below the largest of the 95
+    random others, so no greedy stream stops early at ``</s>``."""
+    path = make_tiny_model(arch, directory, config=config)
+    weights = mx.load(str(path / "model.safetensors"))
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[head] = mx.concatenate([mx.zeros_like(weights[head][:3]), weights[head][3:]])
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path

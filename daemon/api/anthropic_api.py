@@ -37,6 +37,7 @@ from ringlet.daemon.api.request import (
     Usage,
 )
 from ringlet.daemon.api.seal import Sealer
+from ringlet.daemon.api.ticker import until_gone
 from ringlet.daemon.errors import GenerationError
 
 
@@ -151,7 +152,7 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
         blocks = _Blocks(seal, body.thinking is not None and body.thinking.display == "omitted")
         if not body.stream:
             try:
-                return JSONResponse(await _whole(events, head, blocks), headers=hints)
+                return JSONResponse(await _whole(until_gone(events, request), head, blocks), headers=hints)
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
         return StreamingResponse(_stream(events, head, request, blocks), media_type="text/event-stream",

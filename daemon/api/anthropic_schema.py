@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ringlet.daemon.api.errors import ApiError, unsupported
-from ringlet.daemon.api.openai_schema import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOOLS, tool_from
+from ringlet.daemon.api.openai_schema import MAX_STOP_CHARS, MAX_STOP_SEQUENCES, checked_tools, tool_from
 from ringlet.daemon.api.request import GenerationRequest, ResponseFormat, Tool
 from ringlet.daemon.api.seal import Sealer, SealError
 
@@ -158,11 +158,7 @@ class _Prompted(_Strict):
             if d.name is None:
                 raise ApiError(400, "each tool needs a name", param=f"tools.{i}.name")
             tools.append(tool_from(d.name, d.description, d.input_schema, f"tools.{i}"))
-        if len(tools) > MAX_TOOLS:
-            raise ApiError(400, f"at most {MAX_TOOLS} tools are allowed", param="tools")
-        if len({t.name for t in tools}) != len(tools):
-            raise ApiError(400, "tool names must be unique", param="tools")
-        return tools
+        return checked_tools(tools)
 
     def choice(self, tools: list[Tool]) -> tuple[str, bool]:
         """``(internal tool_choice, parallel calls allowed)``."""

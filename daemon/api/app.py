@@ -20,12 +20,13 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ringlet.daemon.api import anthropic_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.seal import Sealer
+from ringlet.daemon.api.ticker import ClientGone
 from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire.limits import ApiLimits, install
@@ -99,6 +100,11 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return _error(exc.status, exc.message, exc.param, exc.code, path=request.url.path)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        log.info("%s: %s before the reply; its generation was stopped", request.url.path, exc)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -31,6 +31,7 @@ from ringlet.daemon.api.request import (
     ToolCallStart,
     Usage,
 )
+from ringlet.daemon.api.ticker import until_gone
 from ringlet.daemon.errors import GenerationError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -102,7 +103,7 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
         events = pipeline.run(prepared)
         if not body.stream:
             try:
-                return JSONResponse(await _whole(kind, internal, events, head), headers=hints)
+                return JSONResponse(await _whole(kind, internal, until_gone(events, request), head), headers=hints)
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
         include_usage = bool((body.stream_options or {}).get("include_usage"))

@@ -129,6 +129,12 @@ def tools_from(defs: list[ToolDef] | None) -> list[Tool]:
     """Checked tools of an OpenAI chat request (400 for duplicates or too many)."""
     tools = [tool_from(d.function.name, d.function.description, d.function.parameters, "tools")
              for d in defs or ()]
+    return checked_tools(tools)
+
+
+def checked_tools(tools: list[Tool]) -> list[Tool]:
+    """``tools``, after checking a request's whole list: at most :data:`MAX_TOOLS`, names
+    unique (a 400 naming ``tools`` otherwise); every surface's rule."""
     if len(tools) > MAX_TOOLS:
         raise ApiError(400, f"at most {MAX_TOOLS} tools are allowed", param="tools")
     if len({t.name for t in tools}) != len(tools):

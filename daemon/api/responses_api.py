@@ -44,6 +44,7 @@ from ringlet.daemon.api.request import (
 )
 from ringlet.daemon.api.responses_schema import ResponsesRequest
 from ringlet.daemon.api.seal import Sealer
+from ringlet.daemon.api.ticker import until_gone
 from ringlet.daemon.errors import GenerationError
 
 
@@ -265,7 +266,7 @@ def register(app: FastAPI, pipeline: Pipeline) -> None:
         out = OutputBuilder(internal.tools, seal if body.sealed_reasoning() else None)
         if not body.stream:
             try:
-                return JSONResponse(await _whole(events, head, echo, out), headers=hints)
+                return JSONResponse(await _whole(until_gone(events, request), head, echo, out), headers=hints)
             except GenerationError as exc:
                 raise ApiError(503, f"generation failed: {exc}") from None
         return StreamingResponse(_stream(events, head, echo, request, out), media_type="text/event-stream",

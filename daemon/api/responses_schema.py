@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ringlet.daemon.api.errors import ApiError, unsupported
 from ringlet.daemon.api.openai_schema import (
     FUNCTION_NAME,
-    MAX_TOOLS,
+    checked_tools,
     choice_from,
     effort_thinking,
     response_format_from,
@@ -245,11 +245,7 @@ def tools_from(defs: list[dict[str, Any]] | None, ignored: list[str] | None = No
             raise ApiError(400, f"{param}: tool type {kind!r} is not supported: ringlet takes function, namespace "
                                 "and custom tools (hosted tools are left out)", param=f"{param}.type",
                            code="unsupported_parameter")
-    if len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"at most {MAX_TOOLS} tools are allowed", param="tools")
-    if len({t.name for t in tools}) != len(tools):
-        raise ApiError(400, "tool names must be unique", param="tools")
-    return tools
+    return checked_tools(tools)
 
 
 def tool_choice_from(value: str | dict[str, Any] | None, tools: list[Tool]) -> str:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from ringlet.daemon.api.request import Event, Keepalive, PromptProgress
 
@@ -85,3 +87,35 @@ async def with_ticks(source: AsyncIterator[Event], interval_s: float,
         cleanup = asyncio.ensure_future(_close(pending, source))
         _cleanups.add(cleanup)
         cleanup.add_done_callback(_cleanups.discard)
+
+
+#: how often, seconds, :func:`until_gone` asks whether the client is still there
+GONE_CHECK_S = 0.25
+
+
+class ClientGone(Exception):
+    """The client of a whole (non-streamed) reply closed its connection; its generation
+    was stopped. The app answers it with status 499 (nobody reads it)."""
+
+
+class _Disconnectable(Protocol):
+    async def is_disconnected(self) -> bool: ...
+
+
+async def until_gone(source: AsyncIterator[Event], request: _Disconnectable) -> AsyncIterator[Event]:
+    """``source``'s events until the client of ``request`` (a Starlette request) leaves;
+    then :class:`ClientGone`, raised after ``source`` is closed (which stops the generation
+    between two prefill chunks or decode steps and releases its KV caches). Asked at most
+    every :data:`GONE_CHECK_S` seconds and at every :class:`Keepalive`, so a whole reply
+    whose client left during a long prefill stops within one keepalive interval."""
+    last = time.monotonic()
+    try:
+        async for event in source:
+            now = time.monotonic()
+            if isinstance(event, Keepalive) or now - last >= GONE_CHECK_S:
+                last = now
+                if await request.is_disconnected():
+                    raise ClientGone("the client closed the connection")
+            yield event
+    finally:
+        await source.aclose()  # type: ignore[attr-defined]

@@ -149,6 +149,9 @@ class Discovery(AdvertiserMixin, BrowserMixin):
         self._last_heard: dict[str, float] = {}  # instance name -> time.monotonic()
         self._resolving: set[str] = set()
         self._resolve_again: set[str] = set()
+        #: names whose lookup failed: (failed lookups, first failure, last failure), monotonic s
+        self._unresolved: dict[str, tuple[int, float, float]] = {}
+        self._retrying: set[str] = set()  # names with a retry scheduled
         self._tasks: set[asyncio.Task[Any]] = set()
         self._maintainer: asyncio.Task[None] | None = None
         self._last_signed = 0.0
@@ -275,6 +278,8 @@ class Discovery(AdvertiserMixin, BrowserMixin):
         self._last_heard.clear()
         self._resolving.clear()
         self._resolve_again.clear()
+        self._unresolved.clear()
+        self._retrying.clear()
 
     async def __aenter__(self) -> Discovery:
         await self.start()

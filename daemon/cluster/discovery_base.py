@@ -63,6 +63,8 @@ class DiscoveryBase:
     _last_heard: dict[str, float]
     _resolving: set[str]
     _resolve_again: set[str]
+    _unresolved: dict[str, tuple[int, float, float]]
+    _retrying: set[str]
     _tasks: set[asyncio.Task[Any]]
     _last_signed: float
     _running: bool

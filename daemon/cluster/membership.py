@@ -14,6 +14,11 @@ the responder's record version, and a newer version is fetched, so every member
 converges on the same records (gossip: replies also list the responder's members,
 and unknown ones are handshaken).
 
+Members learn members from members (beats, proposals, refusals: :meth:`Membership.learn`),
+by the same handshake as an mDNS advert. A failed dial drops that address's channel, so
+the next connects afresh: a cached channel's reconnect backoff (doubling to 2 minutes
+while a peer was down) must not keep a restarted peer out once it answers again.
+
 A member may answer at several addresses; it is dialled at :attr:`Member.address`, which
 only :meth:`Membership.use_address` changes (the address in use stopped answering and
 another does, or a faster link was measured: :mod:`ringlet.daemon.cluster.router`), never
@@ -24,16 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import grpc
 
+from ringlet.daemon.cluster.member import Member, membership_digest
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_channel
@@ -43,38 +47,8 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 #: How long a removed member's address is re-dialled, seconds.
 LOST_MEMORY_S = 600.0
-
-
-@dataclass
-class Member:
-    """One peer admitted to the cluster.
-
-    Attributes:
-        node_id: its id.
-        address: its gRPC ``host:port``.
-        incarnation: changes every time its process starts.
-        record: its self-description (see :meth:`Membership.own_record`).
-        record_version: version of ``record`` (owned and bumped by the member).
-        state: ``alive`` or ``suspect``.
-        last_ok: ``time.monotonic()`` of the last successful exchange.
-    """
-
-    node_id: str
-    address: str
-    incarnation: str = ""
-    record: dict = field(default_factory=dict)
-    record_version: int = 0
-    state: str = "alive"
-    last_ok: float = field(default_factory=time.monotonic)
-    joined_at: float = field(default_factory=time.time)
-    committed_epoch: int = 0
-    plan_id: str = ""
-    failures: int = 0
-
-
-def membership_digest(node_ids) -> str:
-    """sha256 (hex, 16 chars) of the sorted member ids: the view a plan is made for."""
-    return hashlib.sha256("\n".join(sorted(node_ids)).encode()).hexdigest()[:16]
+#: A channel dropped after a failed dial is closed this much later, seconds.
+RETIRED_CLOSE_S = 30.0
 
 
 class Membership:
@@ -113,6 +87,7 @@ class Membership:
         self._record: dict = {}
         self.record_version = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[tuple[float, grpc.aio.Channel]] = []  # dropped channels, closed later
         self._pending: set[str] = set()  # addresses being handshaken
         self._refused: dict[str, float] = {}  # address -> monotonic time of the last refusal
         self._task: asyncio.Task | None = None
@@ -164,6 +139,11 @@ class Membership:
         """Digest of :meth:`alive_ids` (see :func:`membership_digest`)."""
         return membership_digest(self.alive_ids())
 
+    def views_agree(self) -> bool:
+        """Every alive member's last beat reported this node's view (:meth:`digest`)."""
+        mine = self.digest()
+        return all(m.digest == mine for m in self.members.values() if m.state == "alive")
+
     def reachable_address(self) -> str:
         """The address this node's stage goes by in a plan: the one most of its alive
         members reach it at (each member's beats list the address it has for this node,
@@ -191,15 +171,28 @@ class Membership:
         return m.record if m else None
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        """A cached channel to ``address``."""
+        """A cached channel to ``address`` (its own connection: see :meth:`_drop_channel`)."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = make_channel(self.transport, address)
+            ch = make_channel(self.transport, address, own_connection=True)
             self._channels[address] = ch
         return ch
 
     def stub(self, address: str) -> pb_grpc.RingStub:
         return pb_grpc.RingStub(self.channel(address))
+
+    def _drop_channel(self, address: str) -> None:
+        """Forget the channel to ``address`` unless a member is dialled there: the next dial
+        connects afresh, not after the channel's reconnect backoff (minutes while a peer
+        is down). Closed :data:`RETIRED_CLOSE_S` later: calls in flight on it end as usual."""
+        if any(m.address == address for m in self.members.values()):
+            return
+        now = time.monotonic()
+        while self._retired and now - self._retired[0][0] > RETIRED_CLOSE_S:
+            self._spawn(self._retired.pop(0)[1].close())
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            self._retired.append((now, ch))
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -216,9 +209,10 @@ class Membership:
             if t is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
-        for ch in self._channels.values():
+        for ch in [*self._channels.values(), *(ch for _, ch in self._retired)]:
             await ch.close()
         self._channels.clear()
+        self._retired.clear()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -249,6 +243,7 @@ class Membership:
                 timeout=max(2.0, 4 * self.heartbeat_s))
         except grpc.aio.AioRpcError as exc:
             self._refuse(address, f"no gRPC handshake ({exc.code().name}); retrying quietly")
+            self._drop_channel(address)
             return
         finally:
             self._pending.discard(address)
@@ -341,6 +336,7 @@ class Membership:
         if member is None:
             return
         self.lost[node_id] = (member.address, time.monotonic())
+        self._drop_channel(member.address)
         self.departed[node_id] = why
         while len(self.departed) > 256:
             self.departed.pop(next(iter(self.departed)))
@@ -359,14 +355,29 @@ class Membership:
 
     # --- heartbeats ----------------------------------------------------------------------
 
+    def member_digests(self) -> list[pb.MemberDigest]:
+        """This node's alive members as they travel in beats and refusals: id, the address
+        this node dials it at, its record version."""
+        return [pb.MemberDigest(node_id=m.node_id, grpc_address=m.address, record_version=m.record_version)
+                for m in self.members.values() if m.state == "alive"]
+
+    def learn(self, listed) -> int:
+        """:meth:`consider` each ``(node id, address)`` another member listed (beats,
+        proposals, refusals) that is not a member yet; returns how many were unknown."""
+        unknown = 0
+        for node_id, address in listed:
+            if node_id and address and node_id != self.node_id and node_id not in self.members:
+                unknown += 1
+                self.consider(address, node_id)
+        return unknown
+
     def make_beat(self) -> pb.Heartbeat:
         """This node's heartbeat message."""
         epoch, plan_id = self.epoch_fn()
         return pb.Heartbeat(
             sender_id=self.node_id, incarnation=self.incarnation, record_version=self.record_version,
-            members=[pb.MemberDigest(node_id=m.node_id, grpc_address=m.address, record_version=m.record_version)
-                     for m in self.members.values() if m.state == "alive"],
-            committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address)
+            members=self.member_digests(), committed_epoch=epoch, plan_id=plan_id, grpc_address=self.address,
+            membership_digest=self.digest())
 
     def on_beat(self, beat: pb.Heartbeat) -> pb.Heartbeat:
         """Handle a peer's heartbeat; returns ours. A beat marked ``leaving`` removes
@@ -390,6 +401,7 @@ class Membership:
             member.state = "alive"
             self.on_event("alive", f"{member.node_id} is alive again")
         member.committed_epoch, member.plan_id = beat.committed_epoch, beat.plan_id
+        member.digest = beat.membership_digest
         if beat.incarnation and member.incarnation and beat.incarnation != member.incarnation:
             member.incarnation = beat.incarnation
             self.on_event("restart", f"{member.node_id} restarted")
@@ -398,8 +410,7 @@ class Membership:
         for digest in beat.members:
             if digest.node_id == self.node_id and digest.grpc_address:
                 self.seen_as[member.node_id] = digest.grpc_address  # how it reaches us: a route that works
-            elif digest.node_id not in self.members and digest.grpc_address:
-                self.consider(digest.grpc_address, digest.node_id)
+        self.learn((d.node_id, d.grpc_address) for d in beat.members)
 
     def consider_refresh(self, member: Member) -> None:
         """Fetch a member's newer record (another handshake to the same address)."""

@@ -27,6 +27,11 @@ Protocol (all over ringlet's gRPC)::
   or committed (``Vote.newest_epoch``), and the proposer's next round proposes above
   it: a proposal that was prepared but never committed (its proposer lost the role
   when two partitions merged) would otherwise refuse every later one at its epoch.
+* A refusal for a membership difference reconciles the two views and backs off
+  (:mod:`.refusals`): the refuser dials the proposal's members it lacks, the proposer
+  those the refusal lists, and the next round waits 1 s, doubling to 8 s, unless every
+  member's beats report the proposer's view first (or its membership changes);
+  refusals are logged once per cause with a count.
 * Churn is debounced: the proposer waits until the membership has been stable for
   ``settle_s`` and proposes only when the plan would differ from the committed one
   or the membership changed, or a stage's address moved (a route broke or a faster one
@@ -49,12 +54,14 @@ from typing import Protocol
 
 import grpc
 
+from ringlet.daemon.cluster import refusals
+from ringlet.daemon.cluster.cluster_view import cluster_view
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
 from ringlet.daemon.cluster.model_agreement import ModelAgreement
-from ringlet.daemon.cluster.proposal import layout, proposal_addresses, readdress, routes_moved, routes_report
+from ringlet.daemon.cluster.proposal import layout, proposal_addresses, readdress, routes_moved
 from ringlet.daemon.cluster.reachability import REACH_TIMEOUT_S, unreachable
-from ringlet.daemon.cluster.topology import build_graph, planner_inputs, to_json
+from ringlet.daemon.cluster.topology import build_graph, planner_inputs
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
@@ -144,6 +151,9 @@ class Negotiator:
         self.last_result = ""
         self.bytes_loaded_last = 0
         self.agreement = ModelAgreement(model_name, node.event)  # members of another model: kept out
+        self._backoff = refusals.Backoff()  # rounds refused for a membership difference in a row
+        self._retry_s = settle_s  # the wait before the next round after a refused one
+        self.said = refusals.CountedLog(log)  # refusals, given and received: once per cause, with a count
 
     # --- wiring --------------------------------------------------------------------------
 
@@ -187,8 +197,8 @@ class Negotiator:
             except Exception:  # a round must never kill the loop
                 log.exception("negotiation round failed")
                 retry = True
-            if retry:
-                await asyncio.sleep(self.settle_s)
+            if retry:  # views that came to agree, or a membership change, end a long wait early
+                await refusals.wait_to_propose(self._retry_s, self.settle_s, self._changed, self.membership.views_agree)
                 self._changed.set()
 
     def compute_plan(self, kv_tokens: int = 0) -> tuple[Plan | None, str | None]:
@@ -256,13 +266,20 @@ class Negotiator:
 
         votes = await asyncio.gather(self.on_propose(proposal), *(ask(m) for m in members))
         refused = [v for v in votes if not v.ok]
+        self._retry_s = self.settle_s
+        if any(refusals.views_differ(v.reason) for v in refused):
+            self.membership.learn((d.node_id, d.grpc_address) for v in refused for d in v.members)
+            self._retry_s = self._backoff.next()
+        else:
+            self._backoff.reset()
         if refused:
             self.state = "idle"
             self._epoch_floor = max([self._epoch_floor, *(v.newest_epoch for v in refused)])
             self._kv_reserve = max([self._kv_reserve, *(v.kv_tokens for v in refused)])
             self._abandon((epoch, self.node.node_id))
             self.last_result = "; ".join(f"{v.node_id}: {v.reason}" for v in refused)
-            log.info("epoch %d not accepted: %s", epoch, self.last_result)
+            self.said(logging.INFO, f"a proposal not accepted: {self.last_result}",
+                      kind=f"received: {refused[0].reason.split(':')[0][:80]}")
             return True
         commit = pb.CommitRequest(epoch=epoch, proposer_id=self.node.node_id,
                                   plan_id=plan.plan_id if plan is not None else "")
@@ -305,9 +322,17 @@ class Negotiator:
     # --- the member side -----------------------------------------------------------------
 
     def _refuse(self, why: str) -> pb.Vote:
-        log.info("refusing a proposal: %s", why)
+        self.said(logging.INFO, f"refusing a proposal: {why}", kind=f"given: {why.split(':')[0][:80]}")
         newest = max(self.node.epoch, self._prepared_key[0] if self._prepared_key is not None else 0)
         return pb.Vote(ok=False, reason=why, node_id=self.node.node_id, newest_epoch=newest)
+
+    def _reconcile(self, p: pb.Proposal, why: str) -> pb.Vote:
+        """Refuse ``p``, made from another view: dial the members it lists that this node
+        lacks, and list this node's members in the refusal (for the proposer to dial)."""
+        self.membership.learn((a.node_id, a.grpc_address) for a in p.addresses)
+        vote = self._refuse(why)
+        vote.members.extend(self.membership.member_digests())
+        return vote
 
     def _no_room(self, serving: ServingPlan) -> pb.Vote | None:
         """A refusal when this node's stage of ``serving`` cannot hold its weights with the
@@ -337,7 +362,7 @@ class Negotiator:
         """Check and prepare a proposal (see the module docstring for the rules)."""
         me = self.node.node_id
         if p.proposer_id != me and p.proposer_id not in self.membership.members:
-            return self._refuse(f"proposal from a non-member ({p.proposer_id[:32]!r})")
+            return self._reconcile(p, f"{refusals.NON_MEMBER} ({p.proposer_id[:32]!r})")
         if p.epoch <= self.node.epoch:
             return self._refuse(f"stale epoch {p.epoch}: epoch {self.node.epoch} is committed")
         key = (p.epoch, p.proposer_id)
@@ -346,7 +371,7 @@ class Negotiator:
         if p.model != self.model_name:
             return self._refuse(f"plan for another model ({p.model[:64]!r}; this node serves {self.model_name!r})")
         if p.membership_digest != self.membership.digest():
-            return self._refuse("membership differs from this node's view")
+            return self._reconcile(p, refusals.MEMBERSHIP_DIFFERS)
         try:
             body = json.loads(p.plan_json)
         except ValueError:
@@ -470,28 +495,5 @@ class Negotiator:
     # --- introspection -------------------------------------------------------------------
 
     def info(self) -> dict:
-        """Members, topology and negotiation state for ``/v1/cluster``."""
-        ids = self.membership.alive_ids()
-        records = {i: self.membership.record_of(i) or {} for i in ids}
-        graph = to_json(build_graph(records))
-        members = []
-        for m in self.membership.info():
-            rec = m.get("record") or {}
-            members.append({
-                "node_id": m["node_id"], "state": m["state"], "grpc_address": m["grpc_address"],
-                "api_url": rec.get("api_url"), "name": rec.get("name"), "chip": rec.get("chip"),
-                "memory_total_bytes": rec.get("memory_total_bytes"),
-                "memory_usable_bytes": rec.get("usable_memory_bytes"),
-                "silent_s": m.get("silent_s"), "record_version": m["record_version"],
-            })
-        tp = self.tp.info() if self.tp is not None else {"mode": "pipeline", "backend": "none", "ranks": []}
-        return {
-            "mode": tp["mode"],
-            "tp": tp,
-            "policy": self.policy.name,
-            "members": members,
-            "links": graph["links"],
-            "routes": routes_report(records, self.node.plan),  # every address a member could not reach
-            "negotiation": {"state": self.state, **self.agreement.info(self.membership),
-                            "membership_digest": self.membership.digest(), "last_result": self.last_result},
-        }
+        """Members, topology and negotiation state for ``/v1/cluster`` (:func:`.cluster_view.cluster_view`)."""
+        return cluster_view(self)

@@ -10,6 +10,12 @@ answers a fresh query (a clone, or a crashed earlier run: only a live one is
 reported). An advert carrying *our* node id is a clone of this node, judged by
 :func:`~ringlet.daemon.cluster.identity.should_yield`. Every record heard is
 noted (:class:`HeardListener`), which is how a fresh query tells who answered.
+
+A lookup that fails (no answer within :data:`RESOLVE_TIMEOUT_MS`: a busy peer, a lost
+packet) is not the end of that peer: it is tried again after :data:`RETRY_FIRST_S`,
+doubling up to :data:`RETRY_MAX_S` (with jitter), for as long as the name is advertised
+(at most :data:`RETRY_FOR_S`), and at once (at most once a second) when any record of
+that name is heard again (the peer announced itself anew).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import random
 import time
 
 from zeroconf import (
@@ -41,6 +48,9 @@ __all__ = [
     "FRESH_ANSWER_WAIT_S",
     "MAX_PENDING_RESOLVES",
     "RESOLVE_TIMEOUT_MS",
+    "RETRY_FIRST_S",
+    "RETRY_FOR_S",
+    "RETRY_MAX_S",
     "TYPE_PTR",
     "TYPE_SRV",
     "TYPE_TXT",
@@ -60,6 +70,16 @@ FRESH_ANSWER_WAIT_S = 1.5
 #: At most this many peer resolutions run at once; beyond, new names are dropped
 #: (logged) until some finish. Bounds work under an advert flood.
 MAX_PENDING_RESOLVES = 64
+#: A failed lookup is tried again after this many seconds, then after twice as long each
+#: time, up to :data:`RETRY_MAX_S` (each delay jittered by +-20 %).
+RETRY_FIRST_S = 1.0
+#: The longest wait between two lookups of a name that did not answer, seconds.
+RETRY_MAX_S = 30.0
+#: How long a name that never answers is looked up again, seconds: a killed node's
+#: records outlive it ~19 minutes (PTR TTL), after which zeroconf removes the name.
+RETRY_FOR_S = 1200.0
+#: A name that failed is looked up again when its records are heard, at most this often, s.
+HEARD_RETRY_MIN_S = 1.0
 
 # DNS constants (RFC 1035).
 FLAGS_QR_QUERY = 0x0000
@@ -111,6 +131,10 @@ class BrowserMixin(DiscoveryBase):
                 continue
             if name in self._last_heard or len(self._last_heard) < MAX_TRACKED:
                 self._last_heard[name] = now
+            failed = self._unresolved.get(name)
+            if (failed is not None and self._running and name not in self._resolving
+                    and now - failed[2] >= HEARD_RETRY_MIN_S):
+                self._schedule_resolve(name)  # it announced itself again: look it up now
 
     def _on_state_change(
         self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange
@@ -167,12 +191,44 @@ class BrowserMixin(DiscoveryBase):
                 name,
                 "unresolved",
                 logging.INFO,
-                "mDNS: %s did not answer within %d ms",
+                "mDNS: %s did not answer within %d ms; looking it up again (after %.0f s, then longer)",
                 name,
                 RESOLVE_TIMEOUT_MS,
+                RETRY_FIRST_S,
             )
+            self._retry_later(name)
             return None
+        failed = self._unresolved.pop(name, None)
+        if failed is not None:
+            log.info("mDNS: %s answered on lookup %d (%.1f s after the first failed)", name, failed[0] + 1,
+                     time.monotonic() - failed[1])
         return self._handle_info(name, info, force=force)
+
+    def _retry_later(self, name: str) -> None:
+        """Look ``name`` up again later (see the module docstring for when)."""
+        now = time.monotonic()
+        attempts, since, _ = self._unresolved.get(name, (0, now, now))
+        if now - since > RETRY_FOR_S:
+            self._unresolved.pop(name, None)
+            self._log_once(name, "gave-up", logging.INFO, "mDNS: %s did not answer for %.0f s; no longer looked up",
+                           name, now - since)
+            return
+        if name not in self._unresolved and len(self._unresolved) >= MAX_TRACKED:
+            return
+        self._unresolved[name] = (attempts + 1, since, now)
+        if name in self._retrying:
+            return
+        self._retrying.add(name)
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2**attempts) * random.uniform(0.8, 1.2)  # noqa: S311 - jitter
+        self._track(self._retry(name, delay))
+
+    async def _retry(self, name: str, delay: float) -> None:
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._retrying.discard(name)
+        if self._running and name in self._unresolved:
+            self._schedule_resolve(name)
 
     def _handle_info(self, name: str, info: AsyncServiceInfo, *, force: bool = False) -> Advert | None:
         try:
@@ -238,6 +294,7 @@ class BrowserMixin(DiscoveryBase):
 
     def _handle_removed(self, name: str) -> None:
         self._last_heard.pop(name, None)
+        self._unresolved.pop(name, None)
         self._resolve_again.discard(name)
         self._conflicts.discard(name)
         advert = self._instances.pop(name, None)

@@ -118,10 +118,11 @@ def choose_batch(queue: Iterable[Work], group_of: Callable[[str], tuple | None],
 
 
 def batch_figures(max_batch: int, last: int, recent: Iterable[tuple[float, int]], histogram: Mapping[int, int],
-                  queued: int, window_s: float, now: float) -> dict:
+                  queued: int, window_s: float, now: float, unmerged: int = 0) -> dict:
     """Decode batching figures for ``/v1/cluster``: the limit, the last batch, the mean
     batch over the last ``window_s`` seconds (from ``recent`` (monotonic time, size)
-    pairs), the histogram since start (size -> forwards) and the steps waiting."""
+    pairs), the histogram since start (size -> forwards), the steps waiting and
+    ``unmerged`` (the decode groups' count of batches whose caches could not merge)."""
     sizes = [n for t, n in recent if now - t <= window_s]
     return {
         "max_batch": max_batch,
@@ -129,4 +130,5 @@ def batch_figures(max_batch: int, last: int, recent: Iterable[tuple[float, int]]
         "mean_batch_recent": sum(sizes) / len(sizes) if sizes else None,
         "histogram": {str(k): v for k, v in sorted(histogram.items())},
         "queued": queued,
+        "unmerged": unmerged,
     }

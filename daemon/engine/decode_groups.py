@@ -1,6 +1,8 @@
 """Decode groups: the KV caches of requests that keep decoding together stay merged.
 
-A batched decode step runs mlx-lm's left-padded ``BatchKVCache``. Building one
+A batched decode step runs mlx-lm's left-padded ``BatchKVCache`` (for sliding windows
+its ``BatchRotatingKVCache``, for recurrent states a batched ``ArraysCache``: each kind's
+own ``merge`` and ``extract``; kinds without one run alone, counted in ``unmerged``). Building one
 (``BatchKVCache.merge``) copies every member's whole KV cache into a padded buffer,
 and splitting it back (``extract``) copies it again: work that grows with the
 context, on every step, for every member. Measured by ``bench/bench_groups.py``
@@ -19,17 +21,22 @@ fills it again. Everything here runs on the engine's single MLX worker thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from ringlet.daemon.engine import cache_kinds
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Group:
     keys: tuple  # the members, in row order
     owners: list[list]  # each member's own cache list, emptied while grouped (row order)
-    caches: list  # one BatchKVCache per layer
+    caches: list  # one batched cache per layer (BatchKVCache, BatchRotatingKVCache, ArraysCache...)
 
 
 class DecodeGroups:
@@ -37,6 +44,9 @@ class DecodeGroups:
 
     def __init__(self) -> None:
         self._of: dict[Hashable, _Group] = {}
+        #: batched steps run one request at a time instead: caches mlx-lm cannot merge
+        #: (quantized, chunked), since start
+        self.unmerged = 0
 
     def members(self, key: Hashable) -> tuple | None:
         """The members of ``key``'s group, in row order (``None``: not grouped)."""
@@ -66,13 +76,18 @@ class DecodeGroups:
 
         Returns:
             The evaluated output ``(len(keys), 1, ...)`` in ``keys``' order, or ``None``
-            when the caches cannot be merged (rotating, quantized, ...): the members'
-            own caches are then whole again and the caller runs them one by one.
+            when the caches cannot be merged (quantized, chunked: counted in
+            :attr:`unmerged`): the members' own caches are then whole again and the caller
+            runs them one by one.
         """
         group = self._of.get(keys[0])
         if group is None or len(group.keys) != len(keys) or set(group.keys) != set(keys):
             self.dissolve(keys)
             if not mergeable(caches):
+                if not self.unmerged:
+                    log.info("decode steps of caches mlx-lm cannot merge (%s) run one request at a time",
+                             ", ".join(sorted({k for c in caches for k in cache_kinds.kinds(c)})))
+                self.unmerged += 1
                 return None
             group = self._form(tuple(keys), caches)
         row = {k: i for i, k in enumerate(group.keys)}
@@ -88,9 +103,8 @@ class DecodeGroups:
         return out
 
     def _form(self, keys: tuple, caches: list[list]) -> _Group:
-        from mlx_lm.models.cache import BatchKVCache
-
-        merged = [BatchKVCache.merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
+        # each kind's own batched form: BatchKVCache, BatchRotatingKVCache, ArraysCache, CacheList
+        merged = [type(caches[0][layer]).merge([cache[layer] for cache in caches]) for layer in range(len(caches[0]))]
         group = _Group(keys, list(caches), merged)
         for owner in caches:
             owner.clear()  # the group holds their KV now

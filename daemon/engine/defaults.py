@@ -11,6 +11,17 @@ DEFAULT_MAX_BATCH = 8
 #: of one stage's batched decode step on this development machine (35-45 ms, bench_groups).
 DEFAULT_GROUP_WAIT_S = 0.010
 
+#: ``--prefill-share``: how much the balanced plan weighs a prompt token's work on each
+#: stage against a decoded token's (``Policy.prefill_share``). A decoded token also runs
+#: the head, a prompt token does not (the head sees one position a prompt), so a
+#: decode-balanced split gives the stages before the last more of every prompt: on
+#: SmolLM2 (tied 49k x 576 head = 8 of its 30 layers' reads) 2 nodes split 18 / 12, and
+#: a prompt's prefill runs at the pace of the 18-layer stage. ringlet's users are coding
+#: agents, whose turns read long prompts (Claude Code's first is ~21,000 tokens, tool
+#: results thousands) and write short answers, so prefill weighs as much as decode:
+#: 0.5 (16 / 14 there). 0 balances decode alone, 1 prefill alone (issue #35).
+DEFAULT_PREFILL_SHARE = 0.5
+
 #: Prompt tokens per prefill chunk (``--prefill-chunk``) on a GPU. A chunk holds a
 #: stage's worker for one forward, so other requests' decode steps wait at most one
 #: chunk; 512 is mlx-lm's own ``prefill_step_size`` for batched generation.

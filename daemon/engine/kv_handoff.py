@@ -9,18 +9,29 @@ has into sequences over the new range and puts them in the prefix store. A reque
 resumed on the new plan finds its tokens there on every stage and prefills only the
 one token its next decode step would have computed anyway.
 
+Caches of other kinds than plain ``KVCache`` (:mod:`.cache_kinds`: sliding windows,
+recurrent states) are parked whole, exact at their length: they serve this node's layers
+it keeps (and join a rebuild of lost layers, :mod:`.rebuild`), but never move to another
+node (``FetchKV`` leaves them out, :func:`declined`; logged, and counted in the node's
+``kv_migration`` figures as ``states_not_sent``): a request whose new stage lacks them
+prefills again, counted there as a resume without cached tokens.
+
 Entries of requests in flight are pinned: the store's byte budget never evicts them,
 and they are unpinned when the resumed request takes them (or at the next re-plan).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore
 from ringlet.daemon.engine.kv_pieces import Piece, assemble
 from ringlet.daemon.engine.prefix_store import PrefixStore, snapshot, storable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,9 +67,9 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
     pieces = []
     for state in requests.values():
         tokens = state.tokens
-        if tokens is not None and len(tokens) == state.offset > 0 and storable(state.cache):
-            pieces.append(Piece(state.scope, list(tokens), stage.start, stage.end,
-                                snapshot(state.cache, state.offset), inflight=True))
+        if tokens is not None and len(tokens) == state.offset > 0 and state.cache:
+            layers = snapshot(state.cache, state.offset) if storable(state.cache) else cache_kinds.freeze(state.cache)
+            pieces.append(Piece(state.scope, list(tokens), stage.start, stage.end, layers, inflight=True))
     for entry in store.entries():
         if entry.start <= stage.start and entry.end >= stage.end:
             pieces.append(Piece(entry.scope, entry.tokens, entry.start, entry.end, entry.layers).within(
@@ -66,6 +77,17 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
     if clear:
         store.clear()
     return pieces
+
+
+def declined(pieces: list[Piece], start: int, end: int) -> list[Piece]:
+    """``pieces`` less the ones holding whole states (they have no wire form), logged;
+    layers ``[start, end)`` name them in the log."""
+    kept = [p for p in pieces if not p.exact]
+    left = [p for p in pieces if p.exact]
+    if left:
+        log.info("layers [%d, %d): %d sequence(s) hold windows or recurrent states, which do not move to another "
+                 "node: requests that need them there prefill again", start, end, len(left))
+    return kept
 
 
 def park_boundaries(requests: dict, boundaries: BoundaryStore, new_end: int | None) -> list[Boundary]:

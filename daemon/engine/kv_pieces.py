@@ -13,6 +13,11 @@ causal, so the KV of layer ``l`` for tokens ``t[:n]`` depends only on ``t[:n]``
 (Vaswani et al. 2017, masked self-attention). Two stages of one request may also have
 parked it one decode step apart; the joined piece keeps the tokens both hold.
 
+A piece may instead hold whole cache states (:class:`.cache_kinds.Frozen`: sliding
+windows, recurrent states), exact at its length only: it joins only sequences of exactly
+its tokens and never goes on the wire (``FetchKV`` leaves it out:
+:func:`.kv_handoff.declined`); it serves the node that parked or rebuilt it.
+
 Pure MLX array handling, run on the engine's worker thread; no I/O.
 """
 
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
@@ -42,7 +48,8 @@ class Piece:
         tokens: its token ids, one per cached position.
         start, end: the layer range (half-open).
         layers: per layer of the range, ``(keys, values)``, each
-            ``(1, kv_heads, len(tokens), head_dim)``.
+            ``(1, kv_heads, len(tokens), head_dim)``; or whole states
+            (:class:`.cache_kinds.Frozen`) when :attr:`exact`.
         inflight: a request in flight when the plan changed (else a prefix-cache entry).
     """
 
@@ -55,8 +62,13 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values."""
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+        """Bytes of keys and values (or states)."""
+        return cache_kinds.layers_nbytes(self.layers)
+
+    @property
+    def exact(self) -> bool:
+        """It holds whole states: usable at exactly ``len(tokens)`` only."""
+        return cache_kinds.frozen(self.layers)
 
     def within(self, start: int, end: int) -> Piece | None:
         """This piece's layers inside ``[start, end)`` (``None``: none are)."""
@@ -130,8 +142,8 @@ def assemble(pieces: list[Piece], start: int, end: int) -> list[Piece]:
             chosen.append(piece)
             at = piece.end
         key = (anchor.scope, tuple(anchor.tokens[:n]))
-        if at < end or n == 0 or key in done:
-            continue
+        if at < end or n == 0 or key in done or any(p.exact and len(p.tokens) != n for p in chosen):
+            continue  # (a whole state cannot be cut to fewer tokens)
         done.add(key)
         layers = [layer for p in chosen for layer in p.truncated(n).layers]
         # a sequence in flight on any stage is a request in flight (pinned until it resumes)

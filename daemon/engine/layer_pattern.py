@@ -30,8 +30,11 @@ evaluated) model by :func:`capture`:
 
 Architectures whose forward decides a layer's kind by its local loop position
 (``enumerate(self.layers)`` with ``i % sliding_window_pattern``: gemma3_text.py,
-cohere2.py) have their layers build their own masks (:mod:`local_index`); ``(idx + 1) % 4``
-and ``cache[3]`` (llama4.py) are not handled yet.
+cohere2.py) have their layers build their own masks (:mod:`local_index`), and llama4.py's
+``(idx + 1) % 4``, ``cache[0].start_position`` and ``cache[3]`` see the global index modulo 4
+(:mod:`local_index`, padded in front).
+A forward that builds a kind's mask from ``cache[idx]`` unconditionally gets, on a stage
+without that kind, a stand-in cache after its own (:meth:`LayerPattern.apply`).
 :data:`REFUSED` names what cannot be split and why, and :func:`check_split` refuses any other
 architecture whose layers are of more than one kind unless it is in
 :data:`PATTERN_VERIFIED` (verified split by split against mlx-lm's whole model by
@@ -50,10 +53,18 @@ from ringlet.daemon.errors import PlanError
 
 #: Index attributes of an inner model that name one representative layer per kind
 #: (sources in the module docstring).
-INDEX_ATTRS = ("fa_idx", "swa_idx", "ga_idx", "full_idx", "ssm_idx", "conv_idx")
+INDEX_ATTRS = ("fa_idx", "swa_idx", "ga_idx", "full_idx", "ssm_idx", "conv_idx", "attn_idx", "gla_idx",
+               "_attn_idx", "_gla_idx", "first_swa_idx", "first_global_idx", "attention_index", "linear_index",
+               "_first_full", "_first_sliding", "_swa_idx", "_full_idx", "_fa_idx", "_lin_idx")
 
-#: Per-position lists the forward zips with ``self.layers`` (gpt_oss.py, olmo3.py).
-POSITION_LISTS = ("layer_types",)
+#: Per-position lists the forward zips with ``self.layers`` (gpt_oss.py, olmo3.py; mellum.py
+#: ``MellumModel.__call__`` zips ``self.args.layer_types``: dotted, a copy of ``args`` gets the slice).
+POSITION_LISTS = ("layer_types", "args.layer_types")
+
+#: Sets of global layer positions the forward tests its loop index against: baichuan_m1.py
+#: ``BaichuanModel.__call__`` (``mask = swa_mask if l in self.swa_layers else global_mask``,
+#: ``l`` from ``enumerate(zip(self.layers, cache))``).
+POSITION_SETS = ("swa_layers",)
 
 #: Index attributes a forward skips when ``None`` (no layer of that kind here), as
 #: mlx-lm's own pipeline split sets them: qwen3_next.py ``Qwen3NextModel.pipeline`` and
@@ -62,12 +73,29 @@ POSITION_LISTS = ("layer_types",)
 NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_idx"}),
                                         "ministral3": frozenset({"fa_idx", "swa_idx"}),
                                         "qwen3_5": frozenset({"fa_idx", "ssm_idx"}),
-                                        "qwen3_5_moe": frozenset({"fa_idx", "ssm_idx"})}
+                                        "qwen3_5_moe": frozenset({"fa_idx", "ssm_idx"}),
+                                        # baichuan_m1.py BaichuanModel.__call__: ``if self.first_global_idx is None``
+                                        "baichuan_m1": frozenset({"first_swa_idx", "first_global_idx"}),
+                                        # bailing_moe_v3.py: ``if self.attention_index is not None``
+                                        "bailing_moe_v3": frozenset({"attention_index", "linear_index"}),
+                                        # spark2_5.py Spark2_5Model.__call__: ``if self._first_full is not None``
+                                        "spark2_5": frozenset({"_first_full", "_first_sliding"}),
+                                        # plamo3.py Plamo3Decoder.__call__: ``if self.swa_idx is not None``
+                                        "plamo3": frozenset({"swa_idx"}),
+                                        # step3p5.py Step3p5Model.__call__: ``if self._full_idx is not None``
+                                        "step3p5": frozenset({"_swa_idx", "_full_idx"}),
+                                        # olmo_hybrid.py: ``if self._fa_idx is not None``
+                                        "olmo_hybrid": frozenset({"_fa_idx", "_lin_idx"}),
+                                        # afmoe.py AfmoeModel.__call__: ``if self.swa_idx is not None``
+                                        "afmoe": frozenset({"swa_idx"}),
+                                        # gear.py GearModel.__call__: ``if self.fa_idx is not None`` (each kind)
+                                        "gear": frozenset({"fa_idx", "swa_idx", "conv_idx"})}
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
-PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llama", "exaone_moe",
-                              "gemma3_text", "cohere2", "ministral3", "laguna", "qwen3_5",
-                              "qwen3_5_moe"})
+PATTERN_VERIFIED = frozenset((
+    "afmoe baichuan_m1 bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 gemma3_text gpt_oss granitemoehybrid "
+    "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum mimo_v2_flash ministral3 olmo3 olmo_hybrid "
+    "plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 #: Architectures (mlx-lm ``model_type``) whose every split the zoo (tests/engine/test_zoo.py)
@@ -76,65 +104,64 @@ PATTERN_VERIFIED = frozenset({"gpt_oss", "olmo3", "qwen3_next", "exaone4", "llam
 #: (deepseek_v41, untested, gave wrong logits on every split while its layers all looked
 #: alike). ``RINGLET_SPLIT_UNVERIFIED=1`` lets such a split run, at the user's risk.
 SPLIT_VERIFIED = frozenset((
-    "Klear apertus bailing_moe cohere cohere2 deepseek deepseek_v2 deepseek_v3 deepseek_v32 dots1 ernie4_5 "
-    "ernie4_5_moe exaone4 exaone_moe falcon_h1 gemma gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa "
-    "gpt_oss granite granitemoe helium hunyuan hunyuan_v1_dense internlm2 internlm3 laguna llama llama4_text "
-    "mamba2 mimo minicpm minicpm3 minimax ministral3 mistral mistral4 mixtral nanbeige nemotron olmo2 olmo3 "
-    "olmoe openelm phi phi3 phimoe qwen2 qwen2_moe qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next seed_oss "
-    "smollm3 solar_open stablelm starcoder2 telechat3 youtu_llm").split())
+    "afmoe apertus baichuan_m1 bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v2 deepseek_v3 "
+    "deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon_h1 gear gemma gemma2 gemma3 "
+    "gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 gpt_bigcode gpt_neox gpt_oss gptj granite "
+    "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear "
+    "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text longcat_flash mamba mamba2 "
+    "mellum mimo mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral "
+    "nanbeige nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo "
+    "plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl "
+    "qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
+    "youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
 REFUSED: dict[str, str] = {
-    "gemma2": "its head soft-caps the output after ``embed_tokens.as_linear`` in Model.__call__ "
-              "(gemma2.py: tanh(out / final_logit_softcapping) * final_logit_softcapping), which a stage "
-              "that is not last would apply to its hidden states",
-    "gemma3": "its forward scales the embedding output (gemma3_text.py Gemma3Model.__call__) and picks "
-              "sliding or global attention by the local loop index i % sliding_window_pattern",
     "gemma3n": "its forward scales the embedding and shares KV across layers by global position (gemma3n.py)",
-    "recurrent_gemma": "its forward scales the embedding output and picks attention or recurrence by "
-                       "global position (recurrent_gemma.py)",
-    "exaone": "its modules are ``transformer.wte``/``transformer.h``/``transformer.ln_f`` (exaone.py), not the "
-              "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "lfm2": "its forward builds the attention mask from cache[fa_idx] and the conv mask from cache[conv_idx] "
-            "unconditionally (lfm2.py Lfm2Model.__call__): a stage without an attention layer or without a "
-            "conv layer has no cache of that kind to build it from (splits whose every stage has both kinds "
-            "were checked exact)",
-    "phi3small": "its forward scales the embedding output by mup_embedding_multiplier (phi3small.py), which a "
-                 "later stage would apply again",
-    "afmoe": "its forward scales the embedding output by sqrt(hidden_size) when mup_enabled (afmoe.py), "
-             "which a later stage would apply again",
-    "gear": "its forward scales the embedding output by embed_scale (gear.py), which a later stage would "
-            "apply again",
-    "gemma4_text": "its forward scales the embedding output by embed_scale (gemma4_text.py), which a later "
-                   "stage would apply again",
-    "gpt2": "its modules are ``wte``/``wpe``/``h``/``ln_f`` (gpt2.py GPT2Model) and it adds learned position "
-            "embeddings after the token embedding, not the ``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "gpt_bigcode": "its modules are ``transformer.wte``/``wpe``/``h``/``ln_f`` (gpt_bigcode.py) and it adds learned "
-                   "position embeddings, not the ``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "gpt_neox": "its modules are ``embed_in``/``h``/``final_layer_norm`` (gpt_neox.py GPTNeoXModel), not the "
-                "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "gptj": "its modules are ``wte``/``h``/``ln_f`` (gptj.py GPTJModel), not the ``layers``/``embed_tokens``/"
-            "``norm`` a stage prunes",
-    "dbrx": "its modules are ``transformer.wte``/``blocks``/``norm_f`` (dbrx.py DBRX), not the "
-            "``layers``/``embed_tokens``/``norm`` a stage prunes",
-    "qwen": "its modules are ``transformer.wte``/``h``/``ln_f`` (qwen.py QwenModel), not the "
-            "``layers``/``embed_tokens``/``norm`` a stage prunes",
+    "gemma4_text": "its last num_kv_shared_layers layers reuse the KV of earlier layers (gemma4_text.py "
+                   "Attention.has_kv, shared_kv) and every layer takes per-layer inputs embedded from the token "
+                   "ids (embed_tokens_per_layer), which a stage that is not first does not have",
+    "gemma4": "it serves text through gemma4_text.Model (gemma4.py), whose last num_kv_shared_layers layers reuse "
+              "the KV of earlier layers and whose layers take per-layer inputs embedded from the token ids",
     "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
                   "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
-    "mamba": "its forward unpacks ``B, T = inputs.shape`` (mamba.py Model.__call__), so a stage that is not "
-             "first cannot take hidden states",
+    "nemotron-nas": "layers whose attention is a no-op have no cache (nemotron-nas.py Model.make_cache: "
+                    "one KVCache per layer whose self_attn is not None), so caches are not one per layer",
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
-    "nanochat": "its modules are ``transformer.wte``/``h`` (nanochat.py NanoChatModel), not the "
-                "``layers``/``embed_tokens`` a stage prunes",
-    "talkie": "its modules are ``embed``/``blocks`` (talkie.py TalkieModel), not the ``layers``/``embed_tokens`` a "
-              "stage prunes",
-    "plamo": "its decoder layers are nested in ``model.layers.layers`` (plamo.py PlamoDecoder), apart from the "
-             "embedding and final norm a stage prunes",
-    "llama4": "its forward picks chunked or global attention by the local loop index (idx + 1) % 4 and takes "
-              "the global mask from cache[3] (llama4.py LlamaModel.__call__)",
+    "nanochat": "its forward normalizes with a function (nanochat.py NanoChatModel.__call__: h = rms_norm(h)) "
+                "after the token embedding and before the head, and soft-caps the logits (Model.__call__: "
+                "softcap(logits)), which stages that are not first / last would apply to hidden states",
+    "talkie": "its blocks take the embedding output besides the hidden states (talkie.py TalkieModel.__call__: "
+              "h = block(e_x, h, mask, c)), which a stage boundary does not carry",
+    "afm7": "its last num_kv_reuse_layers layers attend over the KV of the layer before them (afm7.py "
+            "AFMModel.__call__: keys, values = cache[-1].keys_and_values()) and have no caches of their own",
+    "bailing_hybrid": "every layer takes the position offset of the first attention layer's cache "
+                      "(bailing_hybrid.py LanguageModel.__call__: offset = attn_cache.offset, the linear "
+                      "attention's RoPE included; its own pipeline split needs an MLA layer on every rank), "
+                      "which a stage of linear-attention layers lacks",
+    "bailing_moe_linear": "every layer takes the position offset of cache[attn_idx] (bailing_moe_linear.py "
+                          "LanguageModel.__call__: offset = cache[self.attn_idx].offset, the linear "
+                          "attention's RoPE included), which a stage of linear-attention layers lacks",
+    "iquestloopcoder": "its forward runs the layers twice, the second pass over caches cache[len(layers):] and "
+                       "the first pass's KV (iquestloopcoder.py IQuestLoopCoderModel.__call__), so its caches "
+                       "are not one per layer and a layer range is not one pass",
+    "kimi_k3": "its layers pass attention-residual blocks to each other (kimi_k3.py KimiK3TextModel.__call__: "
+               "h, blocks = layer(h, ..., blocks=blocks)) and index their own list by start_idx/num_layers, "
+               "not the one hidden state a stage boundary carries",
+    "longcat_flash_ngram": "its n-gram embedding keeps the last token ids in cache[0] and the layers take "
+                           "cache[1:] (longcat_flash_ngram.py LongcatFlashNgramModel.__call__), so caches are not "
+                           "one per layer and a stage that is not first has no token ids",
+    "muse_glimmer": "its forward normalizes the embedding output (muse_glimmer.py MuseGlimmerModel.__call__: "
+                    "mx.fast.rms_norm) and its head multiplies and soft-caps the output unconditionally "
+                    "(Model.__call__), which stages that are not first / last would apply to hidden states",
+    "muse_spark": "its head multiplies by output_multiplier and soft-caps the output unconditionally "
+                  "(muse_spark.py Model.__call__: tanh(out / cap) * cap), which a stage that is not last would "
+                  "apply to its hidden states",
+    "rwkv7": "its layers pass v_first, the first layer's value, to every later layer (rwkv7.py "
+             "Rwkv7Model.__call__: x, v_first = layer(x, v_first, c)), which a stage boundary does not carry",
 }
 
 
@@ -159,15 +186,19 @@ class LayerPattern:
 
     Attributes:
         caches: the whole model's empty caches, one per global layer (never filled).
+        num_layers: the whole model's decoder layers.
         indices: the inner model's index attributes (:data:`INDEX_ATTRS`) as the whole
             model set them (global positions; ``None`` kept as ``None``).
         lists: the inner model's per-position lists (:data:`POSITION_LISTS`), whole.
+        sets: the inner model's sets of global positions (:data:`POSITION_SETS`), whole.
     """
 
     caches: list
     model_type: str = ""
+    num_layers: int = 0
     indices: dict[str, int | None] = field(default_factory=dict)
     lists: dict[str, list] = field(default_factory=dict)
+    sets: dict[str, set] = field(default_factory=dict)
 
     @property
     def signatures(self) -> list[tuple]:
@@ -180,47 +211,110 @@ class LayerPattern:
         return len(set(self.signatures)) > 1
 
     def make_cache(self, start: int, end: int) -> list:
-        """Fresh caches for global layers ``[start, end)``: copies of the whole model's."""
+        """Fresh caches for global layers ``[start, end)``: copies of the whole model's (all
+        of them for the whole model, even when they are not one per layer:
+        longcat_flash_ngram.py keeps its n-gram context in ``cache[0]``)."""
+        if start == 0 and end == self.num_layers:
+            return copy.deepcopy(self.caches)
         return copy.deepcopy(self.caches[start:end])
 
     def apply(self, inner: Any, start: int, end: int) -> None:
-        """Point ``inner``'s index attributes and per-position lists at the layers
-        ``[start, end)`` it now holds (``inner.layers`` already sliced to them).
+        """Point ``inner``'s index attributes, per-position lists and position sets at the
+        layers ``[start, end)`` it now holds (its layer list already sliced to them).
 
         An index whose kind the stage lacks points at the stage's first layer of the
         same mask family (attention caches take ``window_size``, state caches do not),
-        else is ``None`` where the forward skips ``None`` (:data:`NULLABLE`), else 0: the
-        mask it builds is then given to no layer.
+        else is ``None`` where the forward skips ``None`` (:data:`NULLABLE`), else at a
+        *stand-in*: a fresh cache of the whole model's kind for that index, handed to the
+        forward after the stage's own caches (:func:`_with_stand_ins`). The forward builds
+        that kind's mask from it (lfm2.py ``Lfm2Model.__call__`` builds both masks
+        unconditionally; so do kimi_linear.py, olmo_hybrid.py, step3p5.py ...) and gives it
+        to no layer: ``zip(self.layers, cache)`` stops at the stage's last layer, so no
+        layer ever reads or updates a stand-in. (A cache of another kind could not build the
+        mask: ``ArraysCache.make_mask`` takes no ``window_size``.)
         """
         sigs = self.signatures
         local = sigs[start:end]
+        stand_ins: list = []
         for name, value in self.indices.items():
             if value is None:
                 continue
             want = sigs[value]
             same = [i for i, s in enumerate(local) if s == want]
             family = [i for i, s in enumerate(local) if _attention(s) == _attention(want)]
-            absent = None if name in NULLABLE.get(self.model_type, ()) else 0
-            setattr(inner, name, (same or family or [absent])[0])
+            if same or family:
+                setattr(inner, name, (same or family)[0])
+            elif name in NULLABLE.get(self.model_type, ()):
+                setattr(inner, name, None)
+            else:
+                setattr(inner, name, len(local) + len(stand_ins))
+                stand_ins.append(copy.deepcopy(self.caches[value]))
         for name, whole in self.lists.items():
-            setattr(inner, name, whole[start:end])
+            owner = inner
+            if "." in name:  # a field of a sub-object (``args``): a copy, so the layers keep theirs
+                head, name = name.split(".")
+                owner = copy.copy(getattr(inner, head))
+                setattr(inner, head, owner)
+            setattr(owner, name, whole[start:end])
+        for name, positions in self.sets.items():
+            setattr(inner, name, {g - start for g in positions if start <= g < end})
+        if stand_ins or "_ringlet_stand_ins" in inner.__dict__:
+            inner.__class__ = _stand_in_class(type(inner))
+            inner.__dict__["_ringlet_stand_ins"] = stand_ins  # an attribute, not a child module
+
+
+class _StandIns:
+    """Mixed into the class of the module whose forward indexes the caches: the caches
+    it is given get the pattern's stand-ins appended (:meth:`LayerPattern.apply`)."""
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = _with_stand_ins(self.__dict__.get("_ringlet_stand_ins") or [], args, kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def _with_stand_ins(extra: list, args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` of a forward ``(inputs, cache, ...)`` with ``extra`` after the caches."""
+    if extra and kwargs.get("cache") is not None:
+        kwargs = {**kwargs, "cache": [*kwargs["cache"], *extra]}
+    elif extra and len(args) > 1 and args[1] is not None:
+        args = (args[0], [*args[1], *extra], *args[2:])
+    return args, kwargs
+
+
+_STAND_IN_CLASSES: dict[type, type] = {}
+
+
+def _stand_in_class(base: type) -> type:
+    if issubclass(base, _StandIns):
+        return base
+    if base not in _STAND_IN_CLASSES:
+        _STAND_IN_CLASSES[base] = type(base.__name__, (_StandIns, base), {"__module__": base.__module__})
+    return _STAND_IN_CLASSES[base]
 
 
 def _attention(signature: tuple) -> bool:
     return "KVCache" in signature[0]
 
 
-def capture(model: Any, inner: Any, model_type: str) -> LayerPattern:
+def capture(model: Any, inner: Any, model_type: str, n: int) -> LayerPattern:
     """The :class:`LayerPattern` of a whole mlx-lm model (built, not pruned; nothing is
-    evaluated: empty caches hold no arrays)."""
+    evaluated: empty caches hold no arrays). ``inner``: the module whose attribute is the
+    decoder layer list (its forward keeps the index attributes); ``n``: the list's length."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    n = len(inner.layers)
     indices = {name: getattr(inner, name) for name in INDEX_ATTRS
                if hasattr(inner, name) and (getattr(inner, name) is None or isinstance(getattr(inner, name), int))}
-    lists = {name: list(getattr(inner, name)) for name in POSITION_LISTS
-             if isinstance(getattr(inner, name, None), list) and len(getattr(inner, name)) == n}
-    return LayerPattern(caches=make_prompt_cache(model), model_type=model_type, indices=indices, lists=lists)
+    lists = {}
+    for name in POSITION_LISTS:
+        value = inner
+        for step in name.split("."):
+            value = getattr(value, step, None)
+        if isinstance(value, list) and len(value) == n:
+            lists[name] = list(value)
+    sets = {name: set(getattr(inner, name)) for name in POSITION_SETS
+            if isinstance(getattr(inner, name, None), (set, frozenset))}
+    return LayerPattern(caches=make_prompt_cache(model), model_type=model_type, num_layers=n, indices=indices,
+                        lists=lists, sets=sets)
 
 
 def verified(model_type: str, module: str = "") -> bool:

@@ -18,6 +18,20 @@ the whole model makes, on a cache of the same kind (:mod:`layer_pattern` gives e
 layer the whole model's cache for its global position) in the same state (no layer has
 updated its cache when the forward builds its masks, nor when a layer starts). The
 layers' parameters and names are unchanged.
+
+``llama4.py`` ``LlamaModel.__call__`` reads its loop index ``idx`` three ways: it trims
+the caches with ``(idx + 1) % 4 != 0`` (``ChunkedKVCache.maybe_trim_front``), gives those
+layers the chunked mask and the others the global mask built from ``cache[3]``, and takes
+``start_position`` and ``offset`` from ``cache[0]``. :func:`own_masks` makes the local index
+equal the global one modulo 4 (:class:`_Period4`): before each forward the stage's layers
+get ``p = first global layer % 4`` pass-through layers in front and its caches ``p``
+chunked caches in front -- the stage's first chunked cache itself (``maybe_trim_front`` is
+idempotent; every chunked cache of a model holds the same positions, so ``cache[0]`` gives
+the whole model's ``start_position`` and ``offset``), or a fresh one when the stage has
+none (its chunked mask then goes to no layer) -- and fresh caches of the whole model's
+kinds behind, up to 4 (so ``cache[3]`` exists; it is the stage's first global layer's own
+cache whenever the stage has one). The pass-through layers return their input; ``zip``
+stops at the last real layer, so no layer reads a stand-in.
 """
 
 from __future__ import annotations
@@ -30,7 +44,11 @@ from typing import Any
 LOCAL_INDEX: dict[str, tuple[str, str]] = {
     "gemma3_text": ("sliding_window_pattern", "window_size"),  # gemma3_text.py Gemma3Model.__init__
     "cohere2": ("args.sliding_window_pattern", "window_size"),  # cohere2.py CohereModel.__call__
+    "gemma3": ("sliding_window_pattern", "window_size"),  # gemma3.py: gemma3_text.Model under language_model
 }
+
+#: model_type -> the period of a forward that reads its loop index modulo it (llama4.py, above).
+PERIOD4 = frozenset({"llama4"})
 
 _CLASSES: dict[type, type] = {}
 
@@ -58,9 +76,49 @@ def _own_mask_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def own_masks(inner: Any, model_type: str, start: int) -> None:
-    """Make ``inner`` (its layers already the stage's, from global layer ``start``) give
+class _PassThrough:
+    """A layer that returns its input (:class:`_Period4` puts them in front)."""
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+
+class _Period4:
+    """Mixed into llama4.py ``LlamaModel``: pads the layers and caches in front so the loop
+    index is the global one modulo 4 (module docstring)."""
+
+    def __call__(self, inputs, cache=None, *args, **kwargs):
+        from mlx_lm.models.cache import ChunkedKVCache, KVCache
+
+        layers = self.layers
+        if cache is None or not layers:
+            return super().__call__(inputs, cache, *args, **kwargs)
+        first = layers[0].__dict__["_ringlet_global"]
+        pad = first % 4
+        chunked = [c for i, c in enumerate(cache) if (first + i + 1) % 4 != 0]
+        size = self.attention_chunk_size
+        front = [chunked[0] if chunked else ChunkedKVCache(size) for _ in range(pad)]
+        padded = [*front, *cache]
+        padded += [ChunkedKVCache(size) if (i + 1) % 4 else KVCache() for i in range(len(padded), 4)]
+        try:
+            self.layers = [*([_PassThrough()] * pad), *layers]
+            return super().__call__(inputs, padded, *args, **kwargs)
+        finally:
+            self.layers = layers
+
+
+def own_masks(inner: Any, model_type: str, start: int, layers: list) -> None:
+    """Make ``inner`` (its ``layers`` already the stage's, from global layer ``start``) give
     each layer the mask of its global kind (module docstring). Other architectures: no-op."""
+    if model_type in PERIOD4:
+        for i, layer in enumerate(layers):
+            layer.__dict__["_ringlet_global"] = start + i  # an attribute, not a child or parameter
+        if not isinstance(inner, _Period4):
+            base = type(inner)
+            if base not in _CLASSES:
+                _CLASSES[base] = type(base.__name__, (_Period4, base), {"__module__": base.__module__})
+            inner.__class__ = _CLASSES[base]
+        return
     if model_type not in LOCAL_INDEX:
         return
     pattern_attr, window_attr = LOCAL_INDEX[model_type]
@@ -72,7 +130,7 @@ def own_masks(inner: Any, model_type: str, start: int) -> None:
     period, window = getattr(owner, name), getattr(inner, window_attr)
     if period <= 1:
         return
-    for i, layer in enumerate(inner.layers):
+    for i, layer in enumerate(layers):
         is_global = (start + i) % period == period - 1
         layer.__class__ = _own_mask_class(type(layer))
         layer._ringlet_window = None if is_global else window

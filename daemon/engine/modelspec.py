@@ -21,8 +21,16 @@ Per token and layer:
   ``(kv_lora_rank + qk_rope_head_dim) x dtype`` (mlx-lm ``deepseek_v3``); otherwise
   the K and V projections' output widths x dtype (``2 x kv_heads x head_dim x dtype``
   for standard attention). The layer's cache type from ``make_cache()`` decides
-  full attention, a sliding window (``RotatingKVCache.max_size``) or a constant
-  state (SSM / linear attention: 0 bytes per token).
+  full attention, a sliding window (``RotatingKVCache.max_size``: the planner counts
+  at most that many tokens) or a constant state (SSM / linear attention / short
+  convolution, an ``ArraysCache``: 0 bytes per token).
+* Constant state bytes (per request, whatever its context): the state a recurrent
+  layer's cache holds after one token, found by running one such layer of each kind
+  lazily over one token of zeros (shapes only: MLX evaluates nothing, no weight is
+  read), e.g. qwen3_next's GatedDeltaNet: a convolution state ``(1, conv_kernel - 1,
+  2 x key_dim + value_dim)`` in the activation dtype and a recurrent state
+  ``(1, v_heads, v_head_dim, k_head_dim)`` in float32 (mlx-lm ``qwen3_next.py``,
+  ``gated_delta.py``).
 * FLOPs: ``2 x`` parameters touched per token -- the standard forward-pass estimate
   C_forward ~= 2N (Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
   sec. 2.1) -- with N the *active* parameters: routed-expert weights
@@ -171,6 +179,7 @@ def model_spec_from_model(
     dtype_bytes = _dtype_bytes(config, model)
     kv, windows = _kv_per_token(model, layers, config, text, dtype_bytes)
     hidden = text.get("hidden_size") or config.get("hidden_size") or 0
+    states = _state_bytes(model, layers, int(hidden), dtype_bytes)
     return ModelSpec(
         layer_bytes=tuple(layer_bytes),
         layer_read_bytes=tuple(read_bytes),
@@ -179,6 +188,7 @@ def model_spec_from_model(
         tie_word_embeddings=tied,
         kv_bytes_per_token_per_layer=tuple(kv),
         kv_window_tokens=tuple(windows),
+        state_bytes_per_layer=tuple(states),
         context_tokens=int(context_tokens),
         flops_per_token_per_layer=tuple(flops),
         head_flops_per_token=head_flops,
@@ -273,6 +283,49 @@ def _kv_per_token(model: Any, layers: list, config: dict, text: dict, dtype_byte
         kv.append(_kv_width(layer, config, text) * dtype_bytes)
         windows.append(window)
     return kv, windows
+
+
+def _state_bytes(model: Any, layers: list, hidden: int, dtype_bytes: int) -> list[int]:
+    """Per layer: bytes of the constant state its cache holds after one token (0 for
+    attention layers, and for a layer whose one-token forward cannot be run lazily)."""
+    import mlx.core as mx
+
+    make = getattr(model, "make_cache", None)
+    try:
+        caches = make() if make is not None else []
+    except Exception:  # noqa: BLE001 - as _cache_kinds: no states known
+        caches = []
+    if len(caches) != len(layers) or not hidden:
+        return [0] * len(layers)
+    dtype = {2: mx.bfloat16, 4: mx.float32}.get(dtype_bytes, mx.float16)
+    known: dict[tuple, int] = {}
+    out = []
+    for layer, cache in zip(layers, caches, strict=True):
+        members = list(getattr(cache, "caches", None) or (cache,))  # a CacheList's members
+        states = [m for m in members if type(m).__name__ in ("ArraysCache", "MambaCache")]
+        if not states:
+            out.append(0)
+            continue
+        key = (type(layer), tuple(type(m).__name__ for m in members), len(states[0].cache))
+        if key not in known:
+            try:  # lazily: shapes and dtypes only, nothing is evaluated
+                layer(mx.zeros((1, 1, hidden), dtype=dtype), **_one_token_kwargs(layer, cache))
+                known[key] = sum(a.nbytes for m in states for a in m.cache if isinstance(a, mx.array))
+            except Exception:  # noqa: BLE001 - a layer of another call signature: not counted
+                known[key] = 0
+        out.append(known[key])
+    return out
+
+
+def _one_token_kwargs(layer: Any, cache: Any) -> dict:
+    """Keyword arguments of a decoder layer's call after its input: ``cache``, and
+    ``None`` for every other one without a default (masks: one token needs none)."""
+    import inspect
+
+    params = list(inspect.signature(layer.__call__).parameters.values())[1:]
+    return {p.name: cache if p.name == "cache" else None for p in params
+            if p.name == "cache" or (p.default is inspect.Parameter.empty
+                                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))}
 
 
 def _cache_kinds(model: Any, n: int) -> list[tuple[str, int | None]]:

@@ -31,9 +31,19 @@ Design (issue "Conversations stay in the ring"):
   (:meth:`retain`). :meth:`export_entry` / :meth:`import_entry` give an entry as plain
   tensors (for moving KV with its layers).
 
-Only mlx-lm ``KVCache`` layers are stored (full attention); a stage whose caches are
-of another kind (rotating windows, SSM state) stores nothing; a tensor group's stage
-has a store of its own (:mod:`ringlet.daemon.tensor.group_prefix`).
+* **Other cache kinds at exact lengths.** A stage whose layers are all plain ``KVCache``
+  stores compact keys and values, reusable at any prefix length. A stage with any other
+  kind (a sliding window's ``RotatingKVCache``, a recurrent ``ArraysCache``, ...:
+  :mod:`.cache_kinds`) can reuse a state only at exactly the length it was saved: its
+  entry keeps every layer's state whole (:func:`.cache_kinds.freeze`), is *exact*, and
+  serves a prompt only when its tokens are all a prefix of it, at exactly their number
+  (:meth:`longest` says that many, or a shorter plain answer, never a cut). A release
+  keeps the state at the turn's end (prompt and output), which the next turn of a chat
+  starts with. Such entries stay in memory (the disk tier takes plain ones only: one
+  evicted is dropped, counted in ``exact_dropped``); on a re-plan they stay on their
+  node, never crossing the wire (:mod:`.kv_handoff` counts them).
+
+A tensor group's stage has a store of its own (:mod:`ringlet.daemon.tensor.group_prefix`).
 All methods run on the engine's MLX worker thread.
 """
 
@@ -45,6 +55,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.engine.prefix_disk import PrefixDisk
 from ringlet.daemon.engine.token_index import TokenIndex
 
@@ -52,7 +63,9 @@ from ringlet.daemon.engine.token_index import TokenIndex
 @dataclass
 class Entry:
     """One cached sequence: ``tokens`` and, per layer of ``[start, end)``, its keys and
-    values, each ``(1, kv_heads, len(tokens), head_dim)`` in the cache dtype."""
+    values, each ``(1, kv_heads, len(tokens), head_dim)`` in the cache dtype; or, when
+    ``exact``, each layer's whole state (:class:`.cache_kinds.Frozen`), reusable only at
+    exactly ``len(tokens)``."""
 
     scope: str
     tokens: list[int]
@@ -61,6 +74,7 @@ class Entry:
     layers: list[tuple[mx.array, mx.array]]
     nbytes: int = 0
     id: int = 0
+    exact: bool = False
 
 
 @dataclass
@@ -74,12 +88,18 @@ class StoreStats:
     evictions: int = 0
     inserted: int = 0
     dropped_on_replan: int = 0
+    #: exact entries (:mod:`.cache_kinds`) evicted with no disk tier to take them
+    exact_dropped: int = 0
     extra: dict = field(default_factory=dict)
 
 
 def storable(cache: list) -> bool:
-    """Whether a request's cache is made of plain mlx-lm ``KVCache`` layers only."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
+    """Whether a request's cache is made of plain mlx-lm ``KVCache`` layers only (its KV
+    can be cut to any prefix, joined and moved: :func:`.cache_kinds.plain`)."""
+    return cache_kinds.plain(cache)
+
+
+layers_nbytes = cache_kinds.layers_nbytes
 
 
 class PrefixStore(TokenIndex):
@@ -109,8 +129,8 @@ class PrefixStore(TokenIndex):
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         n = 0
         if self._entries:
-            entry, found = self._longest_match(scope, tokens[:limit])
-            n = found if entry is not None and self._covers(entry) else 0
+            entry, found = self._usable_match(scope, tokens[:limit])
+            n = found if entry is not None else 0
         if self.disk is not None and len(self.disk) and n < limit:
             n = max(n, self.disk.longest(scope, tokens[:limit], self.start, self.end))
         return n
@@ -120,23 +140,24 @@ class PrefixStore(TokenIndex):
         or ``None`` when neither memory nor the disk tier can serve that many (counted as
         a miss). The entry is moved to the most recently used end (an entry on disk is
         loaded back into memory first); its arrays are never handed out."""
-        entry, n = self._longest_match(scope, tokens) if self._entries else (None, 0)
-        if (entry is None or n < len(tokens) or not self._covers(entry)) and self.disk is not None:
+        entry, n = self._usable_match(scope, tokens) if self._entries else (None, 0)
+        if (entry is None or n < len(tokens)) and self.disk is not None:
             loaded = self.disk.take(scope, tokens, self.start, self.end)
             if loaded is not None:
                 if not self.import_entry(*loaded):  # larger than the memory budget: serve it once
                     self.stats.hits += 1
                     self.stats.hit_tokens += len(tokens)
                     return caches_from(_layers_of(*loaded, self.start, self.end), len(tokens))
-                entry, n = self._longest_match(scope, tokens)
-        if entry is None or n < len(tokens) or not self._covers(entry):
+                entry, n = self._usable_match(scope, tokens)
+        if entry is None or n < len(tokens):
             self.stats.misses += 1
             return None
         self._entries.move_to_end(entry.id)
         offset = self.start - entry.start
         self.stats.hits += 1
         self.stats.hit_tokens += len(tokens)
-        caches = caches_from(entry.layers[offset:offset + (self.end - self.start)], len(tokens))
+        layers = entry.layers[offset:offset + (self.end - self.start)]
+        caches = cache_kinds.thaw(layers) if entry.exact else caches_from(layers, len(tokens))
         if entry.id in self.pinned:  # a resumed request took its KV: an entry like any other now
             self.pinned.discard(entry.id)
             self._evict_to(self.budget_bytes)
@@ -149,40 +170,52 @@ class PrefixStore(TokenIndex):
     def _covers(self, entry: Entry) -> bool:
         return entry.start <= self.start and entry.end >= self.end
 
+    def _usable_match(self, scope: str, tokens: list[int]) -> tuple[Entry | None, int]:
+        """The entry serving the longest prefix of ``tokens`` and that prefix's length:
+        it covers this stage's layers and, if exact, all its tokens start ``tokens``
+        (``(None, 0)``: none)."""
+        usable = [(e, n) for e, n in self._candidates(scope, tokens)
+                  if self._covers(e) and (not e.exact or n == len(e.tokens))]
+        return max(usable, key=lambda c: c[1], default=(None, 0))
+
     # --- insert, evict ------------------------------------------------------------------
 
     def insert(self, scope: str, tokens: list[int], cache: list) -> bool:
-        """Keep a finished request's ``cache`` (one ``KVCache`` per layer of this stage)
-        for ``tokens`` (its ids, as many as the cache holds). Entries it extends are
-        dropped; the least recently used go until the budget holds. Returns whether it
-        was kept (not when the budget is 0, the cache is of another kind, or it alone is
-        over the budget)."""
+        """Keep a finished request's ``cache`` (one mlx-lm cache per layer of this stage)
+        for ``tokens`` (its ids, as many as the cache holds): plain ``KVCache`` layers as
+        compact keys and values, any other kind whole, as an exact entry. Entries it
+        extends are dropped; the least recently used go until the budget holds. Returns
+        whether it was kept (not when the budget is 0, a layer holds another number of
+        tokens, or it alone is over the budget)."""
         n = len(tokens)
-        if self.budget_bytes <= 0 or n == 0 or not storable(cache) or any(c.offset != n for c in cache):
+        if self.budget_bytes <= 0 or n == 0 or not cache or any(
+                getattr(c, "offset", n) != n for c in cache_kinds.leaves(cache)):
             return False
-        layers = snapshot(cache, n)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        exact = not storable(cache)
+        layers = cache_kinds.freeze(cache) if exact else snapshot(cache, n)
+        nbytes = layers_nbytes(layers)
         if nbytes > self.budget_bytes:
             return False
         self._forget_prefixes_of(scope, tokens)
         # room first, then the entry: the figures another thread reads (/v1/cluster) never
         # show more than the budget, even while an evicted entry is written to disk
         self._evict_to(self.budget_bytes - nbytes)
-        entry = Entry(scope, list(tokens), self.start, self.end, layers, nbytes, next(self._ids))
+        entry = Entry(scope, list(tokens), self.start, self.end, layers, nbytes, next(self._ids), exact)
         self._add(entry)
         self.stats.inserted += 1
         return True
 
-    def adopt(self, scope: str, tokens: list[int], start: int, end: int, layers: list[tuple[mx.array, mx.array]],
+    def adopt(self, scope: str, tokens: list[int], start: int, end: int, layers: list,
               pinned: bool = False) -> bool:
         """Keep KV that came with a re-plan: ``layers`` of ``[start, end)`` (this stage's
-        range) for ``tokens``. ``pinned``: a request in flight, kept whatever the budget
-        until it is taken. Returns whether it was kept."""
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        range) for ``tokens``, keys and values or whole states (an exact entry).
+        ``pinned``: a request in flight, kept whatever the budget until it is taken.
+        Returns whether it was kept."""
+        nbytes = layers_nbytes(layers)
         if (start, end) != (self.start, self.end) or not tokens or (not pinned and nbytes > self.budget_bytes):
             return False
         self._forget_prefixes_of(scope, tokens)
-        entry = Entry(scope, list(tokens), start, end, layers, nbytes, next(self._ids))
+        entry = Entry(scope, list(tokens), start, end, layers, nbytes, next(self._ids), cache_kinds.frozen(layers))
         self._add(entry)
         if pinned:
             self.pinned.add(entry.id)
@@ -204,8 +237,11 @@ class PrefixStore(TokenIndex):
         super()._forget(entry, in_trie)
 
     def _evict(self, entry: Entry) -> None:
-        """Evict one entry for room, spilling it to the disk tier when there is one."""
-        if self.disk is not None:
+        """Evict one entry for room, spilling it to the disk tier when there is one (a
+        plain one: an exact entry is dropped, counted)."""
+        if entry.exact:
+            self.stats.exact_dropped += 1
+        elif self.disk is not None:
             self.disk.put(*self.export_entry(entry))
         self._forget(entry)
         self.stats.evictions += 1
@@ -215,7 +251,7 @@ class PrefixStore(TokenIndex):
         the tier evicts), e.g. before the process exits. Returns how many it kept."""
         if self.disk is None:
             return 0
-        return sum(self.disk.put(*self.export_entry(entry)) for entry in self.entries())
+        return sum(self.disk.put(*self.export_entry(entry)) for entry in self.entries() if not entry.exact)
 
     # --- re-plans, export ---------------------------------------------------------------
 
@@ -226,9 +262,9 @@ class PrefixStore(TokenIndex):
             if entry.start <= start and entry.end >= end:
                 lo = start - entry.start
                 kept = entry.layers[lo:lo + (end - start)]
-                self.nbytes -= entry.nbytes - sum(k.nbytes + v.nbytes for k, v in kept)
+                self.nbytes -= entry.nbytes - layers_nbytes(kept)
                 entry.layers, entry.start, entry.end = kept, start, end
-                entry.nbytes = sum(k.nbytes + v.nbytes for k, v in kept)
+                entry.nbytes = layers_nbytes(kept)
             else:
                 self._forget(entry)
                 self.stats.dropped_on_replan += 1
@@ -240,8 +276,14 @@ class PrefixStore(TokenIndex):
 
     @staticmethod
     def export_entry(entry: Entry) -> tuple[dict[str, mx.array], dict[str, str]]:
-        """An entry as tensors (``layer.<i>.keys`` / ``.values``, ``i`` absolute) and string
-        metadata (scope, layer range, token ids), e.g. for ``mx.save_safetensors``."""
+        """A plain entry as tensors (``layer.<i>.keys`` / ``.values``, ``i`` absolute) and
+        string metadata (scope, layer range, token ids), e.g. for ``mx.save_safetensors``.
+
+        Raises:
+            ValueError: an exact entry (its states are not keys and values).
+        """
+        if entry.exact:
+            raise ValueError("an exact prefix entry (whole cache states) has no keys-and-values form")
         arrays = {"tokens": mx.array(entry.tokens, dtype=mx.int32)}
         for i, (k, v) in enumerate(entry.layers, start=entry.start):
             arrays[f"layer.{i}.keys"], arrays[f"layer.{i}.values"] = k, v
@@ -277,7 +319,8 @@ class PrefixStore(TokenIndex):
                 "budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
                 "tokens": sum(len(e.tokens) for e in self._entries.values()), "hits": s.hits, "misses": s.misses,
                 "hit_tokens": s.hit_tokens, "evictions": s.evictions, "inserted": s.inserted,
-                "dropped_on_replan": s.dropped_on_replan, "layer_range": [self.start, self.end],
+                "dropped_on_replan": s.dropped_on_replan, "exact_dropped": s.exact_dropped,
+                "exact_entries": sum(e.exact for e in self._entries.values()), "layer_range": [self.start, self.end],
                 "pinned": len(self.pinned)}
 
 

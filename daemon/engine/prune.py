@@ -18,23 +18,39 @@ from ringlet.daemon.engine.embed_scale import neutralize, refusal
 from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_split
 from ringlet.daemon.engine.local_index import own_masks
 from ringlet.daemon.engine.stage_tensors import validate_range
+from ringlet.daemon.engine.token_shape import accept_hidden, unwrap
 from ringlet.daemon.errors import ModelFormatError, PlanError
 
 #: Names of the inner model's final norm: ``norm`` in most of mlx-lm, ``final_layernorm``
 #: in phi.py (``PhiModel.__call__``: ``return self.final_layernorm(x)``), ``embedding_norm``
-#: in lfm2.py (``Lfm2Model.__call__``: ``return self.embedding_norm(h)``).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
+#: in lfm2.py (``Lfm2Model.__call__``: ``return self.embedding_norm(h)``), ``norm_f``
+#: (dbrx.py ``DBRX``, mamba.py), ``ln_f`` (gpt2.py ``GPT2Model``, gpt_bigcode.py, gptj.py,
+#: qwen.py ``QwenModel``, exaone.py ``ExaoneModel``), ``final_layer_norm`` (gpt_neox.py
+#: ``GPTNeoXModel``), ``final_norm`` (recurrent_gemma.py ``Griffin``).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "ln_f", "final_layer_norm", "final_norm")
 
 #: Names of the inner model's token embedding: ``embed_tokens`` in most of mlx-lm,
 #: ``tok_embeddings`` (internlm2.py InternLM2Model), ``word_embeddings`` (bailing_moe.py
 #: BailingMoeModel), ``embeddings`` (mamba.py Mamba, mamba2.py Mamba2, nemotron_h.py
-#: NemotronHModel, whose final norms are ``norm_f``), ``token_embeddings`` (openelm.py OpenELMModel).
-EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "token_embeddings")
+#: NemotronHModel, whose final norms are ``norm_f``), ``token_embeddings`` (openelm.py OpenELMModel),
+#: ``wte`` (gpt2.py, gpt_bigcode.py, gptj.py, dbrx.py, qwen.py, exaone.py), ``embed_in``
+#: (gpt_neox.py), ``embedding`` (spark2_5.py ``Spark2_5Model``), ``embd`` (phixtral.py
+#: ``TransformerDecoder``, an ``Embd`` holding ``wte``).
+EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "token_embeddings", "wte",
+              "embed_in", "embedding", "embd")
+
+#: Where the decoder layer list lives, from the module holding the embedding: ``layers`` in
+#: most of mlx-lm, ``h`` (gpt2.py ``GPT2Model``, gpt_bigcode.py, gpt_neox.py, gptj.py, qwen.py,
+#: exaone.py, phixtral.py ``TransformerDecoder``), ``blocks`` (dbrx.py ``DBRX``), ``layers.layers``
+#: (plamo.py / plamo2.py / plamo3.py: ``PlamoModel.layers`` is a ``PlamoDecoder`` holding the list).
+LAYER_LISTS = ("layers", "h", "blocks", "layers.layers")
 
 
 #: Names of the outer model's untied head: ``lm_head`` in most of mlx-lm, ``output`` in
-#: internlm2.py and llama4_text.py (``Model.__init__``: ``self.output = nn.Linear(...)``).
-HEADS = ("lm_head", "output")
+#: internlm2.py and llama4_text.py (``Model.__init__``: ``self.output = nn.Linear(...)``);
+#: ``embed_out`` on the inner model itself in gpt_neox.py (``GPTNeoXModel.__call__``:
+#: ``out = self.embed_out(out)`` after the final norm).
+HEADS = ("lm_head", "output", "embed_out")
 
 
 def _head_at(model: nn.Module) -> tuple[list[str], str]:
@@ -47,7 +63,7 @@ def _head_at(model: nn.Module) -> tuple[list[str], str]:
     inner = inner_module(model)
     steps = next(p for p, m in model.named_modules() if m is inner).split(".")
     found: tuple[list[str], str] = ([], "lm_head")
-    for i in range(len(steps)):  # model, then inner's ancestors
+    for i in range(len(steps) + 1):  # model, then inner's ancestors, then inner
         owner = _get(model, steps[:i])
         name = next((n for n in HEADS if isinstance(owner.get(n), nn.Module)), None)
         if name is not None:
@@ -67,6 +83,42 @@ def _get(module: nn.Module, steps: list[str]) -> nn.Module:
     for step in steps:
         module = module[step]
     return module
+
+
+def _path(module: object, dotted: str) -> object:
+    for step in dotted.split("."):
+        module = getattr(module, step, None)
+    return module
+
+
+def _layers_at(inner: nn.Module) -> str:
+    return inner.__dict__.get("_ringlet_layers", "layers")
+
+
+def layer_list(inner: nn.Module) -> list:
+    """The decoder layer list of ``inner`` (:func:`inner_module`), wherever it lives (:data:`LAYER_LISTS`)."""
+    return _path(inner, _layers_at(inner))
+
+
+def set_layer_list(inner: nn.Module, layers: list) -> None:
+    """Replace the decoder layer list of ``inner`` (:func:`inner_module`) by ``layers``."""
+    *owner, name = _layers_at(inner).split(".")
+    setattr(_path(inner, ".".join(owner)) if owner else inner, name, layers)
+
+
+def prefix_of(model: nn.Module, name: str = "") -> str:
+    """The parameter-name prefix of the inner model's attribute ``name`` (``""``: the layer
+    list), from ``model``: ``model.layers.`` in most of mlx-lm, ``model.h.`` (gpt2.py),
+    ``transformer.blocks.`` (dbrx.py), ``language_model.model.norm.``..."""
+    inner = inner_module(model)
+    return ".".join([*model.__dict__["_ringlet_inner_at"], name or _layers_at(inner)]) + "."
+
+
+def layer_list_owner(inner: nn.Module) -> nn.Module:
+    """The module whose attribute is the decoder layer list: ``inner``, or the decoder between
+    (plamo3.py ``Plamo3Decoder``, which also keeps the forward's ``full_idx``/``swa_idx``)."""
+    *owner, _ = _layers_at(inner).split(".")
+    return _path(inner, ".".join(owner)) if owner else inner
 
 
 def head_name(model: nn.Module) -> str:
@@ -96,7 +148,7 @@ class StageEmbedding(nn.Module):
         self.last_only = False
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.real(x) if self._embed_input else x
+        return self.real(x) if self._embed_input else unwrap(x)
 
     def as_linear(self, x: mx.array) -> mx.array:
         if not self._head_output:
@@ -111,6 +163,40 @@ class Identity(nn.Module):
         return x
 
 
+#: Architectures whose outer forward does something to the head's output that no value
+#: neutralizes, after ``out = self.model(inputs, cache)``: on a stage without the head the
+#: outer forward is that call alone (:class:`_Headless`). gemma2.py ``Model.__call__``:
+#: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``.
+HEADLESS = frozenset({"gemma2"})
+
+
+class _Headless:
+    """Mixed into an outer model's class (:data:`HEADLESS`): while the stage runs no head
+    (its tied head's ``as_linear`` passes hidden states through, or its head is an
+    :class:`Identity`), the forward is ``self.model(inputs, cache)`` alone."""
+
+    def __call__(self, inputs, cache=None, *args, **kwargs):
+        inner = inner_module(self)
+        embedding = getattr(inner, embedding_name(inner))
+        head = head_owner(self).get(head_name(self))
+        if isinstance(head, Identity) or (head is None and isinstance(embedding, StageEmbedding)
+                                          and not embedding._head_output):
+            return inner(inputs, cache)
+        return super().__call__(inputs, cache, *args, **kwargs)
+
+
+_HEADLESS_CLASSES: dict[type, type] = {}
+
+
+def _headless(model: nn.Module, model_type: str) -> None:
+    base = type(model)
+    if model_type not in HEADLESS or issubclass(base, _Headless):
+        return
+    if base not in _HEADLESS_CLASSES:
+        _HEADLESS_CLASSES[base] = type(base.__name__, (_Headless, base), {"__module__": base.__module__})
+    model.__class__ = _HEADLESS_CLASSES[base]
+
+
 class LastPosition(nn.Module):
     """An untied head applied to the last position only: ``(B, T, H) -> (B, 1, vocab)``."""
 
@@ -123,21 +209,32 @@ class LastPosition(nn.Module):
 
 
 def inner_module(model: nn.Module) -> nn.Module:
-    """The sub-module that owns the decoder layer list (``model.model`` in mlx-lm). Its
-    path is found once per model and kept on it (pruning keeps the module, and the last
+    """The sub-module that owns the decoder layer list and the embedding (``model.model`` in
+    mlx-lm; the list may sit below it, :data:`LAYER_LISTS`, read it with :func:`layer_list`).
+    Its path is found once per model and kept on it (pruning keeps the module, and the last
     stage asks on every forward; the walk costs about a millisecond)."""
     at = model.__dict__.get("_ringlet_inner_at")
     if at is not None:
         return _get(model, at)
     layers = list(model.layers)  # may be a fresh list (e.g. ``pipeline_layers``)
+    found = []
     for path, module in model.named_modules():
-        owned = getattr(module, "layers", None)
-        if isinstance(getattr(type(module), "layers", None), property):
-            continue  # a wrapper's view of an inner model's list (qwen3_5.py TextModel.layers)
-        if module is not model and isinstance(owned, list) and owned and layers and owned[0] is layers[0]:
-            model.__dict__["_ringlet_inner_at"] = path.split(".")  # an attribute, not a child or parameter
-            return module
-    raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
+        if module is model or not layers:
+            continue
+        for name in LAYER_LISTS:
+            if isinstance(getattr(type(module), name.split(".")[0], None), property):
+                continue  # a wrapper's view of an inner model's list (qwen3_5.py TextModel.layers)
+            owned = _path(module, name)
+            if isinstance(owned, list) and owned and owned[0] is layers[0]:
+                found.append((path, name, module))
+    # the module that also holds the embedding (plamo.py: PlamoModel, not its PlamoDecoder)
+    found.sort(key=lambda f: not any(isinstance(getattr(f[2], e, None), nn.Module) for e in EMBEDDINGS))
+    if not found:
+        raise ModelFormatError(f"{type(model).__module__}: cannot find the module holding the decoder layers")
+    path, name, module = found[0]
+    module.__dict__["_ringlet_layers"] = name  # attributes, not children or parameters
+    model.__dict__["_ringlet_inner_at"] = path.split(".")
+    return module
 
 
 def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool, bool, LayerPattern]:
@@ -156,7 +253,7 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
     if not (first and last):  # refused before looking for modules it may not have (gpt2.py ``h``)
         check_split(model_type, None, type(model).__module__.rsplit(".", 1)[-1])
     inner = inner_module(model)
-    pattern = capture(model, inner, model_type)
+    pattern = capture(model, layer_list_owner(inner), model_type, num_layers)
     if not (first and last):
         check_split(model_type, pattern, type(model).__module__.rsplit(".", 1)[-1])
         if len(pattern.caches) != num_layers:  # caches must map to layers one to one
@@ -164,16 +261,21 @@ def prune(model: nn.Module, start: int, end: int, model_type: str) -> tuple[bool
                             f"{len(pattern.caches)} entries for {num_layers} layers; run it on one node")
         if (reason := refusal(model, model_type)) is not None:
             raise PlanError(f"architecture {model_type!r} cannot be split into stages: {reason}; run it on one node")
-    inner.layers = inner.layers[start:end]
-    own_masks(inner, model_type, start)
-    pattern.apply(inner, start, end)
+    set_layer_list(inner, layer_list(inner)[start:end])
+    own_masks(inner, model_type, start, layer_list(inner))
+    pattern.apply(layer_list_owner(inner), start, end)
     owner, head = head_owner(model), head_name(model)
     tied = not hasattr(owner, head)
-    embedding = embedding_name(inner)
-    real = getattr(inner, embedding)
-    keep_embedding = first or (last and tied)
-    setattr(inner, embedding, StageEmbedding(real if keep_embedding else None, first, last))
+    if first and last and not any(hasattr(inner, name) for name in EMBEDDINGS):
+        pass  # a whole model keeps an embedding of its own kind (longcat_flash_ngram.py ``ngram_embeddings``)
+    else:
+        embedding = embedding_name(inner)
+        real = getattr(inner, embedding)
+        keep_embedding = first or (last and tied)
+        setattr(inner, embedding, StageEmbedding(real if keep_embedding else None, first, last))
     neutralize(model, inner, model_type, embed=first, head=last)
+    accept_hidden(model, model_type)
+    _headless(model, model_type)
     if not last:
         for name in FINAL_NORMS:
             if hasattr(inner, name):
@@ -192,7 +294,8 @@ def last_position_only(model: nn.Module) -> Iterator[None]:
     The model is restored on leaving (one forward at a time per model)."""
     inner = inner_module(model)
     owner, head = head_owner(model), head_name(model)
-    embedding, lm_head = getattr(inner, embedding_name(inner)), owner.get(head)
+    embedding = next((getattr(inner, name) for name in EMBEDDINGS if hasattr(inner, name)), None)
+    lm_head = owner.get(head)
     try:
         if isinstance(embedding, StageEmbedding):
             embedding.last_only = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.engine.boundary import Boundary
 from ringlet.daemon.engine.kv_pieces import Piece
 from ringlet.daemon.engine.prefix_store import snapshot, storable
@@ -73,14 +74,12 @@ class Rebuild:
 
     def step(self) -> mx.array | None:
         """Run the next chunk of what was fed (worker thread). Returns the states it sends
-        on to ``hi``, ``(1, t, hidden_size)`` (``None``: nothing to run, or the stage
-        caches anything but plain ``KVCache`` layers, which ends the rebuild)."""
+        on to ``hi``, ``(1, t, hidden_size)`` (``None``: nothing to run). Any cache kind
+        rebuilds exactly, from the first token on (a window's or a recurrent state then
+        comes whole, at exactly the sequence's length)."""
         with self.stage.span(self.lo, self.hi):
             if self._cache is None:
                 self._cache = self.stage.make_cache()
-                if not storable(self._cache):
-                    self._cache = []
-                    self.done_tokens = self.total
             t = self.done_tokens
             n = min(self.chunk, self.fed - t)
             if self.finished or n <= 0:
@@ -105,7 +104,8 @@ class Rebuild:
             return None
         hidden = self._parts[0] if len(self._parts) == 1 else mx.concatenate(self._parts, axis=1)
         b = self.given
-        return (Piece(b.scope, list(b.tokens), self.lo, self.hi, snapshot(self._cache, n), b.inflight),
+        layers = snapshot(self._cache, n) if storable(self._cache) else cache_kinds.freeze(self._cache)
+        return (Piece(b.scope, list(b.tokens), self.lo, self.hi, layers, b.inflight),
                 Boundary(b.scope, list(b.tokens), self.hi, hidden, b.inflight))
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ringlet.daemon.engine import kv_handoff, speculation
+from ringlet.daemon.engine import cache_kinds, kv_handoff, speculation
 from ringlet.daemon.engine.batching import Work, batch_figures, choose_batch
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore, Recording
 from ringlet.daemon.engine.decode_groups import DecodeGroups
@@ -166,8 +166,7 @@ class StageEngine:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV caches of the requests in flight on this stage (not the
         prefix store's entries)."""
-        own = sum(c.nbytes for state in list(self._requests.values()) for c in list(state.cache)
-                  if getattr(c, "keys", None) is not None)
+        own = sum(cache_kinds.nbytes(list(state.cache)) for state in list(self._requests.values()))
         return own + self._groups.nbytes()
 
     def batch_of(self, request_id: str) -> tuple[str, ...]:
@@ -480,7 +479,7 @@ class StageEngine:
         mean batch over the last ``window_s`` seconds, the histogram since start and
         the steps waiting."""
         return batch_figures(self.max_batch, self.last_batch, self.recent_batches, self.batch_histogram,
-                             self.queued, window_s, time.monotonic())
+                             self.queued, window_s, time.monotonic(), self._groups.unmerged)
 
     def close(self) -> None:
         """Drop every cache and waiting step and stop the worker thread."""

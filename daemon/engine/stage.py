@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ringlet.daemon.engine import cache_kinds
 from ringlet.daemon.engine import gguf as gguf_source
 from ringlet.daemon.engine.embed_scale import neutralize
 from ringlet.daemon.engine.layer_pattern import LayerPattern
@@ -40,7 +41,11 @@ from ringlet.daemon.engine.prune import (
     head_owner,
     inner_module,
     last_position_only,
+    layer_list,
+    layer_list_owner,
+    prefix_of,
     prune,
+    set_layer_list,
 )
 from ringlet.daemon.engine.sources import ModelLocation, check_safetensors, read_config
 from ringlet.daemon.engine.stage_tensors import validate_range
@@ -61,11 +66,10 @@ def token_id_error(ids: list[int], vocab_size: int | None) -> str | None:
 
 
 def mergeable(caches: list[list]) -> bool:
-    """Whether these requests' caches can join one batched forward: every layer a plain
-    ``KVCache`` (rotating, quantized or state-space caches run one request at a time)."""
-    from mlx_lm.models.cache import KVCache
-
-    return all(cache and all(type(c) is KVCache for c in cache) for cache in caches)
+    """Whether these requests' caches can join one batched forward
+    (:func:`.cache_kinds.mergeable`: mlx-lm's batch caches for full attention, sliding
+    windows and recurrent states; quantized or chunked caches run one request at a time)."""
+    return cache_kinds.mergeable(caches)
 
 
 class StageRange:
@@ -167,17 +171,17 @@ class Stage(StageRange):
         if not self.start <= lo < hi <= self.end:
             raise PlanError(f"layers [{lo}, {hi}) are not within this stage's [{self.start}, {self.end})")
         inner = inner_module(self.model)
-        patterned = (*self.pattern.indices, *self.pattern.lists) if self.pattern is not None else ()
         embedding = embedding_name(inner)
-        saved = {name: getattr(inner, name) for name in ("layers", embedding, *FINAL_NORMS, *patterned)
-                 if hasattr(inner, name)}
+        owner_of_list = layer_list_owner(inner)
+        saved = {name: getattr(inner, name) for name in (embedding, *FINAL_NORMS) if hasattr(inner, name)}
+        layers = layer_list(inner)
         owner, head_attr = head_owner(self.model), head_name(self.model)
         head = owner.get(head_attr)
         restore = None
         try:
-            inner.layers = saved["layers"][lo - self.start:hi - self.start]
+            set_layer_list(inner, layers[lo - self.start:hi - self.start])
             if self.pattern is not None:
-                self.pattern.apply(inner, lo, hi)
+                self.pattern.apply(owner_of_list, lo, hi)
             self._span = (lo, hi)
             real = getattr(saved[embedding], "real", None) if lo == 0 else None
             setattr(inner, embedding, StageEmbedding(real, embed_input=lo == 0, head_output=False))
@@ -194,6 +198,9 @@ class Stage(StageRange):
                 restore()
             for name, value in saved.items():
                 setattr(inner, name, value)
+            set_layer_list(inner, layers)
+            if self.pattern is not None:  # the stage's own indices, lists and stand-ins again
+                self.pattern.apply(owner_of_list, self.start, self.end)
             if head is not None:
                 setattr(owner, head_attr, head)
 
@@ -242,15 +249,18 @@ def _reuse(model: nn.Module, start: int, end: int, num_layers: int, reuse: Stage
     inner, old_inner = inner_module(model), inner_module(reuse.model)
     done: set[str] = set()
     for g in range(max(start, reuse.start), min(end, reuse.end)):
-        inner.layers[g - start] = old_inner.layers[g - reuse.start]
-        done.add(f"model.layers.{g - start}.")
-    new_embed, old_embed = getattr(inner, embedding_name(inner)), getattr(old_inner, embedding_name(old_inner))
+        layer_list(inner)[g - start] = layer_list(old_inner)[g - reuse.start]
+        done.add(f"{prefix_of(model)}{g - start}.")
+    embedding = embedding_name(inner)
+    new_embed, old_embed = getattr(inner, embedding), getattr(old_inner, embedding_name(old_inner))
     if "real" in new_embed and isinstance(old_embed, StageEmbedding) and "real" in old_embed:
         new_embed.real = old_embed.real
-        done.add("model.embed_tokens.")
+        done.add(prefix_of(model, embedding))
     if reuse.last and end == num_layers:
-        inner.norm = old_inner.norm
-        done.add("model.norm.")
+        for name in FINAL_NORMS:  # norm, ln_f (gpt2.py), final_layernorm (phi.py)...
+            if name in inner and name in old_inner:
+                setattr(inner, name, old_inner[name])
+                done.add(prefix_of(model, name))
         head, owner, old_owner = head_name(model), head_owner(model), head_owner(reuse.model)
         if hasattr(owner, head) and hasattr(old_owner, head):
             setattr(owner, head, getattr(old_owner, head))
@@ -358,7 +368,7 @@ def _load_mlx_stage(location: ModelLocation, start: int, end: int | None, dtype,
         _cast(model, dtype)
     reused = _reuse(model, start, end, num_layers, reuse)
     try:
-        layers = inner_module(model).layers
+        layers = layer_list(inner_module(model))
         for i, layer in enumerate(layers):  # layer by layer, for progress
             mx.eval(layer.parameters())
             if progress is not None:

@@ -69,9 +69,11 @@ PRECOPY_TIMEOUT_S = 120.0
 #: The counters of ``kv_migration`` (totals) and of each re-plan's figures.
 #: ``rebuilt_tokens``: tokens of KV rebuilt from boundary activations, weighted by the share
 #: of the model's layers rebuilt (a sequence of n tokens whose lost 10 of 30 layers were
-#: rebuilt counts n / 3: the prefill it cost).
+#: rebuilt counts n / 3: the prefill it cost). ``states_not_sent``: sequences whose layers
+#: another node fetched but that hold whole states (windows, recurrent states: no wire
+#: form, :mod:`ringlet.daemon.engine.cache_kinds`): the request needing them prefills again.
 COUNTERS = ("kv_bytes_received", "kv_bytes_sent", "resumed", "reprefilled_tokens", "full_reprefills",
-            "rebuilt_tokens", "precopied_bytes")
+            "rebuilt_tokens", "precopied_bytes", "states_not_sent")
 
 
 class Migration:
@@ -210,7 +212,8 @@ class Migration:
             pieces = list(own) + rebuilt
             if after:  # the rest of what was recomputed by choice, from holders still here
                 fetched += await asyncio.gather(*(self._fetch_kv(plan.epoch, s, a, b, held=[
-                    q for p in rebuilt if p.start <= a and p.end >= b and (q := p.within(a, b)) is not None])
+                    q for p in rebuilt if not p.exact and p.start <= a and p.end >= b
+                    and (q := p.within(a, b)) is not None])
                     for s, a, b in after), return_exceptions=True)
                 sources = sources + after
             for (spec, a, b), result in zip(sources, fetched, strict=True):
@@ -306,6 +309,11 @@ class Migration:
                                        f"{self.epoch})")
                 return
         pieces = [p for p in pieces if (p.start, p.end) == (request.start, request.end)]
+        asked = len(pieces)
+        pieces = kv_handoff.declined(pieces, request.start, request.end)  # whole states stay here
+        if not request.snapshot and asked > len(pieces):  # counted once, at the commit's fetch
+            self.kv_migration["states_not_sent"] += asked - len(pieces)
+            self.replan_figures(request.epoch)["states_not_sent"] += asked - len(pieces)
         held = [held_prefix(p, list(request.have)) for p in pieces] if request.have else None
         chunks = await self.engine.run(lambda: list(to_chunks(pieces, self.config.transport.max_message_bytes // 4,
                                                               held)))

@@ -211,9 +211,16 @@ class ResumingClient:
             sampling=sampling_to_pb(sampling), stop_ids=sorted(stop_ids), cache_scope=scope,
             prediction=prediction or []))
         first = True
+        on_prefill = (info or {}).get("on_prefill")
         try:
             async for event in call:
-                if event.WhichOneof("event") == "error":
+                kind = event.WhichOneof("event")
+                if kind == "progress":  # stage 0 reports its prefill: pass it on to the API's stream
+                    if on_prefill is not None:
+                        p = event.progress
+                        on_prefill(p.processed, p.total, p.cached)
+                    continue
+                if kind == "error":
                     if event.plan_epoch:
                         raise PlanChanged(event.error, event.plan_epoch)
                     if event.skew:

@@ -7,6 +7,7 @@ the parts the runner attached (``node.cluster``, ``node.tp``); shard transfers t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import TYPE_CHECKING
@@ -23,6 +24,27 @@ from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from ringlet.daemon.node.core import Node
+
+
+async def _produce(source, info: dict, events: asyncio.Queue) -> None:
+    """Put the generation's tokens (with their scores; the first with the cached-token
+    count) on ``events``, or its error, then ``None``; the prefill progress that
+    ``info["on_prefill"]`` reports goes on the same queue, in order."""
+    first = True
+    try:
+        async for token in source:
+            accepted, rejected, trips = info.get("drafts", (0, 0, 0))
+            events.put_nowait(pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0,
+                                               scores=scores_to_pb(token), accepted_drafts=accepted,
+                                               rejected_drafts=rejected, draft_trips=trips))
+            first = False
+    except GenerationError as exc:
+        events.put_nowait(pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan),
+                                           skew=isinstance(exc, EpochSkew),
+                                           plan_epoch=exc.epoch if isinstance(exc, PlanChanged) else 0))
+    finally:
+        await source.aclose()
+        events.put_nowait(None)
 
 
 class RingServicer(pb_grpc.RingServicer):
@@ -50,22 +72,24 @@ class RingServicer(pb_grpc.RingServicer):
                                 f"this node serves epoch {node.epoch}, not {request.epoch}")
         if (why := node.prompt_error(list(request.prompt), request.max_tokens)) is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        info: dict = {}
-        first = True
-        try:
-            async for token in node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt),
-                                                request.max_tokens, sampling_from_pb(request.sampling),
-                                                frozenset(request.stop_ids), request.cache_scope, info,
-                                                list(request.prediction)):
-                accepted, rejected, trips = info.get("drafts", (0, 0, 0))
-                yield pb.GenerateEvent(token=token, cached_tokens=info.get("cached_tokens", 0) if first else 0,
-                                       scores=scores_to_pb(token), accepted_drafts=accepted,
-                                       rejected_drafts=rejected, draft_trips=trips)
-                first = False
-        except GenerationError as exc:
-            yield pb.GenerateEvent(error=str(exc), retry=isinstance(exc, RetryOnPlan), skew=isinstance(exc, EpochSkew),
-                                   plan_epoch=exc.epoch if isinstance(exc, PlanChanged) else 0)
+        events: asyncio.Queue[pb.GenerateEvent | None] = asyncio.Queue()
 
+        def on_prefill(processed: int, total: int, cached: int) -> None:
+            events.put_nowait(pb.GenerateEvent(progress=pb.PrefillProgress(processed=processed, total=total,
+                                                                           cached=cached)))
+
+        info: dict = {"on_prefill": on_prefill}
+        source = node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt), request.max_tokens,
+                                  sampling_from_pb(request.sampling), frozenset(request.stop_ids),
+                                  request.cache_scope, info, list(request.prediction))
+        producer = asyncio.ensure_future(_produce(source, info, events))
+        try:
+            while (event := await events.get()) is not None:
+                yield event
+        finally:
+            if not producer.done():
+                producer.cancel()  # the caller left: the generation stops where it waits, its KV is released
+            await asyncio.wait([producer])
     async def GetNodeInfo(self, request, context):  # noqa: N802
         node = self.node
         cluster = node.cluster

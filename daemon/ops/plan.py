@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ringlet.daemon.engine.defaults import DEFAULT_PREFILL_SHARE
 from ringlet.partitioning import POLICY_NAMES, Infeasible, LinkSpec, NodeSpec, Plan, Policy, make_plan
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT = 0, 1, 2
@@ -229,6 +230,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV-cache length in tokens to plan for (default: the model's max_position_embeddings)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="with --previous: accept plans this fraction worse to move fewer bytes (default 0.01)")
+    p.add_argument("--prefill-share", type=float, default=None,
+                   help="balanced: how much of the stages' time is prefill rather than decode, 0..1 "
+                        f"(default {DEFAULT_PREFILL_SHARE}, as ringlet run)")
     p.add_argument("--previous", default=None, help="the current plan (JSON from --json) to re-shard from")
     p.add_argument("--name", default=None, help="model name recorded in the plan (default: directory name)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -273,6 +277,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["name"] = args.policy
     if args.tolerance is not None:
         overrides["tolerance"] = args.tolerance
+    overrides.setdefault("prefill_share", DEFAULT_PREFILL_SHARE if args.prefill_share is None else args.prefill_share)
     try:
         policy = Policy(**overrides)
     except TypeError as exc:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from ringlet.daemon.engine.defaults import CPU_PREFILL_CHUNK, DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ringlet.daemon.engine.defaults import (
+    CPU_PREFILL_CHUNK,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_SHARE,
+)
 from ringlet.daemon.engine.drafting import DEFAULT_SPEC_TOKENS
 from ringlet.daemon.engine.dtype import CHOICES as DTYPE_CHOICES
 from ringlet.daemon.errors import RingletError
@@ -45,6 +50,17 @@ def parse_size(text: str | None, option: str = "--memory-limit", allow_zero: boo
     if value < 0 or (value == 0 and not allow_zero):
         raise RingletError(f"{option} must be positive" + (" or 0" if allow_zero else ""))
     return int(value)
+
+
+def _share(text: str) -> float:
+    """``--prefill-share``: a fraction in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -94,6 +110,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--memory-limit", default=None, help="usable memory to offer the cluster, e.g. 8GB")
     run.add_argument("--policy", choices=["balanced", "memory", "latency"], default="balanced",
                      help="planner policy (default balanced)")
+    run.add_argument("--prefill-share", type=_share, default=DEFAULT_PREFILL_SHARE,
+                     help="balanced policy: how much of the stages' time is prefill (long prompts) rather than "
+                          f"decode, 0..1 (default {DEFAULT_PREFILL_SHARE}: both weigh the same)")
     run.add_argument("--context", type=int, default=None, help="context tokens to size KV caches for")
     run.add_argument("--mode", choices=["auto", "pipeline", "tensor", "hybrid"], default="auto",
                      help="auto (default: decided from memory, links and predicted speed), pipeline, tensor "

@@ -185,7 +185,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         on_event=node.event, epoch_fn=lambda: (node.epoch, node.plan.plan_id if node.plan else ""))
     membership.set_record(record)
     negotiator = Negotiator(node, membership, spec, node.config.model.ident, num_layers,
-                            Policy(name=args.policy), settle_s=args.settle_s,
+                            Policy(name=args.policy, prefill_share=args.prefill_share), settle_s=args.settle_s,
                             initial_settle_s=args.initial_settle_s)
 
     def on_change() -> None:

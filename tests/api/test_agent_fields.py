@@ -308,3 +308,20 @@ def test_claude_codes_beta_shapes_a_system_message_a_deferred_tool_and_display_m
         "path": {"type": "string"}}}}
     assert count(http, messages=user, tools=[{**tool, "defer_loading": True}]) == count(http, messages=user)
     assert count(http, messages=user, tools=[tool]) > count(http, messages=user)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("problem", ["duplicate", "too many"])
+def test_a_tool_list_with_a_repeated_name_or_over_128_tools_is_a_400(http, path, problem):
+    names = ["same", "same"] if problem == "duplicate" else [f"t{i}" for i in range(129)]
+    schema = {"type": "object", "properties": {}}
+    tools = {"/v1/chat/completions": [{"type": "function", "function": {"name": n, "parameters": schema}}
+                                      for n in names],
+             "/v1/messages": [{"name": n, "input_schema": schema} for n in names],
+             "/v1/responses": [{"type": "function", "name": n, "parameters": schema} for n in names]}[path]
+    body = ({"input": "hi", "max_output_tokens": 1} if path == "/v1/responses"
+            else {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    r = http.post(path, json={"model": "smollm2-135m", "tools": tools, **body})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert ("unique" in message) if problem == "duplicate" else ("at most 128 tools" in message)

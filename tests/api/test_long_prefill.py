@@ -151,3 +151,23 @@ def test_disconnect_mid_prefill_stops_and_releases(url):
     again = sse_lines(url, "/v1/chat/completions", body, until=lambda line: '"prompt_progress"' in line)
     (first,) = [d["prompt_progress"] for d in data(again) if "prompt_progress" in d]
     assert CHUNK <= first["cache"] < first["total"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_whole_reply_client_leaving_mid_prefill_stops_it(url, path):
+    """A non-streamed request whose client gives up (a read timeout shorter than the
+    prefill) is stopped within a keepalive interval and a chunk, on every surface."""
+    k = {"/v1/chat/completions": 7, "/v1/messages": 8, "/v1/responses": 9}[path]
+    body = ({"model": MODEL, "input": prompt(k), "max_output_tokens": 3} if path == "/v1/responses"
+            else {"model": MODEL, "messages": messages(k), "max_tokens": 3})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + path, json=body, timeout=httpx.Timeout(connect=5, read=1.5, write=5, pool=5))
+    left = time.monotonic()
+    while True:
+        info = httpx.get(url + "/v1/cluster", timeout=5).json()
+        if not info["prefilling"] and not info["kv_caches"] and info["requests_in_flight"] == 0:
+            break
+        assert time.monotonic() - left < 1.0 + 2 * DELAY_S + 1.5, info["prefilling"]  # a keepalive and a chunk
+        time.sleep(0.1)
+    last = info["recent_requests"][-1]
+    assert last["completion_tokens"] == 0 and last["ttft_s"] is None  # stopped before its first token

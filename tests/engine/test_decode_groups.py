@@ -11,7 +11,7 @@ import asyncio
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache, RotatingKVCache
 from tiny_models import NUM_LAYERS, make_tiny_model
 
 from ringlet.daemon.engine.decode_groups import DecodeGroups
@@ -75,14 +75,16 @@ def test_grouped_steps_equal_each_request_alone_and_merge_only_when_the_company_
 
 
 def test_caches_that_cannot_merge_are_left_whole(stage):
-    caches = []
-    for p in PROMPTS[:2]:
-        cache = [RotatingKVCache(max_size=16) for _ in range(NUM_LAYERS)]
-        mx.eval(stage(mx.array([p], dtype=mx.int32), cache))
-        caches.append(cache)
+    """mlx-lm has no batched QuantizedKVCache: such requests run one at a time, counted."""
+    caches = [[QuantizedKVCache() for _ in range(NUM_LAYERS)] for _ in range(2)]  # (the forward never runs)
     groups = DecodeGroups()
     assert groups.forward(stage, ["a", "b"], mx.array([[1], [2]], dtype=mx.int32), caches, mergeable) is None
-    assert all(len(c) == NUM_LAYERS for c in caches) and len(groups) == 0
+    assert all(len(c) == NUM_LAYERS for c in caches) and len(groups) == 0 and groups.unmerged == 1
+    # nor do requests whose windows differ
+    windows = [[RotatingKVCache(max_size=m) for _ in range(NUM_LAYERS)] for m in (8, 16)]
+    assert not mergeable(windows) and mergeable([windows[0], windows[0]])
+    keeping = [RotatingKVCache(max_size=8, keep=4) for _ in range(NUM_LAYERS)]  # no batched form keeps them
+    assert not mergeable([keeping, keeping])
 
 
 def _engine_run(location, body, **kwargs):

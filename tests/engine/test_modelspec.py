@@ -213,3 +213,43 @@ def test_missing_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelSpecError, match="not a readable JSON"):
         model_spec_from_config(tmp_path)
+
+
+def test_sliding_windows_and_recurrent_states_are_sized_from_the_config():
+    """Issue #33 point 4: a sliding-window layer holds at most its window, a recurrent
+    layer a constant state. Hand computation, bfloat16 (2 bytes), from the configs:
+
+    gpt_oss, layers sliding/full alternating, window 8, 2 KV heads of 16: K+V = 2 x 2 x 16
+    x 2 = 128 bytes a token; at 100 tokens of context a sliding layer holds 8 of them (1,024
+    bytes), a full one 100 (12,800).
+
+    qwen3_next, full attention every 2nd layer (layers 1, 3), the others GatedDeltaNet
+    (mlx-lm qwen3_next.py, gated_delta.py) with 2 key heads and 4 value heads of 16,
+    convolution kernel 4: key_dim = 2 x 16 = 32, value_dim = 4 x 16 = 64, conv_dim = 2 x 32
+    + 64 = 128; its state is a convolution state (1, 4 - 1, 128) bf16 = 768 bytes plus a
+    recurrent state (1, 4, 16, 16) float32 = 4,096 bytes: 4,864 bytes whatever the context;
+    an attention layer caches 2 KV heads x (16 + 16) x 2 = 128 bytes a token."""
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 160, "max_position_embeddings": 256,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    gpt_oss = model_spec_from_config({**base, "model_type": "gpt_oss", "num_hidden_layers": 4, "num_local_experts": 4,
+                                      "num_experts_per_tok": 2, "sliding_window": 8,
+                                      "layer_types": ["sliding_attention", "full_attention"] * 2},
+                                     context_tokens=100)
+    assert gpt_oss.kv_window_tokens == (8, None, 8, None)
+    assert gpt_oss.kv_bytes_per_token_per_layer == (128,) * 4 and gpt_oss.state_bytes_per_layer == (0,) * 4
+    assert gpt_oss.kv_cache_bytes() == 2 * 8 * 128 + 2 * 100 * 128
+    qwen3_next = model_spec_from_config(
+        {**base, "model_type": "qwen3_next", "num_hidden_layers": 4, "linear_num_value_heads": 4,
+         "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+         "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+         "shared_expert_intermediate_size": 64, "mlp_only_layers": [], "moe_intermediate_size": 32,
+         "partial_rotary_factor": 0.25, "full_attention_interval": 2}, context_tokens=100)
+    assert qwen3_next.kv_bytes_per_token_per_layer == (0, 128, 0, 128)
+    assert qwen3_next.state_bytes_per_layer == (4864, 0, 4864, 0)
+    assert qwen3_next.kv_cache_bytes() == 2 * 4864 + 2 * 100 * 128
+    assert qwen3_next.kv_cache_bytes(10_000) == 2 * 4864 + 2 * 10_000 * 128  # the states stay constant
+    from ringlet.partitioning.costs import CostModel
+
+    assert CostModel(qwen3_next).memory[0, 2] == pytest.approx(sum(qwen3_next.layer_bytes[:2])
+                                                               + qwen3_next.embedding_bytes + 4864 + 100 * 128)

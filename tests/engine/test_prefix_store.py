@@ -226,11 +226,15 @@ def test_insert_refuses_what_it_cannot_store():
     assert not store.insert("a", T, [])
     assert not store.insert("a", T[:9], filled(10))  # the cache holds more tokens than named
     assert not store.insert("a", T, filled(9))
+    assert (len(store), store.nbytes, store.stats.inserted) == (0, 0, 0)
+    # another kind of cache (a window) is kept whole, reusable at exactly its length
+    # (tests/engine/test_cache_kinds.py); named with fewer tokens than it holds, never
     rotating = [RotatingKVCache(max_size=64) for _ in range(2)]
     for layer, c in enumerate(rotating):
         append(c, 0, layer, range(10))
-    assert not store.insert("a", T, rotating)
-    assert (len(store), store.nbytes, store.stats.inserted) == (0, 0, 0)
+    assert not store.insert("a", T[:9], rotating)
+    assert store.insert("a", T, rotating) and store.entries()[0].exact
+    assert store.longest("a", T + [1]) == len(T) and store.longest("a", T[:9] + [1]) == 0
 
 
 def test_an_extension_drops_the_entry_it_extends():
@@ -483,7 +487,7 @@ def test_info_figures():
     assert store.info() == {"disk": None,
                             "budget_bytes": 5120, "bytes": 0, "entries": 0, "tokens": 0, "hits": 0, "misses": 0,
                             "hit_tokens": 0, "evictions": 0, "inserted": 0, "dropped_on_replan": 0,
-                            "layer_range": [0, 2], "pinned": 0}
+                            "exact_dropped": 0, "exact_entries": 0, "layer_range": [0, 2], "pinned": 0}
     store.insert("a", T, filled(10))  # 2560 bytes
     store.insert("b", A, filled(4))  # 1024
     store.take("a", T[:7])
@@ -493,12 +497,12 @@ def test_info_figures():
     assert store.info() == {"disk": None,
                             "budget_bytes": 5120, "bytes": 1024 + 2048, "entries": 2, "tokens": 12, "hits": 2,
                             "misses": 1, "hit_tokens": 11, "evictions": 1, "inserted": 3, "dropped_on_replan": 0,
-                            "layer_range": [0, 2], "pinned": 0}
+                            "exact_dropped": 0, "exact_entries": 0, "layer_range": [0, 2], "pinned": 0}
     store.retain(1, 2)
     assert store.info() == {"disk": None,
                             "budget_bytes": 5120, "bytes": 512 + 1024, "entries": 2, "tokens": 12, "hits": 2,
                             "misses": 1, "hit_tokens": 11, "evictions": 1, "inserted": 3, "dropped_on_replan": 0,
-                            "layer_range": [1, 2], "pinned": 0}
+                            "exact_dropped": 0, "exact_entries": 0, "layer_range": [1, 2], "pinned": 0}
 
 
 # --- through the stage engine ---------------------------------------------------------------

@@ -277,3 +277,28 @@ def test_predicted_latency_and_throughput():
     assert plan.throughput_tokens_per_s == pytest.approx(0.5)
     assert [h.kind for h in plan.hops] == ["direct", "direct"]
     assert plan.hops[-1].returns and plan.hops[-1].payload_bytes == 16
+
+
+# --- balanced: prefill against decode (issue #35) ----------------------------------------
+
+
+@pytest.mark.parametrize(("share", "first_stage_layers"), [(0.0, 7), (0.5, 6), (1.0, 5)])
+def test_prefill_share_moves_layers_off_the_head_free_stage(share, first_stage_layers):
+    # 10 layers, each 100 B read and 100 FLOPs a token; the head reads 400 B and does 400
+    # FLOPs a decoded token, nothing for a prompt token. Two nodes at 1 B/s and 1 FLOP/s.
+    # Decode: stage 0 with a layers costs 200a s, stage 1 200(10 - a) + 800; a prompt
+    # token 100a and 100(10 - a). The whole model: 2,800 s a decoded token, 1,000 a prompt token.
+    # share 0:   max(200a, 2800 - 200a) is least at a = 7 (1400 = 1400).
+    # share 1:   max(100a, 1000 - 100a) at a = 5.
+    # share 0.5: stage 0 = 0.5 * 200a / 2800 + 0.5 * 100a / 1000 = 0.0857a, stage 1 = 1 - 0.0857a:
+    #            a = 5 gives max(0.429, 0.571), a = 6 max(0.514, 0.486): a = 6.
+    spec = model(10, layer_bytes=100, head_bytes=400, flops_per_token_per_layer=100, head_flops_per_token=400)
+    nodes = [node("A", 10**6), node("B", 10**6)]
+    plan = make_plan(nodes, [], spec, policy=Policy(prefill_share=share, ring_order=("A", "B")))
+    validate_plan(plan, 10)
+    assert [(s.start, s.end) for s in plan.stages] == [(0, first_stage_layers), (first_stage_layers, 10)]
+
+
+def test_prefill_share_must_be_a_fraction():
+    with pytest.raises(ValueError, match="prefill_share"):
+        Policy(prefill_share=1.5)

@@ -141,9 +141,10 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., steps_done: _Optional[int] = ..., cache_scope: _Optional[str] = ..., prediction: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("token", "error", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores", "accepted_drafts", "rejected_drafts", "draft_trips")
+    __slots__ = ("token", "error", "progress", "ttft_s", "retry", "cached_tokens", "plan_epoch", "skew", "scores", "accepted_drafts", "rejected_drafts", "draft_trips")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     RETRY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +156,7 @@ class GenerateEvent(_message.Message):
     DRAFT_TRIPS_FIELD_NUMBER: _ClassVar[int]
     token: int
     error: str
+    progress: PrefillProgress
     ttft_s: float
     retry: bool
     cached_tokens: int
@@ -164,7 +166,17 @@ class GenerateEvent(_message.Message):
     accepted_drafts: int
     rejected_drafts: int
     draft_trips: int
-    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ..., accepted_drafts: _Optional[int] = ..., rejected_drafts: _Optional[int] = ..., draft_trips: _Optional[int] = ...) -> None: ...
+    def __init__(self, token: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ..., ttft_s: _Optional[float] = ..., retry: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., skew: _Optional[bool] = ..., scores: _Optional[_Union[TokenScores, _Mapping]] = ..., accepted_drafts: _Optional[int] = ..., rejected_drafts: _Optional[int] = ..., draft_trips: _Optional[int] = ...) -> None: ...
+
+class PrefillProgress(_message.Message):
+    __slots__ = ("processed", "total", "cached")
+    PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    processed: int
+    total: int
+    cached: int
+    def __init__(self, processed: _Optional[int] = ..., total: _Optional[int] = ..., cached: _Optional[int] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("node_id", "start", "end", "grpc_address", "rebuild", "why", "hop_address", "lost")
@@ -241,7 +253,7 @@ class MemberDigest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., record_version: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving")
+    __slots__ = ("sender_id", "incarnation", "record_version", "members", "committed_epoch", "plan_id", "grpc_address", "leaving", "membership_digest")
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RECORD_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +262,7 @@ class Heartbeat(_message.Message):
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_DIGEST_FIELD_NUMBER: _ClassVar[int]
     sender_id: str
     incarnation: str
     record_version: int
@@ -258,7 +271,8 @@ class Heartbeat(_message.Message):
     plan_id: str
     grpc_address: str
     leaving: bool
-    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    membership_digest: str
+    def __init__(self, sender_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., record_version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ..., committed_epoch: _Optional[int] = ..., plan_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., leaving: _Optional[bool] = ..., membership_digest: _Optional[str] = ...) -> None: ...
 
 class Proposal(_message.Message):
     __slots__ = ("epoch", "proposer_id", "membership_digest", "plan_json", "model", "addresses", "tp_json", "previous")
@@ -281,18 +295,20 @@ class Proposal(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., proposer_id: _Optional[str] = ..., membership_digest: _Optional[str] = ..., plan_json: _Optional[str] = ..., model: _Optional[str] = ..., addresses: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ..., tp_json: _Optional[str] = ..., previous: _Optional[_Iterable[_Union[LayerRange, _Mapping]]] = ...) -> None: ...
 
 class Vote(_message.Message):
-    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens")
+    __slots__ = ("ok", "reason", "node_id", "newest_epoch", "kv_tokens", "members")
     OK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NEWEST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     reason: str
     node_id: str
     newest_epoch: int
     kv_tokens: int
-    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[MemberDigest]
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., newest_epoch: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberDigest, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("epoch", "proposer_id", "plan_id")
