@@ -151,7 +151,7 @@ class ScriptedRing:
     def __init__(self, ids: list[int]):
         self.ids = ids
 
-    async def generate(self, prompt, max_tokens, sampling, stop_ids, cache_scope="", info=None):
+    async def generate(self, prompt, max_tokens, sampling, stop_ids, cache_scope="", info=None, prediction=None):
         for t in self.ids[:max_tokens]:
             yield t
 
