@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from ringlet.daemon.engine.defaults import CPU_PREFILL_CHUNK
 from ringlet.daemon.ops.demo import LocalCluster
 
 LENGTHS = (1000, 3000, 6000)  # prompt tokens, about
@@ -98,15 +99,16 @@ def measure(stages: int, ranges: list[tuple[int, int]] | None = None, lengths=LE
 #: --prefill-share 0 (decode alone, ringlet before issue #35), 0.5 (the default) and 1
 SPLITS = {"share 0": [(0, 18), (18, 30)], "share 0.5": [(0, 16), (16, 30)], "share 1": [(0, 15), (15, 30)]}
 #: a 2-stage ring's prefill takes about one stage's work plus one chunk's (the pipeline's
-#: fill or drain), so smaller chunks than the CPU's 256 may pay: measured on the default split
-SMALL_CHUNK = 128
+#: fill or drain), so a ring prefills in half the one-stage chunk (128 tokens on a CPU);
+#: the default split with the one-stage chunk (what a ring used before) for comparison
+ONE_STAGE_CHUNK = CPU_PREFILL_CHUNK
 
 
 def main() -> dict:
     lengths = tuple(int(n) for n in os.environ.get("BENCH_LENGTHS", ",".join(map(str, LENGTHS))).split(","))
     one = measure(1, lengths=lengths)
     twos = {name: measure(2, ranges, lengths) for name, ranges in SPLITS.items()}
-    twos[f"0.5, chunk {SMALL_CHUNK}"] = measure(2, SPLITS["share 0.5"], lengths, SMALL_CHUNK)
+    twos[f"0.5, chunk {ONE_STAGE_CHUNK}"] = measure(2, SPLITS["share 0.5"], lengths, ONE_STAGE_CHUNK)
     print(f"pinned cores, --threads 1, float32, prefix cache off, medians of {RUNS}; TTFT s (ratio to 1 process)")
     print(f"{'prompt':>8}{'1 process':>11}" + "".join(f"{name:>18}" for name in twos))
     ratios: dict = {name: {} for name in twos}

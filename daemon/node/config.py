@@ -61,7 +61,10 @@ class NodeConfig:
         max_batch: the most decode steps a stage runs as one forward (1: no batching).
         prefill_chunk: prompt tokens per prefill chunk; stage 0 sends each chunk on
             as soon as it is computed, so stages prefill in a pipeline. ``None``: this
-            device's default (:func:`ringlet.daemon.engine.defaults.default_prefill_chunk`).
+            device's default (:func:`ringlet.daemon.engine.defaults.default_prefill_chunk`),
+            and half of it on a plan of several stages.
+        ring_prefill_chunk: the same on a plan of several pipeline stages; ``None``:
+            ``prefill_chunk`` when that is given, else the device's default for a ring.
         spec_tokens: the most tokens stage 0 drafts per decode step for speculative
             decoding (:mod:`ringlet.daemon.engine.drafting`; 0: off).
         vocab_size: the tokenizer's vocabulary (token ids at or past it are refused).
@@ -97,6 +100,7 @@ class NodeConfig:
     fetch: Callable[[int, int], Awaitable[None]] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int | None = None
+    ring_prefill_chunk: int | None = None
     spec_tokens: int = DEFAULT_SPEC_TOKENS
     vocab_size: int | None = None
     context_tokens: int | None = None
@@ -110,10 +114,19 @@ class NodeConfig:
     boundary_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk is None:
+        if self.ring_prefill_chunk is None:
+            self.ring_prefill_chunk = self.prefill_chunk
+        if self.prefill_chunk is None or self.ring_prefill_chunk is None:
             from ringlet.daemon.engine.dtype import on_cpu  # imports MLX: only when needed
 
-            self.prefill_chunk = default_prefill_chunk(on_cpu())
+            if self.prefill_chunk is None:
+                self.prefill_chunk = default_prefill_chunk(on_cpu())
+            if self.ring_prefill_chunk is None:
+                self.ring_prefill_chunk = default_prefill_chunk(on_cpu(), stages=2)
+
+    def chunk_for(self, stages: int) -> int:
+        """Prompt tokens per prefill chunk on a plan of ``stages`` pipeline stages."""
+        return max(1, self.ring_prefill_chunk if stages > 1 else self.prefill_chunk)
 
     @property
     def address(self) -> str:
