@@ -294,7 +294,9 @@ def test_stalled_collective_restarts_the_group(tiny_dir):
     restart, and the request resumes."""
     before = worker_pids()
     path = tiny_dir("llama6")
-    want, _ = mlx_greedy(path, PROMPT, 16)
+    # 48 tokens, stopped after the 4th arrives: with 16, rank 0 (a tiny model, ms a token) once
+    # produced them all before the client took its 4th from the stream, and nothing stalled
+    want, _ = mlx_greedy(path, PROMPT, 48)
 
     async def go():
         # 3 s, not 1.5: the restarted group's first step (three fresh ranks warming up on two
@@ -302,7 +304,7 @@ def test_stalled_collective_restarts_the_group(tiny_dir):
         group = TPGroup.local(str(path), 3, extra_env=rank_env(3), hb_timeout=60, step_timeout=3.0)
         await group.start()
         try:
-            got = await collect(group.generate(PROMPT, 16), killer(group, 2, after=4, sig=signal.SIGSTOP))
+            got = await collect(group.generate(PROMPT, 48), killer(group, 2, after=4, sig=signal.SIGSTOP))
             info = group.info()
             assert got == want
             assert (info["mode"], info["size"], info["epoch"], info["restarts"]) == ("tensor", 3, 2, 1)
