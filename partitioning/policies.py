@@ -101,8 +101,7 @@ def _balanced(ctx: Context, orders: Sequence[tuple[str, ...]]) -> Choice | None:
         refs = (min(d for d, _ in whole), min(p for _, p in whole))
         if not all(0 < r < INF for r in refs):  # no flops figures to weigh prefill by: decode alone
             share = 0.0
-    times = [[cost.balance_time(ctx.nodes[n], share, *refs) if share else cost.feasible_time(ctx.nodes[n])
-              for n in o] for o in orders]
+    times = [[cost.balance_time(ctx.nodes[n], share, *refs) for n in o] for o in orders]
     taus = [splits.min_max(t) for t in times]
     best = min(taus)
     if not math.isfinite(best):

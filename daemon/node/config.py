@@ -119,10 +119,11 @@ class NodeConfig:
         if self.prefill_chunk is None or self.ring_prefill_chunk is None:
             from ringlet.daemon.engine.dtype import on_cpu  # imports MLX: only when needed
 
+            cpu = on_cpu()
             if self.prefill_chunk is None:
-                self.prefill_chunk = default_prefill_chunk(on_cpu())
+                self.prefill_chunk = default_prefill_chunk(cpu)
             if self.ring_prefill_chunk is None:
-                self.ring_prefill_chunk = default_prefill_chunk(on_cpu(), stages=2)
+                self.ring_prefill_chunk = default_prefill_chunk(cpu, stages=2)
 
     def chunk_for(self, stages: int) -> int:
         """Prompt tokens per prefill chunk on a plan of ``stages`` pipeline stages."""

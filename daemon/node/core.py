@@ -126,6 +126,11 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         return self.index == 0
 
     @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill chunk on the current plan (:meth:`NodeConfig.chunk_for`)."""
+        return self.config.chunk_for(len(self.plan.stages) if self.plan else 1)
+
+    @property
     def is_last(self) -> bool:
         return self.plan is not None and self.index == len(self.plan.stages) - 1
 
@@ -422,7 +427,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             "kv_migration": self.kv_migration,
             "boundary_cache": self.engine.boundaries.figures() if self.engine else None,
             "batching": {**self.engine.batch_stats(),
-                         "prefill_chunk": self.config.chunk_for(len(self.plan.stages) if self.plan else 1),
+                         "prefill_chunk": self.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "speculation": {**self.spec_totals.figures(self.config.spec_tokens),
                             "trip_cost": self.trip_meter.cost()},

@@ -165,7 +165,7 @@ class Head:
         first ``gen.cached`` prompt tokens come from the prefix stores: the first chunk
         names them (``prefix_ids``) and the prefill starts after them."""
         if step == 0:
-            chunk = self.config.chunk_for(len(self.plan.stages) if self.plan else 1)
+            chunk = self.prefill_chunk
             pieces = [(off, payload[off:off + chunk]) for off in range(gen.cached, len(payload), chunk)]
         else:  # a decode step: the latest token, then the drafts to verify (if any)
             pieces = [(len(gen.prompt) + len(gen.tokens) - 1, payload)]
