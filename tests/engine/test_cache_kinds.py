@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from test_rebuild import run_ring
 from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
 
@@ -180,13 +181,7 @@ def test_a_lost_middle_stage_is_rebuilt_from_boundary_states_and_decodes_as_the_
     tokens mlx-lm's whole model decodes after the prompt."""
     name, path, old = model
     prompt = TURNS[0] + TURNS[1]
-    caches = [s.make_cache() for s in old]
-    h = mx.array([prompt])
-    sent = []
-    for s, c in zip(old, caches, strict=True):
-        h = s(h, c)
-        mx.eval(h)
-        sent.append(h)
+    caches, sent = run_ring(old, prompt)
     state = type("State", (), {"tokens": prompt, "offset": len(prompt), "scope": "", "cache": None})
     parked = []
     for s, c in ((old[0], caches[0]), (old[2], caches[2])):

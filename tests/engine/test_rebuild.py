@@ -51,6 +51,20 @@ def reference(path):
     return kv, steps
 
 
+def run_ring(stages: list, prompt: list[int]) -> tuple[list[list], list[mx.array]]:
+    """Prefill ``prompt`` through ``stages`` in order as a ring would, in one piece: each
+    stage's fresh caches, and the hidden states each stage sent on (shape
+    ``(1, len(prompt), hidden)``; the last is the last stage's output)."""
+    caches = [s.make_cache() for s in stages]
+    h = mx.array([prompt])
+    sent = []
+    for stage, cache in zip(stages, caches, strict=True):
+        h = stage(h, cache)
+        mx.eval(h)
+        sent.append(h)
+    return caches, sent
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("chunk", [64, 4])
 def test_a_lost_middle_stage_is_rebuilt_in_chain_and_decodes_as_the_whole_model(arch, chunk, tmp_path):
@@ -58,13 +72,7 @@ def test_a_lost_middle_stage_is_rebuilt_in_chain_and_decodes_as_the_whole_model(
     ref_kv, ref_steps = reference(path)
     loc = resolve(str(path))
     old = [load_stage(loc, 0, 1), load_stage(loc, 1, 3), load_stage(loc, 3, 4)]
-    caches = [s.make_cache() for s in old]
-    h = mx.array([PROMPT])
-    sent = []
-    for s, c in zip(old, caches, strict=True):
-        h = s(h, c)
-        mx.eval(h)
-        sent.append(h)
+    caches, sent = run_ring(old, PROMPT)
     kept0 = Piece("", PROMPT, 0, 1, snapshot(caches[0], len(PROMPT)), inflight=True)
     kept3 = Piece("", PROMPT, 3, 4, snapshot(caches[2], len(PROMPT)), inflight=True)
     states_at_1 = Boundary("", PROMPT, 1, sent[0], inflight=True)
