@@ -10,19 +10,24 @@ some architectures (OpenBLAS PR #4814, ``GEMM_GEMV_FORWARD``).
 
 ``gemv_forward.c`` (beside this file) is a tiny library that exports ``cblas_sgemm``
 only: calls with M == 1 or N == 1 (and K > 0) go to the real ``cblas_sgemv``, every
-other call to the real ``cblas_sgemm``. :func:`install` builds it once per machine with
+other call to the real ``cblas_sgemm``, except products of 2 to 8 rows: those go to
+its own kernel, which reads each weight row once for all of them (OpenBLAS's sgemm packs
+the whole weight again for every such call: a 7-row product, a speculative step's
+verification, cost about 7 single-row ones). :func:`install` builds it once per machine with
 the C compiler (``$CC``, else ``cc``/``gcc``/``clang``; no libc is linked), caches it in
 the machine cache, loads it into the global symbol scope *before* the checked BLAS is
 promoted there (so ``libmlx.so`` binds ``cblas_sgemm`` to it), binds the BLAS's own
 two functions, and checks every transpose and order of M == 1 and N == 1 products
 against numpy (float64). Any failure leaves the calls going straight to the BLAS's
-sgemm, with the reason. ``RINGLET_GEMV_FORWARD=0`` turns it off.
+sgemm, with the reason. ``RINGLET_GEMV_FORWARD=0`` turns it off; ``RINGLET_FEW_ROWS=0``
+sends the few-row products back to sgemm (for benchmarks).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -31,6 +36,8 @@ from pathlib import Path
 from ringlet.daemon.paths import machine_cache_dir, write_atomically
 
 ENV = "RINGLET_GEMV_FORWARD"
+#: ``0`` sends products of a few rows to the BLAS's sgemm, as before the kernel
+FEW_ROWS_ENV = "RINGLET_FEW_ROWS"
 SOURCE = Path(__file__).with_name("gemv_forward.c")
 #: What makes the build possible where it is not (Debian/Ubuntu).
 FIX = "apt-get install gcc (ringlet builds a 2 kB library once, to run decode matmuls through sgemv)"
@@ -38,8 +45,11 @@ FIX = "apt-get install gcc (ringlet builds a 2 kB library once, to run decode ma
 NO_COMPILER = "no C compiler (cc, gcc or clang) to build it"
 _BUILD_TIMEOUT_S = 60.0
 #: No libc (the library calls only the two pointers it is bound to), so no stack
-#: protector either (its failure handler is libc's).
-CFLAGS = ("-O2", "-shared", "-fPIC", "-nostdlib", "-fno-stack-protector")
+#: protector either (its failure handler is libc's), and no loop turned into a memset
+#: call. Built on the machine that runs it, for its CPU (:data:`ARCH`, when the
+#: compiler knows it): the few-row kernel's vectors then use AVX2/AVX-512 or NEON.
+CFLAGS = ("-O3", "-shared", "-fPIC", "-nostdlib", "-fno-stack-protector", "-fno-tree-loop-distribute-patterns")
+ARCH = ("-march=native",)
 # cblas enum values (cblas.h)
 _ROW, _COL, _NT, _T = 101, 102, 111, 112
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
@@ -47,9 +57,10 @@ _SGEMM_ARGS = [ctypes.c_int] * 6 + [ctypes.c_float, _FLOAT_P, ctypes.c_int, _FLO
                                     ctypes.c_float, _FLOAT_P, ctypes.c_int]
 
 
-def disabled() -> bool:
-    """``RINGLET_GEMV_FORWARD`` is ``0``/``off``/``no``/``false``."""
-    return os.environ.get(ENV, "").strip().lower() in {"0", "off", "no", "false"}
+def disabled(name: str = ENV) -> bool:
+    """The environment variable ``name`` (default ``RINGLET_GEMV_FORWARD``) is
+    ``0``/``off``/``no``/``false``."""
+    return os.environ.get(name, "").strip().lower() in {"0", "off", "no", "false"}
 
 
 def _compiler() -> str | None:
@@ -70,7 +81,7 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
         source = SOURCE.read_bytes()
     except OSError as exc:
         return None, f"cannot read {SOURCE}: {exc.strerror}"
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(CFLAGS + ARCH).encode()).hexdigest()[:16]
     name = f"ringlet-blas-gemv-{key}.so"  # "blas" in the name: listed among the mapped BLAS
     target = (cache_dir or machine_cache_dir() / "blas") / name
     if target.is_file():
@@ -81,11 +92,13 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
     failure: list[str] = []
 
     def compile_to(tmp: str) -> None:
-        argv = [cc, *CFLAGS, "-o", tmp, str(SOURCE)]
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)  # noqa: S603 - no shell
-        if run.returncode != 0:
-            failure.append((run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1])
-            raise ValueError("build failed")
+        for arch in (ARCH, ()):  # for this CPU; else generic, where the compiler cannot tell
+            argv = [cc, *CFLAGS, *arch, "-o", tmp, str(SOURCE)]
+            run = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)  # noqa: S603
+            if run.returncode == 0:
+                return
+        failure.append((run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1])
+        raise ValueError("build failed")
 
     try:
         error = write_atomically(target, compile_to)
@@ -96,33 +109,38 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
     return target, None
 
 
+#: (M, K, N) of the products :func:`_check` computes: one row, one column, few rows
+#: (K not a multiple of the vector width), few columns, and ordinary products
+CHECKED = ((1, 37, 9), (9, 37, 1), (1, 5, 1), (2, 37, 9), (7, 67, 5), (8, 16, 3), (5, 9, 2), (3, 6, 4),
+           (9, 8, 12), (4, 3, 600))
+
+
 def _check(sgemm) -> str | None:
-    """Every transpose, both orders, of M == 1 and N == 1 products (and one ordinary
-    product) through ``sgemm``, against numpy's float64 matmul; ``None`` when all agree."""
+    """Every transpose, both orders, of the products :data:`CHECKED` through ``sgemm``,
+    against numpy's float64 matmul; ``None`` when all agree."""
     import numpy as np
 
     rng = np.random.default_rng(1)
     sgemm.restype, sgemm.argtypes = None, _SGEMM_ARGS
-    for m, k, n in ((1, 37, 9), (9, 37, 1), (1, 5, 1), (3, 6, 4)):
-        for ta in (False, True):
-            for tb in (False, True):
-                a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
-                b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
-                c0 = rng.standard_normal((m, n)).astype(np.float32)
-                want = 0.5 * (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + 2.0 * c0
-                for order in (_ROW, _COL):
-                    # a column-major matrix is the row-major array of its transpose
-                    aa, bb, c = (a, b, c0.copy()) if order == _ROW else (
-                        np.ascontiguousarray(a.T), np.ascontiguousarray(b.T), np.ascontiguousarray(c0.T))
-                    ld = (aa.shape[1], bb.shape[1], c.shape[1])
-                    sgemm(order, _T if ta else _NT, _T if tb else _NT, m, n, k, 0.5, aa.ctypes.data_as(_FLOAT_P),
-                          ld[0], bb.ctypes.data_as(_FLOAT_P), ld[1], 2.0, c.ctypes.data_as(_FLOAT_P), ld[2])
-                    got = c if order == _ROW else c.T
-                    err = float(np.max(np.abs(got - want)))
-                    if not np.isfinite(err) or err > 1e-3:
-                        layout = "row" if order == _ROW else "column"
-                        return (f"a {m}x{k}x{n} {layout}-major product (transposes {ta}, {tb}) is wrong "
-                                f"(max abs error {err:.3g})")
+    for (m, k, n), ta, tb, beta in itertools.product(CHECKED, (False, True), (False, True), (2.0, 0.0)):
+        a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+        b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+        # beta == 0: C must not be read (BLAS's rule), so it starts as NaN
+        c0 = rng.standard_normal((m, n)).astype(np.float32) if beta else np.full((m, n), np.nan, np.float32)
+        want = 0.5 * (a.T if ta else a).astype(np.float64) @ (b.T if tb else b) + (beta * c0 if beta else 0.0)
+        for order in (_ROW, _COL):
+            # a column-major matrix is the row-major array of its transpose
+            aa, bb, c = (a, b, c0.copy()) if order == _ROW else (
+                np.ascontiguousarray(a.T), np.ascontiguousarray(b.T), np.ascontiguousarray(c0.T))
+            ld = (aa.shape[1], bb.shape[1], c.shape[1])
+            sgemm(order, _T if ta else _NT, _T if tb else _NT, m, n, k, 0.5, aa.ctypes.data_as(_FLOAT_P),
+                  ld[0], bb.ctypes.data_as(_FLOAT_P), ld[1], beta, c.ctypes.data_as(_FLOAT_P), ld[2])
+            got = c if order == _ROW else c.T
+            err = float(np.max(np.abs(got - want)))
+            if not np.isfinite(err) or err > 1e-3:
+                layout = "row" if order == _ROW else "column"
+                return (f"a {m}x{k}x{n} {layout}-major product (transposes {ta}, {tb}, beta {beta}) is wrong "
+                        f"(max abs error {err:.3g})")
     return None
 
 
@@ -154,11 +172,13 @@ def install(blas: ctypes.CDLL) -> tuple[Path | None, str | None]:
         bind = shim.ringlet_gemv_forward_bind
     except (OSError, AttributeError) as exc:
         return None, f"cannot load {path}: {str(exc).splitlines()[0]}"
-    bind.restype, bind.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
+    bind.restype, bind.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     gemm_p, gemv_p = ctypes.cast(real_gemm, ctypes.c_void_p), ctypes.cast(real_gemv, ctypes.c_void_p)
-    bind(gemm_p, gemv_p)
+    bind(gemm_p, gemv_p, 1)
     reason = _check(shim.cblas_sgemm)
     if reason is not None:
-        bind(gemm_p, None)  # everything straight to the real sgemm
+        bind(gemm_p, None, 0)  # everything straight to the real sgemm
         return None, f"{path}: {reason}"
+    if disabled(FEW_ROWS_ENV):
+        bind(gemm_p, gemv_p, 0)
     return path, None

@@ -23,12 +23,18 @@ needs_openblas = pytest.mark.skipif(ctypes.util.find_library("openblas") is None
                                     reason="no system OpenBLAS (make install brings it as root)")
 
 # Products a decode step makes (1 row), their transposes, N == 1, a batch, addmm's alpha
-# and beta, and an ordinary product that must still go to sgemm.
+# and beta, products of a few rows (a verifying step's, a decode group's: the few-row
+# kernel), and an ordinary product that must still go to sgemm.
 PRODUCTS = r"""
 import json, sys
 import numpy as np
 from ringlet.daemon.probes import blas
 report = blas.load()
+import ctypes
+# products the few-row kernel computed (its own load-time check included: counted from here)
+counter = ctypes.c_ulong.in_dll(ctypes.CDLL(report.gemv_forward), "ringlet_few_rows_calls") \
+    if report.gemv_forward else None
+few_before = counter.value if counter is not None else 0
 import mlx.core as mx
 rng = np.random.default_rng(7)
 def f32(*shape):
@@ -47,10 +53,18 @@ errs["batch"] = (np.array(mx.array(xb) @ mx.array(w).T), xb.astype(np.float64) @
 c = f32(1, 1536)
 errs["addmm"] = (np.array(mx.addmm(mx.array(c), mx.array(x), mx.array(w).T, alpha=0.5, beta=2.0)),
                  2.0 * c.astype(np.float64) + 0.5 * (x.astype(np.float64) @ w.T))
+x4 = f32(4, 576)
+errs["4 rows @ W.T"] = (np.array(mx.array(x4) @ mx.array(w).T), x4.astype(np.float64) @ w.T)
+s7, v7 = f32(7, 300), f32(300, 64)
+errs["7 rows @ V"] = (np.array(mx.array(s7) @ mx.array(v7)), s7.astype(np.float64) @ v7)
+c3 = f32(3, 1536)
+errs["addmm 3 rows"] = (np.array(mx.addmm(mx.array(c3), mx.array(x4[:3]), mx.array(w).T, alpha=0.5, beta=2.0)),
+                        2.0 * c3.astype(np.float64) + 0.5 * (x4[:3].astype(np.float64) @ w.T))
 a = f32(64, 576)
 errs["64 rows"] = (np.array(mx.array(a) @ mx.array(w).T), a.astype(np.float64) @ w.T)
 out = {k: float(np.max(np.abs(got - want))) for k, (got, want) in errs.items()}
-print(json.dumps({"report": report.to_dict(), "errs": out, "maps": open("/proc/self/maps").read()}))
+few = counter.value - few_before if counter is not None else None
+print(json.dumps({"report": report.to_dict(), "errs": out, "few_rows_calls": few, "maps": open("/proc/self/maps").read()}))
 """
 
 
@@ -80,6 +94,16 @@ def test_mlx_binds_its_sgemm_to_the_forwarder_and_every_product_is_right(tmp_pat
     for name, err in out["errs"].items():
         assert err < 1e-3, (name, err)  # float32 sums of 576 products against float64
     assert "sgemm" not in out["stderr"]
+    # the batch (3 x 1 rows: MLX multiplies them as one 3-row matrix), 4-row, 7-row and
+    # 3-row products went to the few-row kernel, and no more (the 64-row one to sgemm)
+    assert out["few_rows_calls"] == 4, out["few_rows_calls"]
+
+
+@needs_openblas
+def test_few_row_products_can_go_back_to_sgemm(tmp_path):
+    out = run_products(tmp_path, {gemv_forward.FEW_ROWS_ENV: "0"})
+    assert out["report"]["gemv_forward"] and out["few_rows_calls"] == 0
+    assert max(out["errs"].values()) < 1e-3
 
 
 @needs_openblas
