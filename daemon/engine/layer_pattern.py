@@ -110,7 +110,7 @@ SPLIT_VERIFIED = frozenset((
     "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear "
     "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text longcat_flash mamba mamba2 "
     "mellum mimo mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral "
-    "nanbeige nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo "
+    "nanbeige nanochat nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo "
     "plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl "
     "qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
     "youtu_llm").split())
@@ -131,9 +131,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
-    "nanochat": "its forward normalizes with a function (nanochat.py NanoChatModel.__call__: h = rms_norm(h)) "
-                "after the token embedding and before the head, and soft-caps the logits (Model.__call__: "
-                "softcap(logits)), which stages that are not first / last would apply to hidden states",
     "talkie": "its blocks take the embedding output besides the hidden states (talkie.py TalkieModel.__call__: "
               "h = block(e_x, h, mask, c)), which a stage boundary does not carry",
     "afm7": "its last num_kv_reuse_layers layers attend over the KV of the layer before them (afm7.py "

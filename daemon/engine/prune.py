@@ -166,8 +166,9 @@ class Identity(nn.Module):
 #: Architectures whose outer forward does something to the head's output that no value
 #: neutralizes, after ``out = self.model(inputs, cache)``: on a stage without the head the
 #: outer forward is that call alone (:class:`_Headless`). gemma2.py ``Model.__call__``:
-#: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``.
-HEADLESS = frozenset({"gemma2"})
+#: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``;
+#: nanochat.py ``Model.__call__``: ``logits = softcap(logits)`` (``cap * mx.tanh(logits / cap)``).
+HEADLESS = frozenset({"gemma2", "nanochat"})
 
 
 class _Headless:
