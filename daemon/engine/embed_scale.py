@@ -48,15 +48,18 @@ Head (stage not last):
 * phi3small.py ``Model.__call__``: ``if self.mup_width_multiplier: out = out / ...`` -- ``None``;
   ``out[..., self._dummy_tokenizer_ids] = -inf`` -- no ids.
 * gemma2.py ``Model.__call__`` soft-caps unconditionally: a stage that is not last runs the
-  inner model alone (:data:`~ringlet.daemon.engine.prune.HEADLESS`); so does nanochat.py
-  (``logits = softcap(logits)``).
+  inner model alone (:data:`~ringlet.daemon.engine.prune.HEADLESS`); so do nanochat.py
+  (``logits = softcap(logits)``) and muse_glimmer.py (``out * self.args.output_multiplier``, then
+  ``mx.tanh(out / cap) * cap``: no cap leaves ``out`` unchanged).
 
 Functions, around the layers (:data:`AROUND_LAYERS`): some inner forwards apply a
 parameter-free function that no value switches off -- a norm has no neutral setting --
 to the embedding output or to the last layer's output:
 
 * nanochat.py ``NanoChatModel.__call__``: ``h = rms_norm(h)`` right after ``self.wte(inputs)``,
-  and again after the layers (``# Critical: final norm before lm_head``).
+  and again after the layers (``# Critical: final norm before lm_head``);
+* muse_glimmer.py ``MuseGlimmerModel.__call__``: ``h = mx.fast.rms_norm(h, None, self.embed_eps)``
+  right after ``self.embed_tokens(inputs)`` (its final norm is the module ``self.norm``).
 
 On such a stage the forward runs unchanged, with its first layer given the hidden states
 the stage was given (stage not first) and the inner model returning its last layer's
@@ -138,24 +141,38 @@ HEAD_SCALE: dict[str, Rule | tuple[Rule, ...]] = {
 #: the embedding output, whether to the last layer's output), sources in the module docstring.
 AROUND_LAYERS: dict[str, tuple[str, bool, bool]] = {
     "nanochat": ("h", True, True),  # nanochat.py NanoChatModel.__call__: h = rms_norm(h), both ends
+    "muse_glimmer": ("layers", True, False),  # muse_glimmer.py MuseGlimmerModel.__call__: mx.fast.rms_norm(h, ...)
 }
 
 
-class _Entry:
+class _End:
+    """A layer seen through: its attributes are the layer's (muse_glimmer.py
+    ``MuseGlimmerModel._masks`` reads ``layer.self_attn.layer_type``)."""
+
+    def __init__(self, layer: Callable):
+        self.layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
+
+
+class _Entry(_End):
     """The stage's first layer, run on the stage's input instead of what the forward made of it."""
 
     def __init__(self, layer: Callable, hidden: mx.array):
-        self.layer, self.hidden = layer, hidden
+        super().__init__(layer)
+        self.hidden = hidden
 
     def __call__(self, x: mx.array, *args, **kwargs) -> Any:
         return self.layer(self.hidden, *args, **kwargs)
 
 
-class _Exit:
+class _Exit(_End):
     """The stage's last layer, its output kept (:attr:`out`) for the inner model to return."""
 
     def __init__(self, layer: Callable):
-        self.layer, self.out = layer, None
+        super().__init__(layer)
+        self.out = None
 
     def __call__(self, *args, **kwargs) -> Any:
         self.out = self.layer(*args, **kwargs)

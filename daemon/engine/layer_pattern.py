@@ -94,8 +94,8 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset((
     "afmoe baichuan_m1 bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 gemma3_text gpt_oss granitemoehybrid "
-    "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum mimo_v2_flash ministral3 olmo3 olmo_hybrid "
-    "plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
+    "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum mimo_v2_flash ministral3 muse_glimmer olmo3 "
+    "olmo_hybrid plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 #: Architectures (mlx-lm ``model_type``) whose every split the zoo (tests/engine/test_zoo.py)
@@ -110,10 +110,10 @@ SPLIT_VERIFIED = frozenset((
     "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear "
     "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text longcat_flash mamba mamba2 "
     "mellum mimo mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral "
-    "nanbeige nanochat nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo "
-    "plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl "
-    "qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
-    "youtu_llm").split())
+    "muse_glimmer nanbeige nanochat nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe "
+    "phixtral pixtral plamo plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe "
+    "qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 "
+    "step3p5 telechat3 youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
@@ -151,9 +151,6 @@ REFUSED: dict[str, str] = {
     "longcat_flash_ngram": "its n-gram embedding keeps the last token ids in cache[0] and the layers take "
                            "cache[1:] (longcat_flash_ngram.py LongcatFlashNgramModel.__call__), so caches are not "
                            "one per layer and a stage that is not first has no token ids",
-    "muse_glimmer": "its forward normalizes the embedding output (muse_glimmer.py MuseGlimmerModel.__call__: "
-                    "mx.fast.rms_norm) and its head multiplies and soft-caps the output unconditionally "
-                    "(Model.__call__), which stages that are not first / last would apply to hidden states",
     "muse_spark": "its head multiplies by output_multiplier and soft-caps the output unconditionally "
                   "(muse_spark.py Model.__call__: tanh(out / cap) * cap), which a stage that is not last would "
                   "apply to its hidden states",
