@@ -151,9 +151,12 @@ REFUSED: dict[str, str] = {
     "longcat_flash_ngram": "its n-gram embedding keeps the last token ids in cache[0] and the layers take "
                            "cache[1:] (longcat_flash_ngram.py LongcatFlashNgramModel.__call__), so caches are not "
                            "one per layer and a stage that is not first has no token ids",
-    "muse_spark": "its head multiplies by output_multiplier and soft-caps the output unconditionally "
-                  "(muse_spark.py Model.__call__: tanh(out / cap) * cap), which a stage that is not last would "
-                  "apply to its hidden states",
+    "muse_spark": "its residual stream is float32 but its inner forward returns it rounded to bfloat16 "
+                  "(muse_spark.py MuseSparkTextModel.__call__: self.norm(h).astype(mx.bfloat16)), and each "
+                  "layer hands the next its fused pre-normed attention input (norm_add_norm(..., next_norm=...)), "
+                  "which a stage's first layer would compute with input_layernorm instead, so a stage boundary "
+                  "changes the hidden states; its kernels are Metal-only (mlx_lm/kernels, mx.fast.metal_kernel), "
+                  "so no split of it can be checked against the whole model on a machine without Metal",
     "rwkv7": "its layers pass v_first, the first layer's value, to every later layer (rwkv7.py "
              "Rwkv7Model.__call__: x, v_first = layer(x, v_first, c)), which a stage boundary does not carry",
 }
