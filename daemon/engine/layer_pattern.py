@@ -96,10 +96,10 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset((
-    "afmoe baichuan_m1 bailing_moe_linear bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 gemma3_text "
-    "gpt_oss granitemoehybrid jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum mimo_v2_flash "
-    "ministral3 muse_glimmer olmo3 olmo_hybrid plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma "
-    "spark2_5 step3p5").split())
+    "afmoe baichuan_m1 bailing_hybrid bailing_moe_linear bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 "
+    "gemma3_text gpt_oss granitemoehybrid jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum "
+    "mimo_v2_flash ministral3 muse_glimmer olmo3 olmo_hybrid plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next "
+    "recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 #: Architectures (mlx-lm ``model_type``) whose every split the zoo (tests/engine/test_zoo.py)
@@ -108,16 +108,16 @@ PATTERN_VERIFIED = frozenset((
 #: (deepseek_v41, untested, gave wrong logits on every split while its layers all looked
 #: alike). ``RINGLET_SPLIT_UNVERIFIED=1`` lets such a split run, at the user's risk.
 SPLIT_VERIFIED = frozenset((
-    "afmoe apertus baichuan_m1 bailing_moe bailing_moe_linear bailing_moe_v3 cohere cohere2 dbrx deepseek "
-    "deepseek_v2 deepseek_v3 deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon_h1 gear "
-    "gemma gemma2 gemma3 gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 gpt_bigcode gpt_neox "
-    "gpt_oss gptj granite granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba "
-    "kimi_k25 kimi_linear kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text "
-    "longcat_flash mamba mamba2 mellum mimo mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 "
-    "mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nanochat nemotron olmo2 olmo3 olmo_hybrid olmoe "
-    "openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 "
-    "qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open "
-    "spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
+    "afmoe apertus baichuan_m1 bailing_hybrid bailing_moe bailing_moe_linear bailing_moe_v3 cohere cohere2 dbrx "
+    "deepseek deepseek_v2 deepseek_v3 deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe "
+    "falcon_h1 gear gemma gemma2 gemma3 gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 "
+    "gpt_bigcode gpt_neox gpt_oss gptj granite granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense "
+    "internlm2 internlm3 jamba kimi_k25 kimi_linear kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama "
+    "llama4 llama4_text longcat_flash mamba mamba2 mellum mimo mimo_v2_flash minicpm minicpm3 minimax "
+    "minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nanochat nemotron olmo2 "
+    "olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 "
+    "qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma "
+    "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
@@ -139,10 +139,6 @@ REFUSED: dict[str, str] = {
               "h = block(e_x, h, mask, c)), which a stage boundary does not carry",
     "afm7": "its last num_kv_reuse_layers layers attend over the KV of the layer before them (afm7.py "
             "AFMModel.__call__: keys, values = cache[-1].keys_and_values()) and have no caches of their own",
-    "bailing_hybrid": "every layer takes the position offset of the first attention layer's cache "
-                      "(bailing_hybrid.py LanguageModel.__call__: offset = attn_cache.offset, the linear "
-                      "attention's RoPE included; its own pipeline split needs an MLA layer on every rank), "
-                      "which a stage of linear-attention layers lacks",
     "iquestloopcoder": "its forward runs the layers twice, the second pass over caches cache[len(layers):] and "
                        "the first pass's KV (iquestloopcoder.py IQuestLoopCoderModel.__call__), so its caches "
                        "are not one per layer and a layer range is not one pass",

@@ -6,7 +6,11 @@ before any layer runs, and rotate their linear-attention queries and keys by it:
 
 * bailing_moe_linear.py ``LanguageModel.__call__``: ``offset = cache[self.attn_idx].offset``,
   then ``h = layer(h, mask, c, offset=offset)``; ``LinearAttention.__call__``:
-  ``queries = self.rope(queries, offset=offset)`` before ``recurrent_gla``.
+  ``queries = self.rope(queries, offset=offset)`` before ``recurrent_gla``;
+* bailing_hybrid.py ``LanguageModel.__call__``: ``attn_cache = cache[self._attn_idx]``,
+  ``offset = attn_cache.offset if attn_cache is not None else 0``, then the same (its own
+  ``LanguageModel.pipeline`` refuses a rank without an MLA layer: "Every rank needs an
+  MLA layer for the position offset").
 
 A stage holding an attention layer reads that layer's own cache
 (:meth:`~ringlet.daemon.engine.layer_pattern.LayerPattern.apply` points the index at it):
@@ -41,7 +45,7 @@ from mlx_lm.models.cache import ArraysCache
 
 #: model_type -> the index attribute of the inner model naming the cache it reads the
 #: position from (sources in the module docstring).
-POSITION_INDEX: dict[str, str] = {"bailing_moe_linear": "attn_idx"}
+POSITION_INDEX: dict[str, str] = {"bailing_moe_linear": "attn_idx", "bailing_hybrid": "_attn_idx"}
 
 
 def carry(caches: list, model_type: str) -> None:
