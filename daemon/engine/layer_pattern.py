@@ -129,9 +129,14 @@ REFUSED: dict[str, str] = {
     "gemma4": "it serves text through gemma4_text.Model (gemma4.py), whose last num_kv_shared_layers layers reuse "
               "the KV of earlier layers and whose layers take per-layer inputs embedded from the token ids",
     "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
-                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
+                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer, and "
+                  "an always-empty cache standing in for an MLP layer's would break decode groups (mlx-lm's "
+                  "extract of an empty merged cache fails)",
     "nemotron-nas": "layers whose attention is a no-op have no cache (nemotron-nas.py Model.make_cache: "
-                    "one KVCache per layer whose self_attn is not None), so caches are not one per layer",
+                    "one KVCache per layer whose self_attn is not None), so caches are not one per layer, and "
+                    "an always-empty KVCache standing in for such a layer's would break decode groups (mlx-lm's "
+                    "extract of an empty merged cache fails) and speculative trims (trim_prompt_cache reports "
+                    "the first layer's count: 0 for an empty one)",
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
