@@ -50,7 +50,7 @@ Head (stage not last):
 * gemma2.py ``Model.__call__`` soft-caps unconditionally: a stage that is not last runs the
   inner model alone (:data:`~ringlet.daemon.engine.prune.HEADLESS`); so do nanochat.py
   (``logits = softcap(logits)``) and muse_glimmer.py (``out * self.args.output_multiplier``, then
-  ``mx.tanh(out / cap) * cap``: no cap leaves ``out`` unchanged).
+  ``mx.tanh(out / cap) * cap``: no value of ``cap`` leaves ``out`` unchanged).
 
 Functions, around the layers (:data:`AROUND_LAYERS`): some inner forwards apply a
 parameter-free function that no value switches off -- a norm has no neutral setting --
