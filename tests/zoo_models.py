@@ -292,6 +292,11 @@ ZOO.update({
     "step3p5": _cfg("step3p5", 4, num_attention_groups=2, sliding_window=WINDOW,
                     layer_types=["sliding_attention", "full_attention"] * 2, moe_num_experts=4, moe_top_k=2,
                     moe_intermediate_size=32, share_expert_dim=32, moe_layers_enum="1,2,3"),
+    # functions around the layers (embed_scale.AROUND_LAYERS) and soft-capped heads (prune.HEADLESS); muse_glimmer's
+    # layer_types (sliding, NoPE full) two periods in 4 layers
+    "nanochat": _cfg("nanochat", 4),
+    "muse_glimmer": _cfg("muse_glimmer", 4, sliding_window=WINDOW,
+                         layer_types=["sliding_attention", "full_attention"] * 2),
     # head and embedding rules (embed_scale.py), gemma2's head-less forward (prune.HEADLESS); phi3small's head
     # writes -inf at token ids 100256.. (phi3small.py Model._dummy_tokenizer_ids): its vocabulary must hold them
     "phi3small": {"model_type": "phi3small", "hidden_size": 64, "dense_attention_every_n_layers": 2,
@@ -328,14 +333,12 @@ ZOO.update({
         "first_k_dense_replace": 1}},
     "longcat_flash_ngram": {"model_type": "longcat_flash_ngram", "ngram_vocab_size_ratio": 2, "emb_neighbor_num": 2,
                             "emb_split_num": 2, **_MLA_FLASH},
-    "muse_glimmer": _cfg("muse_glimmer", 4, sliding_window=WINDOW),
     "nemotron-nas": {"model_type": "nemotron-nas", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
                      "vocab_size": 160, "rope_theta": 10000.0, "max_position_embeddings": 256, "block_configs": [
                          {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
                          {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
                          {"attention": {"n_heads_in_group": 2}, "ffn": {"no_op": True}},
                          {"attention": {"replace_with_linear": True}, "ffn": {"replace_with_linear": True}}]},
-    "nanochat": _cfg("nanochat", 4),
     "talkie": _cfg("talkie", 4),
     "iquestloopcoder": _cfg("iquestloopcoder", 4, loop_window_size=WINDOW),
     "gemma4_text": _cfg("gemma4_text", 4, sliding_window=WINDOW, num_kv_shared_layers=2, vocab_size_per_layer_input=160,

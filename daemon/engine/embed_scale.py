@@ -48,7 +48,24 @@ Head (stage not last):
 * phi3small.py ``Model.__call__``: ``if self.mup_width_multiplier: out = out / ...`` -- ``None``;
   ``out[..., self._dummy_tokenizer_ids] = -inf`` -- no ids.
 * gemma2.py ``Model.__call__`` soft-caps unconditionally: a stage that is not last runs the
-  inner model alone (:data:`~ringlet.daemon.engine.prune.HEADLESS`).
+  inner model alone (:data:`~ringlet.daemon.engine.prune.HEADLESS`); so do nanochat.py
+  (``logits = softcap(logits)``) and muse_glimmer.py (``out * self.args.output_multiplier``, then
+  ``mx.tanh(out / cap) * cap``: no value of ``cap`` leaves ``out`` unchanged).
+
+Functions, around the layers (:data:`AROUND_LAYERS`): some inner forwards apply a
+parameter-free function that no value switches off -- a norm has no neutral setting --
+to the embedding output or to the last layer's output:
+
+* nanochat.py ``NanoChatModel.__call__``: ``h = rms_norm(h)`` right after ``self.wte(inputs)``,
+  and again after the layers (``# Critical: final norm before lm_head``);
+* muse_glimmer.py ``MuseGlimmerModel.__call__``: ``h = mx.fast.rms_norm(h, None, self.embed_eps)``
+  right after ``self.embed_tokens(inputs)`` (its final norm is the module ``self.norm``).
+
+On such a stage the forward runs unchanged, with its first layer given the hidden states
+the stage was given (stage not first) and the inner model returning its last layer's
+output (stage not last) (:class:`_LayerEnds`): the function's result goes to no layer and
+is never evaluated (MLX is lazy), and every layer computes what it computes in the whole
+model, from the same input.
 """
 
 from __future__ import annotations
@@ -120,6 +137,86 @@ HEAD_SCALE: dict[str, Rule | tuple[Rule, ...]] = {
 }
 
 
+#: model_type -> (the inner model's layer list, whether its forward applies a function to
+#: the embedding output, whether to the last layer's output), sources in the module docstring.
+AROUND_LAYERS: dict[str, tuple[str, bool, bool]] = {
+    "nanochat": ("h", True, True),  # nanochat.py NanoChatModel.__call__: h = rms_norm(h), both ends
+    "muse_glimmer": ("layers", True, False),  # muse_glimmer.py MuseGlimmerModel.__call__: mx.fast.rms_norm(h, ...)
+}
+
+
+class _End:
+    """A layer seen through: its attributes are the layer's (muse_glimmer.py
+    ``MuseGlimmerModel._masks`` reads ``layer.self_attn.layer_type``)."""
+
+    def __init__(self, layer: Callable):
+        self.layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
+
+
+class _Entry(_End):
+    """The stage's first layer, run on the stage's input instead of what the forward made of it."""
+
+    def __init__(self, layer: Callable, hidden: mx.array):
+        super().__init__(layer)
+        self.hidden = hidden
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> Any:
+        return self.layer(self.hidden, *args, **kwargs)
+
+
+class _Exit(_End):
+    """The stage's last layer, its output kept (:attr:`out`) for the inner model to return."""
+
+    def __init__(self, layer: Callable):
+        super().__init__(layer)
+        self.out = None
+
+    def __call__(self, *args, **kwargs) -> Any:
+        self.out = self.layer(*args, **kwargs)
+        return self.out
+
+
+class _LayerEnds:
+    """Mixed into an inner model's class (:data:`AROUND_LAYERS`): while ``_ringlet_ends`` says
+    so, the first layer takes the forward's input (hidden states ``(batch, tokens, hidden)``)
+    and the forward returns the last layer's output, whatever it does before and after them."""
+
+    def __call__(self, inputs: Any, *args, **kwargs) -> Any:
+        raw_in, raw_out = self.__dict__.get("_ringlet_ends", (False, False))
+        name = AROUND_LAYERS[self.__dict__["_ringlet_ends_type"]][0]
+        layers = getattr(self, name)
+        if not (raw_in or raw_out) or not layers:
+            return super().__call__(inputs, *args, **kwargs)
+        ends = list(layers)
+        if raw_in:
+            ends[0] = _Entry(ends[0], inputs)
+        exit_ = ends[-1] = _Exit(ends[-1]) if raw_out else ends[-1]
+        setattr(self, name, ends)
+        try:
+            out = super().__call__(inputs, *args, **kwargs)
+        finally:
+            setattr(self, name, layers)
+        return exit_.out if raw_out else out
+
+
+_ENDS_CLASSES: dict[type, type] = {}
+
+
+def _layer_ends(inner: Any, model_type: str, raw_in: bool, raw_out: bool) -> Callable[[], None]:
+    base = type(inner)
+    if not issubclass(base, _LayerEnds):
+        if base not in _ENDS_CLASSES:
+            _ENDS_CLASSES[base] = type(base.__name__, (_LayerEnds, base), {"__module__": base.__module__})
+        inner.__class__ = _ENDS_CLASSES[base]
+    saved = inner.__dict__.get("_ringlet_ends", (False, False))
+    inner.__dict__["_ringlet_ends_type"] = model_type  # attributes, not children or parameters
+    inner.__dict__["_ringlet_ends"] = (raw_in, raw_out)
+    return lambda: inner.__dict__.__setitem__("_ringlet_ends", saved)
+
+
 def _apply(module: Any, rule: Rule) -> Callable[[], None]:
     attribute, name, neutral = rule
     *path, attribute = attribute.split(".")
@@ -140,13 +237,17 @@ def _rules(entry: Rule | tuple[Rule, ...]) -> tuple[Rule, ...]:
 
 
 def neutralize(model: Any, inner: Any, model_type: str, *, embed: bool, head: bool) -> Callable[[], None]:
-    """Make the forward leave hidden states unscaled where the stage has no embedding
-    (``embed`` false) or no head (``head`` false). Returns a function restoring it."""
+    """Make the forward leave hidden states unscaled (and unnormalized, :data:`AROUND_LAYERS`)
+    where the stage has no embedding (``embed`` false) or no head (``head`` false).
+    Returns a function restoring it."""
     undo = []
     if not embed and model_type in EMBED_SCALE:
         undo += [_apply(inner, rule) for rule in _rules(EMBED_SCALE[model_type])]
     if not head and model_type in HEAD_SCALE:
         undo += [_apply(model, rule) for rule in _rules(HEAD_SCALE[model_type])]
+    if model_type in AROUND_LAYERS:
+        _, at_embed, at_head = AROUND_LAYERS[model_type]
+        undo.append(_layer_ends(inner, model_type, at_embed and not embed, at_head and not head))
 
     def restore() -> None:
         for step in reversed(undo):

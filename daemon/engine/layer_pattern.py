@@ -34,7 +34,9 @@ cohere2.py) have their layers build their own masks (:mod:`local_index`), and ll
 ``(idx + 1) % 4``, ``cache[0].start_position`` and ``cache[3]`` see the global index modulo 4
 (:mod:`local_index`, padded in front).
 A forward that builds a kind's mask from ``cache[idx]`` unconditionally gets, on a stage
-without that kind, a stand-in cache after its own (:meth:`LayerPattern.apply`).
+without that kind, a stand-in cache after its own (:meth:`LayerPattern.apply`); one that
+also reads every layer's position from it gets the stage's own position
+(:mod:`recurrent_position`).
 :data:`REFUSED` names what cannot be split and why, and :func:`check_split` refuses any other
 architecture whose layers are of more than one kind unless it is in
 :data:`PATTERN_VERIFIED` (verified split by split against mlx-lm's whole model by
@@ -49,6 +51,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringlet.daemon.engine import recurrent_position
 from ringlet.daemon.errors import PlanError
 
 #: Index attributes of an inner model that name one representative layer per kind
@@ -93,9 +96,10 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 
 #: Mixed-kind architectures whose stages are verified exact by tests/engine/test_zoo.py.
 PATTERN_VERIFIED = frozenset((
-    "afmoe baichuan_m1 bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 gemma3_text gpt_oss granitemoehybrid "
-    "jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum mimo_v2_flash ministral3 olmo3 olmo_hybrid "
-    "plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next recurrent_gemma spark2_5 step3p5").split())
+    "afmoe baichuan_m1 bailing_hybrid bailing_moe_linear bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 "
+    "gemma3_text gpt_oss granitemoehybrid jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum "
+    "mimo_v2_flash ministral3 muse_glimmer olmo3 olmo_hybrid plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next "
+    "recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
 #: Architectures (mlx-lm ``model_type``) whose every split the zoo (tests/engine/test_zoo.py)
@@ -104,16 +108,16 @@ PATTERN_VERIFIED = frozenset((
 #: (deepseek_v41, untested, gave wrong logits on every split while its layers all looked
 #: alike). ``RINGLET_SPLIT_UNVERIFIED=1`` lets such a split run, at the user's risk.
 SPLIT_VERIFIED = frozenset((
-    "afmoe apertus baichuan_m1 bailing_moe bailing_moe_v3 cohere cohere2 dbrx deepseek deepseek_v2 deepseek_v3 "
-    "deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe falcon_h1 gear gemma gemma2 gemma3 "
-    "gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 gpt_bigcode gpt_neox gpt_oss gptj granite "
-    "granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense internlm2 internlm3 jamba kimi_k25 kimi_linear "
-    "kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama llama4 llama4_text longcat_flash mamba mamba2 "
-    "mellum mimo mimo_v2_flash minicpm minicpm3 minimax minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral "
-    "nanbeige nemotron olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo "
-    "plamo2 plamo3 qwen qwen2 qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl "
-    "qwen3_vl_moe recurrent_gemma seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 "
-    "youtu_llm").split())
+    "afmoe apertus baichuan_m1 bailing_hybrid bailing_moe bailing_moe_linear bailing_moe_v3 cohere cohere2 dbrx "
+    "deepseek deepseek_v2 deepseek_v3 deepseek_v32 dots1 ernie4_5 ernie4_5_moe exaone exaone4 exaone_moe "
+    "falcon_h1 gear gemma gemma2 gemma3 gemma3_text glm glm4 glm4_moe glm4_moe_lite glm_moe_dsa gpt2 "
+    "gpt_bigcode gpt_neox gpt_oss gptj granite granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense "
+    "internlm2 internlm3 jamba kimi_k25 kimi_linear kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama "
+    "llama4 llama4_text longcat_flash mamba mamba2 mellum mimo mimo_v2_flash minicpm minicpm3 minimax "
+    "minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nanochat nemotron olmo2 "
+    "olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 "
+    "qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma "
+    "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
@@ -125,26 +129,21 @@ REFUSED: dict[str, str] = {
     "gemma4": "it serves text through gemma4_text.Model (gemma4.py), whose last num_kv_shared_layers layers reuse "
               "the KV of earlier layers and whose layers take per-layer inputs embedded from the token ids",
     "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
-                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer",
+                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer, and "
+                  "an always-empty cache standing in for an MLP layer's would break decode groups (mlx-lm's "
+                  "extract of an empty merged cache fails)",
     "nemotron-nas": "layers whose attention is a no-op have no cache (nemotron-nas.py Model.make_cache: "
-                    "one KVCache per layer whose self_attn is not None), so caches are not one per layer",
+                    "one KVCache per layer whose self_attn is not None), so caches are not one per layer, and "
+                    "an always-empty KVCache standing in for such a layer's would break decode groups (mlx-lm's "
+                    "extract of an empty merged cache fails) and speculative trims (trim_prompt_cache reports "
+                    "the first layer's count: 0 for an empty one)",
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
-    "nanochat": "its forward normalizes with a function (nanochat.py NanoChatModel.__call__: h = rms_norm(h)) "
-                "after the token embedding and before the head, and soft-caps the logits (Model.__call__: "
-                "softcap(logits)), which stages that are not first / last would apply to hidden states",
     "talkie": "its blocks take the embedding output besides the hidden states (talkie.py TalkieModel.__call__: "
               "h = block(e_x, h, mask, c)), which a stage boundary does not carry",
     "afm7": "its last num_kv_reuse_layers layers attend over the KV of the layer before them (afm7.py "
             "AFMModel.__call__: keys, values = cache[-1].keys_and_values()) and have no caches of their own",
-    "bailing_hybrid": "every layer takes the position offset of the first attention layer's cache "
-                      "(bailing_hybrid.py LanguageModel.__call__: offset = attn_cache.offset, the linear "
-                      "attention's RoPE included; its own pipeline split needs an MLA layer on every rank), "
-                      "which a stage of linear-attention layers lacks",
-    "bailing_moe_linear": "every layer takes the position offset of cache[attn_idx] (bailing_moe_linear.py "
-                          "LanguageModel.__call__: offset = cache[self.attn_idx].offset, the linear "
-                          "attention's RoPE included), which a stage of linear-attention layers lacks",
     "iquestloopcoder": "its forward runs the layers twice, the second pass over caches cache[len(layers):] and "
                        "the first pass's KV (iquestloopcoder.py IQuestLoopCoderModel.__call__), so its caches "
                        "are not one per layer and a layer range is not one pass",
@@ -154,12 +153,12 @@ REFUSED: dict[str, str] = {
     "longcat_flash_ngram": "its n-gram embedding keeps the last token ids in cache[0] and the layers take "
                            "cache[1:] (longcat_flash_ngram.py LongcatFlashNgramModel.__call__), so caches are not "
                            "one per layer and a stage that is not first has no token ids",
-    "muse_glimmer": "its forward normalizes the embedding output (muse_glimmer.py MuseGlimmerModel.__call__: "
-                    "mx.fast.rms_norm) and its head multiplies and soft-caps the output unconditionally "
-                    "(Model.__call__), which stages that are not first / last would apply to hidden states",
-    "muse_spark": "its head multiplies by output_multiplier and soft-caps the output unconditionally "
-                  "(muse_spark.py Model.__call__: tanh(out / cap) * cap), which a stage that is not last would "
-                  "apply to its hidden states",
+    "muse_spark": "its residual stream is float32 but its inner forward returns it rounded to bfloat16 "
+                  "(muse_spark.py MuseSparkTextModel.__call__: self.norm(h).astype(mx.bfloat16)), and each "
+                  "layer hands the next its fused pre-normed attention input (norm_add_norm(..., next_norm=...)), "
+                  "which a stage's first layer would compute with input_layernorm instead, so a stage boundary "
+                  "changes the hidden states; its kernels are Metal-only (mlx_lm/kernels, mx.fast.metal_kernel), "
+                  "so no split of it can be checked against the whole model on a machine without Metal",
     "rwkv7": "its layers pass v_first, the first layer's value, to every later layer (rwkv7.py "
              "Rwkv7Model.__call__: x, v_first = layer(x, v_first, c)), which a stage boundary does not carry",
 }
@@ -244,6 +243,9 @@ class LayerPattern:
             family = [i for i, s in enumerate(local) if _attention(s) == _attention(want)]
             if same or family:
                 setattr(inner, name, (same or family)[0])
+            elif name == recurrent_position.POSITION_INDEX.get(self.model_type):  # the position, per forward
+                setattr(inner, name, len(local) + len(stand_ins))
+                stand_ins.append(recurrent_position.Position(self.counted))
             elif name in NULLABLE.get(self.model_type, ()):
                 setattr(inner, name, None)
             else:
@@ -258,18 +260,34 @@ class LayerPattern:
             setattr(owner, name, whole[start:end])
         for name, positions in self.sets.items():
             setattr(inner, name, {g - start for g in positions if start <= g < end})
-        if stand_ins or "_ringlet_stand_ins" in inner.__dict__:
+        if stand_ins or "_ringlet_stand_ins" in inner.__dict__ or self.counted:
             inner.__class__ = _stand_in_class(type(inner))
-            inner.__dict__["_ringlet_stand_ins"] = stand_ins  # an attribute, not a child module
+            inner.__dict__["_ringlet_stand_ins"] = stand_ins  # attributes, not child modules
+            inner.__dict__["_ringlet_counted"] = self.counted
+
+    @property
+    def counted(self) -> int:
+        """Entries of the recurrent caches that count their tokens, the count included
+        (:func:`recurrent_position.carry`); 0: none do."""
+        return recurrent_position.counted(self.caches, self.model_type)
 
 
 class _StandIns:
     """Mixed into the class of the module whose forward indexes the caches: the caches
-    it is given get the pattern's stand-ins appended (:meth:`LayerPattern.apply`)."""
+    it is given get the pattern's stand-ins appended (:meth:`LayerPattern.apply`), a
+    :class:`~recurrent_position.Position` bound to them; recurrent caches that count
+    their tokens count the forward's (:func:`recurrent_position.advance`)."""
 
     def __call__(self, *args, **kwargs):
-        args, kwargs = _with_stand_ins(self.__dict__.get("_ringlet_stand_ins") or [], args, kwargs)
-        return super().__call__(*args, **kwargs)
+        own = kwargs.get("cache") if "cache" in kwargs else (args[1] if len(args) > 1 else None)
+        extra = self.__dict__.get("_ringlet_stand_ins") or []
+        if own is not None:
+            extra = [s.bind(own) if isinstance(s, recurrent_position.Position) else s for s in extra]
+        given, named = _with_stand_ins(extra, args, kwargs)
+        out = super().__call__(*given, **named)
+        if own is not None and (counted := self.__dict__.get("_ringlet_counted")):
+            recurrent_position.advance(own, args[0] if args else kwargs["inputs"], counted)
+        return out
 
 
 def _with_stand_ins(extra: list, args: tuple, kwargs: dict) -> tuple:
@@ -313,8 +331,9 @@ def capture(model: Any, inner: Any, model_type: str, n: int) -> LayerPattern:
             lists[name] = list(value)
     sets = {name: set(getattr(inner, name)) for name in POSITION_SETS
             if isinstance(getattr(inner, name, None), (set, frozenset))}
-    return LayerPattern(caches=make_prompt_cache(model), model_type=model_type, num_layers=n, indices=indices,
-                        lists=lists, sets=sets)
+    caches = make_prompt_cache(model)
+    recurrent_position.carry(caches, model_type)
+    return LayerPattern(caches=caches, model_type=model_type, num_layers=n, indices=indices, lists=lists, sets=sets)
 
 
 def verified(model_type: str, module: str = "") -> bool:

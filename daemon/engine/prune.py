@@ -166,8 +166,11 @@ class Identity(nn.Module):
 #: Architectures whose outer forward does something to the head's output that no value
 #: neutralizes, after ``out = self.model(inputs, cache)``: on a stage without the head the
 #: outer forward is that call alone (:class:`_Headless`). gemma2.py ``Model.__call__``:
-#: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``.
-HEADLESS = frozenset({"gemma2"})
+#: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``;
+#: nanochat.py ``Model.__call__``: ``logits = softcap(logits)`` (``cap * mx.tanh(logits / cap)``);
+#: muse_glimmer.py ``Model.__call__``: ``out = out * self.args.output_multiplier`` and
+#: ``mx.tanh(out / cap) * cap``.
+HEADLESS = frozenset({"gemma2", "nanochat", "muse_glimmer"})
 
 
 class _Headless:

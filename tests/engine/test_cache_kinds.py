@@ -1,7 +1,9 @@
 """Caches other than plain ``KVCache`` through the prefix store, decode groups, a
 re-plan's KV handoff and speculative decoding's trim check: a gpt_oss-like model (sliding-window
-``RotatingKVCache`` layers beside full ``KVCache`` ones) and a qwen3_next-like model
-(recurrent ``ArraysCache`` layers beside ``KVCache`` ones), split into stages.
+``RotatingKVCache`` layers beside full ``KVCache`` ones), a qwen3_next-like model
+(recurrent ``ArraysCache`` layers beside ``KVCache`` ones) and a bailing_moe_linear-like one
+(recurrent linear attention rotated by the position an attention layer's cache gives:
+a stage without one counts it in its recurrent states), split into stages.
 
 Expected tokens come from mlx-lm's whole model alone (``mlx_lm.utils.load_model``,
 ``make_prompt_cache``, its forward, greedy argmax over the whole prompt, nothing cached);
@@ -19,7 +21,7 @@ from test_rebuild import run_ring
 from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
 
-from ringlet.daemon.engine import cache_kinds, kv_handoff
+from ringlet.daemon.engine import cache_kinds, kv_handoff, speculation
 from ringlet.daemon.engine.boundary import Boundary
 from ringlet.daemon.engine.decode_groups import DecodeGroups
 from ringlet.daemon.engine.kv_pieces import Piece, assemble
@@ -33,6 +35,10 @@ MODELS = {
     "gpt_oss": {**ZOO["gpt_oss"], "num_hidden_layers": 6, "max_position_embeddings": 4096,
                 "layer_types": ["sliding_attention", "full_attention"] * 3},
     "qwen3_next": {**ZOO["qwen3_next"], "num_hidden_layers": 6, "max_position_embeddings": 4096},
+    # attention at layers 2 and 5 (layer_group_size 3): stage [0, 2) holds linear attention alone, whose RoPE
+    # offset comes from the recurrent states' own token count (recurrent_position)
+    "bailing_moe_linear": {**ZOO["bailing_moe_linear"], "num_hidden_layers": 6, "max_position_embeddings": 4096,
+                           "layer_group_size": 3},
 }
 SPLIT = [(0, 2), (2, 5), (5, 6)]
 TURNS = ([5, 17, 42, 99, 8, 150, 3, 77, 12, 64], [33, 21, 9, 140], [55, 6, 88])
@@ -128,6 +134,17 @@ def test_a_replan_keeps_exact_entries_on_their_node_and_never_sends_them(model):
     again = PrefixStore(1 << 26, piece.start, piece.end)
     assert kv_handoff.install(again, [piece], piece.start, piece.end).sequences == 1
     assert again.longest("", piece.tokens + [1]) == saved and again.longest("", piece.tokens[:-1]) == 0
+
+
+def test_no_stage_of_these_models_drafts(model):
+    """Speculative decoding would trim drafted positions (mlx-lm's trim_prompt_cache): a stage 0 drafts only
+    when the whole model's caches are all plain KVCache (head._may_speculate), so a window or a recurrent state,
+    and a recurrent state's token count (recurrent_position), is never trimmed."""
+    _, _, stages = model
+    assert all(not speculation.trimmable(s.pattern.caches) for s in stages)
+    prefilled = stages[0].make_cache()
+    mx.eval(stages[0](mx.array([TURNS[0]]), prefilled))
+    assert not cache_kinds.trimmable(prefilled, 1)
 
 
 def test_trimmable_follows_mlx_lm():

@@ -52,7 +52,8 @@ def test_every_split_is_exact_or_refused(name, tmp_path, monkeypatch):
         f"{name}: SPLIT_VERIFIED must list exactly the architectures the zoo finds exact"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "plamo", "phixtral", "recurrent_gemma", "lfm2"])
+@pytest.mark.parametrize("name", ["gpt2", "gpt_neox", "plamo", "phixtral", "recurrent_gemma", "lfm2", "nanochat",
+                                  "bailing_moe_linear"])
 def test_a_reshard_reusing_the_old_stages_modules_is_exact(name, tmp_path):
     """A re-shard (``load_stage(..., reuse=old)``, node/core.py) takes the layers, embedding,
     final norm and head the new stage shares with the old one, whatever the architecture
