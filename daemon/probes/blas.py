@@ -146,6 +146,7 @@ def set_threads(n: int) -> int | None:
         return None
     _lib.openblas_set_num_threads(ctypes.c_int(max(1, int(n))))
     threads = _lib.openblas_get_num_threads() if hasattr(_lib, "openblas_get_num_threads") else max(1, int(n))
+    gemv_forward.set_threads(threads)
     if _report is not None:
         _report = BlasReport(**{**_report.to_dict(), "threads": int(threads)})
     return int(threads)

@@ -12,14 +12,15 @@
  * sgemm and sgemv with ringlet_gemv_forward_bind(). Calls with M == 1 or N == 1 (and
  * K > 0: a K == 0 gemm still scales C by beta, which an sgemv with no columns would
  * skip) go to sgemv; every other call, and every call while no sgemv is bound, goes to
- * the real sgemm unchanged. Built without libc (-nostdlib): it calls only the two
- * pointers it is given. Argument order and enum values: the CBLAS interface (cblas.h).
+ * the real sgemm unchanged. Built with OpenMP where the compiler has it, else without
+ * libc (-nostdlib): then it calls only the two pointers it is given. Argument order and enum values: the CBLAS interface (cblas.h).
  *
  * Products of 2 to FEW_ROWS rows (a speculative step's k + 1 positions, a decode group's
  * requests) against a weight: OpenBLAS packs the whole weight for them too, so a 7-row
  * product cost ~7 single-row ones here. few_rows() streams each weight row once and
  * takes its dot product with every input row (GCC vector extensions, compiled for this
- * CPU), so up to FEW_ROWS rows cost about one weight read (bench/README.md). It takes
+ * CPU, on the BLAS's thread count), so up to FEW_ROWS rows cost about one weight read
+ * (bench/README.md). It takes
  * A untransposed (an input row is contiguous) and op(B) either way: B^T (an mlx Linear,
  * x @ W.T: a weight row is contiguous) or B with at most FEW_COLS columns (attention's
  * scores @ V); other shapes go to sgemm.
@@ -74,10 +75,23 @@ static inline void put(float *o, float alpha, float t, float beta) {
     *o = beta == 0.0f ? alpha * t : alpha * t + beta * *o;
 }
 
+/* threads for few_rows(): the BLAS's own count (ringlet_few_rows_threads); the weight's
+ * rows are split among them (OpenMP, where the library was built with it: otherwise
+ * the pragma is ignored and one thread does all). A single-row product runs on the
+ * BLAS's threads, so a few-row one on one thread would cost twice as much as it here. */
+static int few_threads = 1;
+
+void ringlet_few_rows_threads(int n) { few_threads = n < 1 ? 1 : n; }
+
+/* whether a product is big enough to share: a weight of at least 64k floats (256 kB;
+ * a smaller one is read faster than threads wake) */
+static inline int parallel(int n, int k) { return few_threads > 1 && (long)n * k >= 65536; }
+
 /* c (M x n) = alpha a (M x k) b^T + beta c, b stored n x k: each row of b read once */
 #define DOTS(M)                                                                                          \
     static void dots##M(int n, int k, float alpha, const float *a, long lda, const float *b, long ldb,   \
                         float beta, float *c, long ldc) {                                                \
+        _Pragma("omp parallel for num_threads(few_threads) schedule(static) if (parallel(n, k))")      \
         for (int j = 0; j < n; j++) {                                                                    \
             const float *w = b + j * ldb;                                                                \
             v8 s[M];                                                                                     \

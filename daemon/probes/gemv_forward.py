@@ -44,12 +44,15 @@ FIX = "apt-get install gcc (ringlet builds a 2 kB library once, to run decode ma
 #: The reason :func:`build` gives when no compiler is found: the one :data:`FIX` fixes.
 NO_COMPILER = "no C compiler (cc, gcc or clang) to build it"
 _BUILD_TIMEOUT_S = 60.0
-#: No libc (the library calls only the two pointers it is bound to), so no stack
-#: protector either (its failure handler is libc's), and no loop turned into a memset
-#: call. Built on the machine that runs it, for its CPU (:data:`ARCH`, when the
-#: compiler knows it): the few-row kernel's vectors then use AVX2/AVX-512 or NEON.
-CFLAGS = ("-O3", "-shared", "-fPIC", "-nostdlib", "-fno-stack-protector", "-fno-tree-loop-distribute-patterns")
-ARCH = ("-march=native",)
+#: Flags of every build; no loop is turned into a memset call (the library may be built
+#: without libc).
+CFLAGS = ("-O3", "-shared", "-fPIC", "-fno-tree-loop-distribute-patterns")
+#: The builds tried, best first: for this CPU (the few-row kernel's vectors then use
+#: AVX2/AVX-512 or NEON) and with OpenMP (its rows shared by the BLAS's thread count);
+#: without OpenMP, no libc is linked (the library calls only the two pointers it is
+#: bound to), so no stack protector either (its failure handler is libc's).
+_NO_LIBC = ("-nostdlib", "-fno-stack-protector")
+VARIANTS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-march=native", *_NO_LIBC), _NO_LIBC)
 # cblas enum values (cblas.h)
 _ROW, _COL, _NT, _T = 101, 102, 111, 112
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
@@ -81,7 +84,7 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
         source = SOURCE.read_bytes()
     except OSError as exc:
         return None, f"cannot read {SOURCE}: {exc.strerror}"
-    key = hashlib.sha256(source + " ".join(CFLAGS + ARCH).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + repr((CFLAGS, VARIANTS)).encode()).hexdigest()[:16]
     name = f"ringlet-blas-gemv-{key}.so"  # "blas" in the name: listed among the mapped BLAS
     target = (cache_dir or machine_cache_dir() / "blas") / name
     if target.is_file():
@@ -92,8 +95,8 @@ def build(cache_dir: Path | None = None) -> tuple[Path | None, str | None]:
     failure: list[str] = []
 
     def compile_to(tmp: str) -> None:
-        for arch in (ARCH, ()):  # for this CPU; else generic, where the compiler cannot tell
-            argv = [cc, *CFLAGS, *arch, "-o", tmp, str(SOURCE)]
+        for variant in VARIANTS:  # the first the compiler builds
+            argv = [cc, *CFLAGS, *variant, "-o", tmp, str(SOURCE)]
             run = subprocess.run(argv, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)  # noqa: S603
             if run.returncode == 0:
                 return
@@ -181,4 +184,16 @@ def install(blas: ctypes.CDLL) -> tuple[Path | None, str | None]:
         return None, f"{path}: {reason}"
     if disabled(FEW_ROWS_ENV):
         bind(gemm_p, gemv_p, 0)
+    global _shim
+    _shim = shim
     return path, None
+
+
+_shim: ctypes.CDLL | None = None
+
+
+def set_threads(n: int) -> None:
+    """Share the few-row kernel's work among ``n`` threads (the BLAS's own count: a
+    single-row product runs on them through ``sgemv``); no-op when it is not loaded."""
+    if _shim is not None and hasattr(_shim, "ringlet_few_rows_threads"):
+        _shim.ringlet_few_rows_threads(ctypes.c_int(max(1, int(n))))

@@ -32,9 +32,10 @@ def undisturbed() -> list[int]:
     return RAW["completion_ids"][:TOKENS]
 
 
-#: A ~2,000-token conversation (2,160 tokens of SmolLM2's tokenizer, counted by hand once).
+#: A ~1,000-token conversation (110 such entries were 2,160 tokens of SmolLM2's tokenizer,
+#: counted by hand once: ~19.5 a entry).
 CONVERSATION = " ".join(f"Entry {i}: the ring keeps layer {i % 30} of the model and answers in order."
-                        for i in range(110))
+                        for i in range(55))
 
 
 @pytest.mark.parametrize("states", ["kept", "none"])
@@ -70,7 +71,7 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
             while not recent() and time.monotonic() < deadline:
                 time.sleep(0.05)
             prompt_tokens = recent()[-1]["prompt_tokens"]
-            assert prompt_tokens > 2000
+            assert prompt_tokens > 1000
         else:
             prompt, expected = PROMPT, undisturbed
         stream = Stream(c.api_urls[api], prompt, len(expected))
@@ -129,7 +130,7 @@ def test_repeated_kills_lose_no_request(undisturbed):
         chaos_thread.start()
         failures, outputs = [], []
         try:
-            for _ in range(12):  # ~30 s: a stage killed every 5 s (and restarted 2 s later), alternating
+            for _ in range(8):  # ~20 s: a stage killed every 5 s (and restarted 2 s later), alternating
                 resp = httpx.post(f"{c.api_urls[0]}/v1/completions", timeout=300, json={
                     "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "return_token_ids": True})
                 if resp.status_code != 200:
