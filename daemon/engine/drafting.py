@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Default most tokens drafted per step (``--spec-tokens``).
 DEFAULT_SPEC_TOKENS = 6
@@ -86,19 +87,24 @@ class NgramIndex:
 
 @dataclass
 class Drafter:
-    """One request's drafts: prompt lookup over its prompt and output, and the caller's
-    prediction when given.
+    """One request's drafts: the caller's prediction when given, else prompt lookup over
+    its prompt and output, else (with ``--draft-model``) the draft model's greedy tokens.
 
     Args:
         prompt: the prompt's token ids.
         prediction: the expected output's token ids (empty: none).
         min_n, max_n: prompt lookup's n-gram lengths.
+        model: the request's draft-model session
+            (:class:`~ringlet.daemon.engine.draft_model.DraftSession`), or ``None``. It
+            runs MLX, so :meth:`propose` never calls it: the caller runs
+            :meth:`propose_by_model` where the stage's forwards run.
     """
 
     prompt: Sequence[int]
     prediction: Sequence[int] = ()
     min_n: int = 3
     max_n: int = 5
+    model: Any = None
     _own: NgramIndex = field(init=False)
     _pred: NgramIndex | None = field(init=False, default=None)
     _synced: tuple[int, int | None] = field(init=False, default=(0, 0))  # (output length, prediction position)
@@ -124,6 +130,13 @@ class Drafter:
             return draft
         draft, _ = self._own.propose(self._own.tokens, k)
         return draft
+
+    def propose_by_model(self, output: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` drafts from the draft model to follow the prompt and ``output``
+        (``[]`` without one). Runs MLX: call it on the thread of the stage's forwards."""
+        if self.model is None or k <= 0:
+            return []
+        return self.model.propose([*self.prompt, *output], k)
 
     def _from_prediction(self, output: Sequence[int], k: int) -> list[int]:
         """The prediction's tokens after the place the output has reached in it: the

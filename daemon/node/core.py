@@ -102,6 +102,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         self.tokens_generated_total = 0
         self.spec_totals = SpecTotals()  # speculative decoding headed here
         self.trip_meter = TripMeter()  # what a verifying trip costs here, measured
+        self.draft_model: Any = None  # --draft-model (engine.draft_model.DraftModel), run here when heading
         self.requests_served = 0
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
@@ -430,7 +431,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                          "prefill_chunk": self.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
             "speculation": {**self.spec_totals.figures(self.config.spec_tokens),
-                            "trip_cost": self.trip_meter.cost()},
+                            "trip_cost": self.trip_meter.cost(),
+                            "draft_model": self.draft_model.name if self.draft_model is not None else None},
             "hop_latency_median_s": statistics.median(lat) if lat else None,
             "tokens_generated_total": self.tokens_generated_total,
             "loading_progress": self.loading_progress,

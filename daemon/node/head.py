@@ -118,7 +118,9 @@ class Head:
         gen = Generation(request_id, list(prompt), max_tokens, sampling, stop_ids, epoch=self.epoch, scope=scope,
                          cached=reuse, on_prefill=(info or {}).get("on_prefill"), info=info)
         if self._may_speculate():
-            gen.drafter, gen.spec = Drafter(prompt, prediction or ()), Speculation(self.config.spec_tokens)
+            model = self.draft_model.session() if self.draft_model is not None else None
+            gen.drafter = Drafter(prompt, prediction or (), model=model)
+            gen.spec = Speculation(self.config.spec_tokens)
         self._generations[request_id] = gen
         gen.progressed(reuse)
         self.state = "serving"
@@ -236,10 +238,27 @@ class Head:
                     gen.drafter.add(tokens[:k + 1])
                 self._finish(gen, None)
                 return
-        drafts = self._drafts(gen, tokens)
-        gen.drafting = len(drafts)
+        drafts, k = self._drafts(gen, tokens)
         gen.sent_s = time.perf_counter() if gen.drafter is not None and len(self._generations) == 1 else 0.0
+        if not drafts and k > 0 and gen.drafter.model is not None:  # the draft model's turn (its time is the trip's)
+            asyncio.ensure_future(self._draft_then_advance(gen, tokens[-1], k))
+            return
+        gen.drafting = len(drafts)
         asyncio.ensure_future(self._advance(gen, step=len(gen.tokens), payload=[tokens[-1], *drafts]))
+
+    async def _draft_then_advance(self, gen: Generation, latest: int, k: int) -> None:
+        """Draft ``k`` tokens with the draft model, on the engine's thread (MLX runs
+        there), then send the step; a draft model that fails sends it without drafts."""
+        try:
+            drafts = self._cut_at_stop(gen, await self.engine.run(gen.drafter.propose_by_model, list(gen.tokens), k))
+        except Exception as exc:  # noqa: BLE001 - drafts are optional: the step goes on without them
+            log.warning("request %s: the draft model failed (%s); decoding without its drafts", gen.request_id,
+                        one_line(exc))
+            gen.drafter.model, drafts = None, []
+        if gen.finished:
+            return
+        gen.drafting = len(drafts)
+        await self._advance(gen, step=len(gen.tokens), payload=[latest, *drafts])
 
     def _may_speculate(self) -> bool:
         """Whether this stage 0 drafts for a new request: drafts are on (``--spec-tokens``),
@@ -257,23 +276,29 @@ class Head:
             return False
         return True
 
-    def _drafts(self, gen: Generation, new: list[int]) -> list[int]:
-        """The drafts for ``gen``'s next step: none while other requests decode here
-        (their steps batch instead) or while its drafts do not pay for their trips
+    def _drafts(self, gen: Generation, new: list[int]) -> tuple[list[int], int]:
+        """The drafts for ``gen``'s next step from the prediction or prompt lookup, and
+        how many it may draft (the draft model's allowance when those give none): none
+        while other requests decode here (their steps batch instead) or while its
+        drafts do not pay for their trips
         (:class:`~ringlet.daemon.engine.drafting.TripMeter`), at most the tokens ``max_tokens`` leaves after the
         next one, and cut before a stop token (the model's own draw decides a stop)."""
         if gen.drafter is None:
-            return []
+            return [], 0
         gen.drafter.add(new)
         if len(self._generations) > 1:
             self.spec_totals.skip("batching")
-            return []
+            return [], 0
         measured = os.environ.get(SPEC_ALWAYS_ENV) != "1"
         if measured and self.trip_meter.wants_plain():
-            return []
+            return [], 0
         cost = self.trip_meter.cost() if measured else None
         k = min(gen.spec.allowance(cost), gen.max_tokens - len(gen.tokens) - 1)
-        drafts = gen.drafter.propose(gen.tokens, k) if k > 0 else []
+        return self._cut_at_stop(gen, gen.drafter.propose(gen.tokens, k) if k > 0 else []), k
+
+    @staticmethod
+    def _cut_at_stop(gen: Generation, drafts: list[int]) -> list[int]:
+        """``drafts`` up to the first stop token (the model's own draw decides a stop)."""
         for i, t in enumerate(drafts):
             if t in gen.stop_ids:
                 return drafts[:i]

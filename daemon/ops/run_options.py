@@ -136,6 +136,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                      help="speculative decoding: most tokens stage 0 drafts per decode step from the prompt, "
                           "the output and a request's prediction, verified in one trip "
                           f"(0: off; default {DEFAULT_SPEC_TOKENS})")
+    run.add_argument("--draft-model", default=None, metavar="MODEL",
+                     help="speculative decoding: a small model with the served model's tokenizer that drafts "
+                          "when the prompt, output and prediction give no draft; loaded whole by each node, run "
+                          "by stage 0's (same forms as --model; default: none)")
     run.add_argument("--prefill-chunk", type=positive_int, default=None,
                      help=f"prompt tokens per prefill chunk (default {CPU_PREFILL_CHUNK} on a CPU, "
                           f"{DEFAULT_PREFILL_CHUNK} on a GPU)")

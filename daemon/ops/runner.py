@@ -78,6 +78,28 @@ def build_config(args) -> tuple[NodeConfig, int]:
         info.context_tokens
 
 
+def load_draft_model(name: str, config: NodeConfig):
+    """``--draft-model``: the model ``name`` (resolved as ``--model`` is), loaded whole
+    in the served model's dtype, once its tokenizer is checked to be the served model's.
+
+    Raises:
+        RingletError: it cannot be found or loaded, or its tokenizer differs.
+    """
+    from ringlet.daemon.engine.draft_model import DraftModel, DraftModelError, check_tokenizers
+    from ringlet.daemon.engine.stage import load_stage
+
+    try:
+        location = resolve(name)
+        check_tokenizers(load_tokenizer(location), load_tokenizer(config.model), location.name, config.model.name)
+        stage = load_stage(location, 0, dtype=config.dtype)
+    except DraftModelError as exc:
+        raise RingletError(str(exc)) from None
+    except RingletError as exc:
+        raise RingletError(f"--draft-model {name}: {exc}") from None
+    log.info("draft model %s: %d layers, drafting for %s", location.name, stage.num_layers, config.model.name)
+    return DraftModel(stage, vocab=config.vocab_size or 1 << 31, name=location.name)
+
+
 def node_dtype(args, location) -> DtypeChoice:
     """``--dtype`` resolved for this node against its usable memory (``--memory-limit``,
     else the memory probe); logged once."""
@@ -330,6 +352,8 @@ async def serve(args) -> int:
         await resolve_run_model(args, bootstrap_fetch)
     config, context = build_config(args)
     node = Node(config)
+    if getattr(args, "draft_model", None):
+        node.draft_model = load_draft_model(args.draft_model, config)
     if getattr(args, "hub", None) is not None:  # each stage's files come from the Hub at prepare
         config.fetch = hub_fetcher(node, args.hub)
     threads = ThreadSizer(machine_cache_dir() / PROCS_DIR, getattr(args, "threads", None)).start()
