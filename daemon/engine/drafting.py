@@ -199,13 +199,17 @@ class Speculation:
     def allowance(self, cost: float | None = None) -> int:
         """Tokens the next step may draft (0 while paused, or while this request's tokens
         per verifying trip do not exceed ``cost``, a verifying trip's cost in plain
-        trips: :class:`TripMeter`); counts the step."""
+        trips: :class:`TripMeter`, but for a full-length probe one step in
+        :data:`PROBE`); counts the step."""
         self._steps += 1
         if self._pause > 0:
             self._pause -= 1
             return 0
-        if cost is not None and self.per_trip is not None and self.per_trip <= cost and self._steps % self.PROBE:
-            return 0
+        if cost is not None and self.per_trip is not None and self.per_trip <= cost:
+            # not paying: one step in PROBE drafts at full length, to measure what the
+            # drafter gives now (at the short length the misses left, a probe could
+            # never show more than cost: a prediction's later runs of hits were lost)
+            return 0 if self._steps % self.PROBE else self.limit
         return self.k
 
     def verified(self, drafted: int, accepted: int) -> None:
@@ -216,8 +220,8 @@ class Speculation:
         self.tokens += accepted + 1
         got = accepted + 1
         self.per_trip = got if self.per_trip is None else self.per_trip + TripMeter.ALPHA * (got - self.per_trip)
-        if accepted == drafted:
-            self.k = min(self.limit, self.k + 1)
+        if accepted == drafted:  # (a full-length probe may have drafted more than k)
+            self.k = min(self.limit, max(self.k, drafted) + 1)
             self._misses = 0
             self._pauses = 0
         elif accepted == 0:

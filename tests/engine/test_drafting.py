@@ -74,6 +74,11 @@ def test_trip_meter_says_when_a_verifying_trip_costs_more_than_it_gives():
     spec = Speculation(limit=4)
     spec.verified(4, 1)  # 2 tokens for that trip: below a cost of 3 plain trips
     assert spec.per_trip == 2
+    assert spec.k == 2  # the partial accept shortened the draft
     allowed = [spec.allowance(meter.cost()) for _ in range(Speculation.PROBE)]
-    assert allowed.count(0) == Speculation.PROBE - 1  # only the probe step drafts
+    # only the probe step drafts, at full length: at k = 2 a probe gives at most 3 tokens,
+    # and could never show a prediction's later run of hits paying for a trip of cost 3
+    assert allowed.count(0) == Speculation.PROBE - 1 and max(allowed) == 4
+    spec.verified(4, 4)  # the probe hit whole: 5 tokens; 2 + 0.2 * (5 - 2) = 2.6
+    assert spec.per_trip == pytest.approx(2.6) and spec.k == 4
     assert spec.allowance(1.5) == spec.k  # it pays where a trip costs 1.5 plain ones
