@@ -23,7 +23,7 @@ up by one after a draft accepted whole, halved after a draft rejected whole, and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,9 +161,9 @@ class Speculation:
 
     The length goes up by one after a draft accepted whole, to one more than the
     accepted part after a partial one, halves after one rejected whole; after
-    :data:`BACKOFF` of those in a row, no draft for 8, 16, ... 128 steps. And the
-    request drafts only while its tokens per verifying trip beat what such a trip costs
-    (:meth:`allowance`).
+    :data:`BACKOFF` of those in a row, no draft for 8, 16, ... 128 steps. And where
+    trips are measured, the request drafts the length (at most that) whose expected
+    tokens beat what such a trip costs, or none (:meth:`allowance`).
 
     Args:
         limit: the most tokens drafted per step (>= 1).
@@ -181,6 +181,8 @@ class Speculation:
     trips: int = 0
     tokens: int = 0
     _misses: int = 0
+    _acc: float = 0.0  # decayed accepted drafts (acceptance_estimate)
+    _rej: float = 0.0  # decayed rejections
     _pause: int = 0  # steps left without a draft
     _pauses: int = 0
     #: moving average of this request's tokens per verifying trip (None: no trip yet)
@@ -196,27 +198,54 @@ class Speculation:
     #: while drafts do not pay, one step in this many still drafts, to measure again
     PROBE = 16
 
-    def allowance(self, cost: float | None = None) -> int:
-        """Tokens the next step may draft (0 while paused, or while this request's tokens
-        per verifying trip do not exceed ``cost``, a verifying trip's cost in plain
-        trips: :class:`TripMeter`, but for a full-length probe one step in
-        :data:`PROBE`); counts the step."""
+    def allowance(self, cost: Callable[[int], float | None] | None = None) -> int:
+        """Tokens the next step may draft; counts the step. 0 while paused. Without
+        ``cost`` (drafts on every step): the adaptive length :attr:`k`. With ``cost``
+        (``cost(j)``: a verifying trip of ``j`` drafts in plain trips, :meth:`TripMeter.cost`;
+        ``None`` where not yet measured): the length ``j <= k`` that maximises the
+        expected tokens per trip over its cost, ``(1 - a^(j+1)) / (1 - a) / cost(j)`` for
+        this request's per-token acceptance ``a`` (Leviathan et al. 2023, arXiv:2211.17192,
+        §3.4, eq. 1 and the walltime improvement of §3.5), when that beats a plain trip
+        (> 1); else no draft, but for a full-length probe one step in :data:`PROBE`."""
         self._steps += 1
         if self._pause > 0:
             self._pause -= 1
             return 0
-        if cost is not None and self.per_trip is not None and self.per_trip <= cost:
-            # not paying: one step in PROBE drafts at full length, to measure what the
-            # drafter gives now (at the short length the misses left, a probe could
-            # never show more than cost: a prediction's later runs of hits were lost)
-            return 0 if self._steps % self.PROBE else self.limit
-        return self.k
+        if cost is None or self.trips == 0:
+            return self.k
+        best, value = 0, 1.0
+        for j in range(1, self.k + 1):
+            c = cost(j)
+            if c is None:
+                return self.k  # not measured at this length yet: draft to measure it
+            gain = expected_tokens(self.acceptance_estimate, j) / c
+            if gain > value:
+                best, value = j, gain
+        if best:
+            return best
+        # not paying: one step in PROBE drafts at full length, to measure what the drafter
+        # gives now (at the short length the misses left, a probe could never show a trip paying)
+        return 0 if self._steps % self.PROBE else self.limit
+
+    @property
+    def acceptance_estimate(self) -> float:
+        """This request's per-token acceptance, recent trips weighted most: accepted
+        drafts over accepted drafts plus rejections (a trip that stopped short is one
+        rejection; the geometric model of Leviathan et al. §3.1), each trip's counts
+        decayed by :data:`DECAY` per later trip; 0.5 before any trip."""
+        n = self._acc + self._rej
+        return self._acc / n if n > 0 else 0.5
+
+    #: how much a trip's acceptance counts one trip later
+    DECAY = 0.7
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step drafted ``drafted`` tokens and the model accepted ``accepted`` of them."""
         self.drafted += drafted
         self.accepted += accepted
         self.trips += 1
+        self._acc = self._acc * self.DECAY + accepted
+        self._rej = self._rej * self.DECAY + (1 if accepted < drafted else 0)
         self.tokens += accepted + 1
         got = accepted + 1
         self.per_trip = got if self.per_trip is None else self.per_trip + TripMeter.ALPHA * (got - self.per_trip)
@@ -241,20 +270,32 @@ class Speculation:
         return self.drafted - self.accepted
 
 
+def expected_tokens(acceptance: float, drafts: int) -> float:
+    """Tokens a verifying trip of ``drafts`` drafts gives on average when each draft is
+    accepted with probability ``acceptance`` until the first rejection (the accepted ones
+    and the model's own next token): ``(1 - a^(k+1)) / (1 - a)``, Leviathan et al. 2023
+    (arXiv:2211.17192) eq. 1; ``k + 1`` at ``a = 1``."""
+    if acceptance >= 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
+
+
 @dataclass
 class TripMeter:
     """What a verifying trip around the ring costs at one stage 0, measured: the
-    seconds of a decode trip without drafts and with them (exponential moving averages
-    over trips made while this request was the only one decoding here).
+    seconds of a decode trip without drafts, and with ``j`` drafts for each ``j``
+    (exponential moving averages over trips made while this request was the only one
+    decoding here).
 
     On a GPU a forward of k + 1 positions reads the weights once and costs about one
-    decode step; on a CPU it can cost nearly k + 1 of them (compute-bound), and then no
-    draft pays. A request drafts only while its own tokens per verifying trip exceed
-    :meth:`cost` (the draft trip's seconds over the plain trip's).
+    decode step; on a CPU more (1.6-1.8 steps for 7 positions here, on the few-row
+    kernel), and the trip's other work adds to it. :meth:`cost` gives a trip of ``j``
+    drafts in plain trips, which :meth:`Speculation.allowance` weighs against the
+    tokens it expects.
     """
 
     plain_s: float | None = None
-    draft_s: float | None = None
+    draft_s: dict[int, float] = field(default_factory=dict)
     _asked: int = 0
 
     #: weight of the newest trip in the averages
@@ -263,7 +304,8 @@ class TripMeter:
     def observe(self, drafted: int, seconds: float) -> None:
         """A decode trip that carried ``drafted`` drafts took ``seconds``."""
         if drafted:
-            self.draft_s = seconds if self.draft_s is None else self.draft_s + self.ALPHA * (seconds - self.draft_s)
+            old = self.draft_s.get(drafted)
+            self.draft_s[drafted] = seconds if old is None else old + self.ALPHA * (seconds - old)
         else:
             self.plain_s = seconds if self.plain_s is None else self.plain_s + self.ALPHA * (seconds - self.plain_s)
 
@@ -276,11 +318,20 @@ class TripMeter:
         self._asked += 1
         return self.plain_s is None or self._asked % self.PLAIN_EVERY == 0
 
-    def cost(self) -> float | None:
-        """A verifying trip's seconds in plain trips (``None`` until both are measured)."""
-        if self.plain_s is None or self.draft_s is None or self.plain_s <= 0:
+    def cost(self, drafts: int | None = None) -> float | None:
+        """A verifying trip of ``drafts`` drafts in plain trips (``None``: of the most
+        drafts measured, as ``/v1/cluster`` shows it). A length not measured yet is
+        taken on the line from a plain trip (1 at 0 drafts) through the nearest measured
+        length, as the forward's cost grows about linearly with its positions; ``None``
+        until a plain trip and some verifying trip are measured."""
+        if self.plain_s is None or self.plain_s <= 0 or not self.draft_s:
             return None
-        return self.draft_s / self.plain_s
+        if drafts is None:
+            drafts = max(self.draft_s)
+        if drafts in self.draft_s:
+            return self.draft_s[drafts] / self.plain_s
+        near = min(self.draft_s, key=lambda j: (abs(j - drafts), j))
+        return 1.0 + (self.draft_s[near] / self.plain_s - 1.0) * drafts / near
 
 
 @dataclass

@@ -292,7 +292,7 @@ class Head:
         measured = os.environ.get(SPEC_ALWAYS_ENV) != "1"
         if measured and self.trip_meter.wants_plain():
             return [], 0
-        cost = self.trip_meter.cost() if measured else None
+        cost = self.trip_meter.cost if measured else None
         k = min(gen.spec.allowance(cost), gen.max_tokens - len(gen.tokens) - 1)
         return self._cut_at_stop(gen, gen.drafter.propose(gen.tokens, k) if k > 0 else []), k
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringlet.daemon.engine.drafting import Drafter, NgramIndex, Speculation, TripMeter
+from ringlet.daemon.engine.drafting import Drafter, NgramIndex, Speculation, TripMeter, expected_tokens
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
@@ -62,23 +62,47 @@ def test_bad_ngram_lengths_are_refused():
         NgramIndex(3, 2)
 
 
-def test_trip_meter_says_when_a_verifying_trip_costs_more_than_it_gives():
+def test_expected_tokens_per_trip_follow_leviathan_eq_1():
+    # (1 - a^(k+1)) / (1 - a), by hand: a = 0.5, k = 3: (1 - 1/16) / 0.5 = 1.875
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(0.0, 6) == 1.0 and expected_tokens(1.0, 6) == 7.0
+
+
+def test_trip_meter_costs_each_draft_length():
     meter = TripMeter()
-    assert meter.cost() is None and meter.wants_plain()  # nothing measured: measure a plain trip first
+    assert meter.cost(4) is None and meter.wants_plain()  # nothing measured: measure a plain trip first
     meter.observe(0, 0.040)
+    assert meter.cost(4) is None  # no verifying trip yet
     meter.observe(4, 0.100)
-    assert meter.cost() == pytest.approx(2.5)  # 0.100 / 0.040
+    assert meter.cost(4) == pytest.approx(2.5)  # 0.100 / 0.040
     meter.observe(4, 0.200)  # moving average: 0.100 + 0.2 * (0.200 - 0.100) = 0.120
-    assert meter.cost() == pytest.approx(3.0)
+    assert meter.cost(4) == pytest.approx(3.0) and meter.cost() == pytest.approx(3.0)
+    # unmeasured lengths on the line from (0, 1) through (4, 3): 1 + 2 * j / 4
+    assert meter.cost(2) == pytest.approx(2.0) and meter.cost(6) == pytest.approx(4.0)
+    meter.observe(1, 0.048)
+    assert meter.cost(1) == pytest.approx(1.2) and meter.cost(2) == pytest.approx(1.4)  # nearest: 1
     assert [meter.wants_plain() for _ in range(TripMeter.PLAIN_EVERY)].count(True) == 1
+
+
+def test_the_draft_length_is_the_one_that_pays_most_or_none():
+    cost = {1: 1.2, 2: 1.4, 3: 1.6, 4: 1.8}.get  # plain trips, as a CPU's few-row forward
     spec = Speculation(limit=4)
-    spec.verified(4, 1)  # 2 tokens for that trip: below a cost of 3 plain trips
-    assert spec.per_trip == 2
-    assert spec.k == 2  # the partial accept shortened the draft
-    allowed = [spec.allowance(meter.cost()) for _ in range(Speculation.PROBE)]
-    # only the probe step drafts, at full length: at k = 2 a probe gives at most 3 tokens,
-    # and could never show a prediction's later run of hits paying for a trip of cost 3
+    assert spec.allowance(cost) == 4  # no trip yet: the adaptive length, to measure
+    spec.verified(4, 4)  # acceptance so far 4 / (4 + 0) = 1: k + 1 tokens at every length
+    assert spec.acceptance_estimate == 1.0
+    # 5 / 1.8 = 2.78 beats 4 / 1.6, 3 / 1.4, 2 / 1.2
+    assert spec.allowance(cost) == 4
+    spec.verified(4, 1)  # decayed: accepted 4 * 0.7 + 1 = 3.8, rejections 1: a = 0.79
+    a = 3.8 / 4.8
+    gains = {j: expected_tokens(a, j) / cost(j) for j in range(1, spec.k + 1)}  # k is now 2
+    assert spec.k == 2 and spec.allowance(cost) == max(gains, key=gains.get)
+    spec.verified(2, 0)
+    spec.verified(1, 0)  # two whole rejections: paused 8 steps
+    assert [spec.allowance(cost) for _ in range(8)] == [0] * 8
+    # accepted 3.8 * 0.49 = 1.862, rejections 0.49 + 0.7 + 1 = 2.19: a = 0.46; k = 1: (1 + a) / 1.2 = 1.22 > 1
+    assert spec.allowance(cost) == 1
+    dear = {1: 2.5, 2: 3.0, 3: 3.5, 4: 4.0}.get  # a trip too dear for what this request gives
+    allowed = [spec.allowance(dear) for _ in range(Speculation.PROBE)]
+    # only the probe step drafts, at full length: at k = 1 a probe could never show a trip paying
     assert allowed.count(0) == Speculation.PROBE - 1 and max(allowed) == 4
-    spec.verified(4, 4)  # the probe hit whole: 5 tokens; 2 + 0.2 * (5 - 2) = 2.6
-    assert spec.per_trip == pytest.approx(2.6) and spec.k == 4
-    assert spec.allowance(1.5) == spec.k  # it pays where a trip costs 1.5 plain ones
+    assert spec.allowance(None) == spec.k  # drafts on every step (no cost): the adaptive length
