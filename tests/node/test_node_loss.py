@@ -32,10 +32,9 @@ def undisturbed() -> list[int]:
     return RAW["completion_ids"][:TOKENS]
 
 
-#: A ~1,000-token conversation (110 such entries were 2,160 tokens of SmolLM2's tokenizer,
-#: counted by hand once: ~19.5 a entry).
+#: A ~2,000-token conversation (2,160 tokens of SmolLM2's tokenizer, counted by hand once).
 CONVERSATION = " ".join(f"Entry {i}: the ring keeps layer {i % 30} of the model and answers in order."
-                        for i in range(55))
+                        for i in range(110))
 
 
 @pytest.mark.parametrize("states", ["kept", "none"])
@@ -71,7 +70,7 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
             while not recent() and time.monotonic() < deadline:
                 time.sleep(0.05)
             prompt_tokens = recent()[-1]["prompt_tokens"]
-            assert prompt_tokens > 1000
+            assert prompt_tokens > 2000
         else:
             prompt, expected = PROMPT, undisturbed
         stream = Stream(c.api_urls[api], prompt, len(expected))
