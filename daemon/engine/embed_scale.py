@@ -77,6 +77,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ringlet.daemon.engine.mixins import mixed
+
 #: (attribute (dotted: of a sub-module), field of it or None, neutral value or a function of the attribute's value).
 Rule = tuple[str, str | None, Any]
 
@@ -202,15 +204,8 @@ class _LayerEnds:
         return exit_.out if raw_out else out
 
 
-_ENDS_CLASSES: dict[type, type] = {}
-
-
 def _layer_ends(inner: Any, model_type: str, raw_in: bool, raw_out: bool) -> Callable[[], None]:
-    base = type(inner)
-    if not issubclass(base, _LayerEnds):
-        if base not in _ENDS_CLASSES:
-            _ENDS_CLASSES[base] = type(base.__name__, (_LayerEnds, base), {"__module__": base.__module__})
-        inner.__class__ = _ENDS_CLASSES[base]
+    inner.__class__ = mixed(_LayerEnds, type(inner))
     saved = inner.__dict__.get("_ringlet_ends", (False, False))
     inner.__dict__["_ringlet_ends_type"] = model_type  # attributes, not children or parameters
     inner.__dict__["_ringlet_ends"] = (raw_in, raw_out)

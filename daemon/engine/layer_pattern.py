@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringlet.daemon.engine import recurrent_position
+from ringlet.daemon.engine.mixins import mixed
 from ringlet.daemon.errors import PlanError
 
 #: Index attributes of an inner model that name one representative layer per kind
@@ -261,7 +262,7 @@ class LayerPattern:
         for name, positions in self.sets.items():
             setattr(inner, name, {g - start for g in positions if start <= g < end})
         if stand_ins or "_ringlet_stand_ins" in inner.__dict__ or self.counted:
-            inner.__class__ = _stand_in_class(type(inner))
+            inner.__class__ = mixed(_StandIns, type(inner))
             inner.__dict__["_ringlet_stand_ins"] = stand_ins  # attributes, not child modules
             inner.__dict__["_ringlet_counted"] = self.counted
 
@@ -299,15 +300,6 @@ def _with_stand_ins(extra: list, args: tuple, kwargs: dict) -> tuple:
     return args, kwargs
 
 
-_STAND_IN_CLASSES: dict[type, type] = {}
-
-
-def _stand_in_class(base: type) -> type:
-    if issubclass(base, _StandIns):
-        return base
-    if base not in _STAND_IN_CLASSES:
-        _STAND_IN_CLASSES[base] = type(base.__name__, (_StandIns, base), {"__module__": base.__module__})
-    return _STAND_IN_CLASSES[base]
 
 
 def _attention(signature: tuple) -> bool:

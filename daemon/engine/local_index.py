@@ -39,6 +39,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ringlet.daemon.engine.mixins import mixed
+
 #: model_type -> where the inner model keeps ``(P, window)``: the attribute holding P
 #: (dotted: a field of ``args``) and the one holding the window.
 LOCAL_INDEX: dict[str, tuple[str, str]] = {
@@ -49,8 +51,6 @@ LOCAL_INDEX: dict[str, tuple[str, str]] = {
 
 #: model_type -> the period of a forward that reads its loop index modulo it (llama4.py, above).
 PERIOD4 = frozenset({"llama4"})
-
-_CLASSES: dict[type, type] = {}
 
 
 class _OwnMask:
@@ -66,14 +66,6 @@ class _OwnMask:
         else:
             own = create_attention_mask(x, cache, window_size=self._ringlet_window)
         return super().__call__(x, own, cache, *args, **kwargs)
-
-
-def _own_mask_class(base: type) -> type:
-    if issubclass(base, _OwnMask):
-        return base
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"OwnMask{base.__name__}", (_OwnMask, base), {})
-    return _CLASSES[base]
 
 
 class _PassThrough:
@@ -113,11 +105,7 @@ def own_masks(inner: Any, model_type: str, start: int, layers: list) -> None:
     if model_type in PERIOD4:
         for i, layer in enumerate(layers):
             layer.__dict__["_ringlet_global"] = start + i  # an attribute, not a child or parameter
-        if not isinstance(inner, _Period4):
-            base = type(inner)
-            if base not in _CLASSES:
-                _CLASSES[base] = type(base.__name__, (_Period4, base), {"__module__": base.__module__})
-            inner.__class__ = _CLASSES[base]
+        inner.__class__ = mixed(_Period4, type(inner))
         return
     if model_type not in LOCAL_INDEX:
         return
@@ -132,6 +120,6 @@ def own_masks(inner: Any, model_type: str, start: int, layers: list) -> None:
         return
     for i, layer in enumerate(layers):
         is_global = (start + i) % period == period - 1
-        layer.__class__ = _own_mask_class(type(layer))
+        layer.__class__ = mixed(_OwnMask, type(layer), f"OwnMask{type(layer).__name__}")
         layer._ringlet_window = None if is_global else window
     setattr(owner, name, 1)

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from ringlet.daemon.engine.embed_scale import neutralize, refusal
 from ringlet.daemon.engine.layer_pattern import LayerPattern, capture, check_split
 from ringlet.daemon.engine.local_index import own_masks
+from ringlet.daemon.engine.mixins import mixed
 from ringlet.daemon.engine.stage_tensors import validate_range
 from ringlet.daemon.engine.token_shape import accept_hidden, unwrap
 from ringlet.daemon.errors import ModelFormatError, PlanError
@@ -188,16 +189,9 @@ class _Headless:
         return super().__call__(inputs, cache, *args, **kwargs)
 
 
-_HEADLESS_CLASSES: dict[type, type] = {}
-
-
 def _headless(model: nn.Module, model_type: str) -> None:
-    base = type(model)
-    if model_type not in HEADLESS or issubclass(base, _Headless):
-        return
-    if base not in _HEADLESS_CLASSES:
-        _HEADLESS_CLASSES[base] = type(base.__name__, (_Headless, base), {"__module__": base.__module__})
-    model.__class__ = _HEADLESS_CLASSES[base]
+    if model_type in HEADLESS:
+        model.__class__ = mixed(_Headless, type(model))
 
 
 class LastPosition(nn.Module):

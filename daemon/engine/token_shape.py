@@ -26,6 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ringlet.daemon.engine.mixins import mixed
+
 #: model_type of the architectures above.
 TOKEN_SHAPED = frozenset({"gpt2", "gpt_bigcode", "gpt_neox", "gptj", "plamo2", "mamba"})
 
@@ -48,20 +50,11 @@ class _AcceptsHidden:
         return super().__call__(inputs, *args, **kwargs)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def accept_hidden(model: Any, model_type: str) -> None:
     """Let ``model`` (an mlx-lm outer model of :data:`TOKEN_SHAPED`) take hidden states;
     other architectures: no-op. The class keeps its name and module."""
-    if model_type not in TOKEN_SHAPED:
-        return
-    base = type(model)
-    if issubclass(base, _AcceptsHidden):
-        return
-    if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (_AcceptsHidden, base), {"__module__": base.__module__})
-    model.__class__ = _CLASSES[base]
+    if model_type in TOKEN_SHAPED:
+        model.__class__ = mixed(_AcceptsHidden, type(model))
 
 
 def unwrap(x: Any) -> Any:
