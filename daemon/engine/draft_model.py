@@ -74,21 +74,23 @@ class DraftSession:
 
     Attributes:
         fed: the token ids in :attr:`cache`, in order.
-        forwards: draft-model forwards run (for the figures).
     """
 
     model: DraftModel
     cache: list = field(init=False)
     fed: list[int] = field(default_factory=list)
-    forwards: int = 0
+    #: leading tokens of :attr:`fed` known to equal the request's: the context given to
+    #: the last :meth:`propose` (a request's tokens only grow), so a step compares only
+    #: what came after it, not the whole conversation again
+    _agreed: int = 0
 
     def __post_init__(self) -> None:
         self.cache = self.model.stage.make_cache()
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         """``k`` greedy drafts to follow ``context`` (the request's prompt and output so
-        far, ``len(context) >= 1``). Runs MLX: call it on the thread that runs the
-        stage's forwards.
+        far, ``len(context) >= 1``, extending the context of the previous call). Runs MLX:
+        call it on the thread that runs the stage's forwards.
 
         Raises:
             ValueError: ``context`` is empty.
@@ -100,25 +102,25 @@ class DraftSession:
             raise ValueError("a draft needs at least one token of context")
         if k <= 0:
             return []
-        keep = 0
         limit = min(len(self.fed), len(context) - 1)  # the last token is fed again: its logits draft
+        keep = min(self._agreed, limit)
         while keep < limit and self.fed[keep] == context[keep]:
             keep += 1
         if keep < len(self.fed):
             trim_prompt_cache(self.cache, len(self.fed) - keep)
             del self.fed[keep:]
+        self._agreed = keep
         pending = [int(t) for t in context[keep:]]
         while len(pending) > PREFILL_CHUNK:  # catch up on a long prompt without the head
             piece, pending = pending[:PREFILL_CHUNK], pending[PREFILL_CHUNK:]
             mx.eval(self.model.stage(mx.array([piece]), self.cache, head=True))
             self.fed += piece
-            self.forwards += 1
         drafts: list[int] = []
         for _ in range(k):
             logits = self.model.stage(mx.array([pending]), self.cache, head=True)
             token = int(mx.argmax(logits[0, -1, : self.model.vocab]).item())
             self.fed += pending
-            self.forwards += 1
             drafts.append(token)
             pending = [token]
+        self._agreed = len(context)
         return drafts

@@ -185,8 +185,6 @@ class Speculation:
     _rej: float = 0.0  # decayed rejections
     _pause: int = 0  # steps left without a draft
     _pauses: int = 0
-    #: moving average of this request's tokens per verifying trip (None: no trip yet)
-    per_trip: float | None = None
     _steps: int = 0
 
     #: drafts in a row rejected whole before pausing
@@ -247,8 +245,6 @@ class Speculation:
         self._acc = self._acc * self.DECAY + accepted
         self._rej = self._rej * self.DECAY + (1 if accepted < drafted else 0)
         self.tokens += accepted + 1
-        got = accepted + 1
-        self.per_trip = got if self.per_trip is None else self.per_trip + TripMeter.ALPHA * (got - self.per_trip)
         if accepted == drafted:  # (a full-length probe may have drafted more than k)
             self.k = min(self.limit, max(self.k, drafted) + 1)
             self._misses = 0
