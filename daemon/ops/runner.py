@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.cluster.addresses import dial_addresses, log_skipped_interfaces, public_host
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
@@ -78,9 +79,11 @@ def build_config(args) -> tuple[NodeConfig, int]:
         info.context_tokens
 
 
-def load_draft_model(name: str, config: NodeConfig):
+def load_draft_model(name: str, config: NodeConfig, served_tokenizer):
     """``--draft-model``: the model ``name`` (resolved as ``--model`` is), loaded whole
-    in the served model's dtype, once its tokenizer is checked to be the served model's.
+    in the served model's dtype, once its tokenizer is checked to be the served model's
+    (``served_tokenizer``: the node's :class:`~ringlet.daemon.api.tokenizer.LazyTokenizer`,
+    built here, so the API uses the same one instead of building it again).
 
     Raises:
         RingletError: it cannot be found or loaded, or its tokenizer differs.
@@ -90,7 +93,8 @@ def load_draft_model(name: str, config: NodeConfig):
 
     try:
         location = resolve(name)
-        check_tokenizers(load_tokenizer(location), load_tokenizer(config.model), location.name, config.model.name)
+        check_tokenizers(load_tokenizer(location), served_tokenizer.get_blocking(), location.name,
+                         config.model.name)
         stage = load_stage(location, 0, dtype=config.dtype)
     except DraftModelError as exc:
         raise RingletError(str(exc)) from None
@@ -352,8 +356,9 @@ async def serve(args) -> int:
         await resolve_run_model(args, bootstrap_fetch)
     config, context = build_config(args)
     node = Node(config)
+    tokenizer = LazyTokenizer(functools.partial(load_tokenizer, config.model))
     if getattr(args, "draft_model", None):
-        node.draft_model = load_draft_model(args.draft_model, config)
+        node.draft_model = load_draft_model(args.draft_model, config, tokenizer)
     if getattr(args, "hub", None) is not None:  # each stage's files come from the Hub at prepare
         config.fetch = hub_fetcher(node, args.hub)
     threads = ThreadSizer(machine_cache_dir() / PROCS_DIR, getattr(args, "threads", None)).start()
@@ -362,19 +367,18 @@ async def serve(args) -> int:
     # mlx_lm at the same time can deadlock on the import lock. The API stack (FastAPI,
     # uvicorn) is imported only now, once the options, the plan and the model have been
     # checked, so a bad command line fails at once. The tokenizer (transformers) is built
-    # on the first API request that needs it (api/tokenizer.py).
+    # on the first API request that needs it (api/tokenizer.py), or above, to check a
+    # --draft-model against it.
     import mlx_lm.models.cache  # noqa: F401
     if config.model.kind != "gguf":  # its stage loads import mlx_lm.utils (and with it transformers)
         import mlx_lm.utils  # noqa: F401
     import uvicorn
 
     from ringlet.daemon.api.app import create_app
-    from ringlet.daemon.api.tokenizer import LazyTokenizer
     from ringlet.daemon.ops.draining import DrainingServer
     await node.start()
     if config.plan is None:
         stop_cluster = await _start_cluster(args, node, context)
-    tokenizer = LazyTokenizer(functools.partial(load_tokenizer, config.model))
     app = create_app(node, tokenizer, config.model.name, context, limits=api_limits(args))
     drain_s = float(getattr(args, "drain_timeout_s", DRAIN_TIMEOUT_S))
     server = DrainingServer(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
