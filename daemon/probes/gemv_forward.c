@@ -13,17 +13,18 @@
  * K > 0: a K == 0 gemm still scales C by beta, which an sgemv with no columns would
  * skip) go to sgemv; every other call, and every call while no sgemv is bound, goes to
  * the real sgemm unchanged. Built with OpenMP where the compiler has it, else without
- * libc (-nostdlib): then it calls only the two pointers it is given. Argument order and enum values: the CBLAS interface (cblas.h).
+ * libc (-nostdlib): then it calls only the two pointers it is given. Argument order and
+ * enum values: the CBLAS interface (cblas.h).
  *
  * Products of 2 to FEW_ROWS rows (a speculative step's k + 1 positions, a decode group's
- * requests) against a weight: OpenBLAS packs the whole weight for them too, so a 7-row
- * product cost ~7 single-row ones here. few_rows() streams each weight row once and
- * takes its dot product with every input row (GCC vector extensions, compiled for this
- * CPU, on the BLAS's thread count), so up to FEW_ROWS rows cost about one weight read
- * (bench/README.md). It takes
- * A untransposed (an input row is contiguous) and op(B) either way: B^T (an mlx Linear,
- * x @ W.T: a weight row is contiguous) or B with at most FEW_COLS columns (attention's
- * scores @ V); other shapes go to sgemm.
+ * requests) against a weight: OpenBLAS packs the whole weight for them too, so a forward
+ * of 7 positions cost 2.3-2.6 single-position ones here. few_rows() streams each weight
+ * row once and takes its dot product with every input row (GCC vector extensions,
+ * compiled for this CPU, on the BLAS's thread count): 2 to 8 rows then cost 1.1-1.8
+ * single-row forwards (bench/README.md). It takes A untransposed (an input row is
+ * contiguous) and op(B) either way: B^T (an mlx Linear, x @ W.T: a weight row is
+ * contiguous) or B with at most FEW_COLS columns (attention's scores @ V); other shapes
+ * go to sgemm.
  */
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,

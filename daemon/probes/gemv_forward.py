@@ -12,14 +12,14 @@ some architectures (OpenBLAS PR #4814, ``GEMM_GEMV_FORWARD``).
 only: calls with M == 1 or N == 1 (and K > 0) go to the real ``cblas_sgemv``, every
 other call to the real ``cblas_sgemm``, except products of 2 to 8 rows: those go to
 its own kernel, which reads each weight row once for all of them (OpenBLAS's sgemm packs
-the whole weight again for every such call: a 7-row product, a speculative step's
-verification, cost about 7 single-row ones). :func:`install` builds it once per machine with
-the C compiler (``$CC``, else ``cc``/``gcc``/``clang``; no libc is linked), caches it in
+the whole weight again for every such call: a 7-position forward, a speculative step's
+verification, cost 2.3-2.6 single-position ones). :func:`install` builds it once per machine
+with the C compiler (``$CC``, else ``cc``/``gcc``/``clang``; :data:`VARIANTS`), caches it in
 the machine cache, loads it into the global symbol scope *before* the checked BLAS is
 promoted there (so ``libmlx.so`` binds ``cblas_sgemm`` to it), binds the BLAS's own
-two functions, and checks every transpose and order of M == 1 and N == 1 products
-against numpy (float64). Any failure leaves the calls going straight to the BLAS's
-sgemm, with the reason. ``RINGLET_GEMV_FORWARD=0`` turns it off; ``RINGLET_FEW_ROWS=0``
+two functions, and checks every transpose and order of the products :data:`CHECKED`
+(one row, one column, a few rows) against numpy (float64). Any failure leaves the calls
+going straight to the BLAS's sgemm, with the reason. ``RINGLET_GEMV_FORWARD=0`` turns it off; ``RINGLET_FEW_ROWS=0``
 sends the few-row products back to sgemm (for benchmarks).
 """
 
