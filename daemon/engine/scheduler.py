@@ -323,6 +323,8 @@ class StageEngine:
         without, the store keeps what covers the new range."""
         self._groups.dissolve_all()
         self._batch_of.clear()
+        for state in self._requests.values():
+            speculation.drop_unconfirmed(state, self.boundaries)
         parked = kv_handoff.park(self.stage, self._requests, self._prefix) if keep else []
         boundaries = kv_handoff.park_boundaries(self._requests, self.boundaries,
                                                 stage.end if isinstance(stage, Stage) else None)

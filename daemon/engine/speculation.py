@@ -114,6 +114,24 @@ def roll_back(state: Any, offset: int, boundaries: Any) -> bool:
     return True
 
 
+def drop_unconfirmed(state: Any, boundaries: Any) -> None:
+    """Before a re-plan parks ``state`` (its KV and boundary states become pieces to
+    keep or rebuild): drop the drafted positions of a verifying step this stage sent on
+    whose verdict it has not seen. Only the fed token, at ``drafted_from``, is known to be
+    the request's; a draft kept here would make a parked sequence that neither the
+    finished turn it repeats nor the resumed request contains, so it would be rebuilt
+    beside them (twice the work) and never reused. Drafts the last stage did accept are
+    prefilled again on resume (at most ``k`` tokens)."""
+    floor = getattr(state, "drafted_from", None)
+    if floor is None:
+        return
+    try:
+        trim(state, floor + 1, boundaries)
+    except ValueError:  # drafts run only on caches that trim; parked as they are, they cost work, not exactness
+        return
+    state.drafted_from = None
+
+
 def settle_for_release(state: Any, token_ids: Sequence[int] | None, boundaries: Any) -> None:
     """Before a release keeps ``state`` in the prefix store: drop the drafted positions
     ``token_ids`` (the request's tokens, as stage 0 has them) does not confirm."""

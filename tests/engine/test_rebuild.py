@@ -141,3 +141,45 @@ def test_states_cross_the_wire_whole_in_chunks_and_bfloat16():
     for c in to_chunks([Boundary("z", [1, 2], 0, None)], 64):
         zero.add(c)
     assert [(b.tokens, b.hidden) for b in zero.boundaries()] == [([1, 2], None)]
+
+
+def test_a_request_parked_mid_verification_leaves_only_its_confirmed_tokens(tmp_path):
+    """A re-plan catches a request on stage ``[0, 2)`` after it sent on a verifying step
+    (its latest token and 3 drafts) and before the verdict: the KV and boundary states it
+    parks hold the prompt alone (the drafts may be rejected), so the finished turn that
+    repeats the prompt covers it and one sequence is rebuilt, not two (CI, stop 39: a
+    2,180-token turn and a 2,181-token request in flight were both rebuilt). Expected
+    values: the stage's own forward over the prompt alone, in one piece."""
+    from ringlet.daemon.engine.boundary import BoundaryStore
+    from ringlet.daemon.engine.scheduler import StageEngine, _RequestState
+    from ringlet.daemon.node.rebuild import covering
+
+    loc = resolve(str(make_tiny_model("llama", tmp_path / "llama")))
+    stage = load_stage(loc, 0, 2)
+    boundaries = BoundaryStore(1 << 26, layer=2)
+    engine = StageEngine(stage, StageEngine.new_executor(), boundaries=boundaries)
+    state = _RequestState(stage.make_cache(), None, tokens=[], boundary=boundaries.begin("", []))
+    drafts = [7, 7, 7]
+    for chunk, verifying in ((PROMPT[:-1], False), ([PROMPT[-1], *drafts], True)):  # as _finish_one counts them
+        out = stage(mx.array([chunk]), state.cache)
+        state.tokens += chunk
+        state.offset += len(chunk)
+        state.drafted_from = state.offset - len(chunk) if verifying else None
+        state.boundary = boundaries.record(state.boundary, out)
+    engine._requests["r"] = state
+
+    pieces, parked = engine.swap(load_stage(loc, 0, 3), keep=True)
+
+    want_cache = stage.make_cache()
+    want_out = stage(mx.array([PROMPT]), want_cache)
+    (piece,) = pieces
+    assert piece.tokens == PROMPT and piece.inflight
+    for (k, v), c in zip(piece.layers, want_cache, strict=True):
+        assert k.shape[2] == len(PROMPT)
+        assert mx.allclose(k, c.keys[..., :len(PROMPT), :], atol=1e-5).item()
+        assert mx.allclose(v, c.values[..., :len(PROMPT), :], atol=1e-5).item()
+    (states,) = parked
+    assert states.tokens == PROMPT and states.inflight and states.hidden.shape[1] == len(PROMPT)
+    assert mx.allclose(states.hidden, want_out, atol=1e-5).item()
+    finished = Boundary("", [*PROMPT, 9, 4], 2, mx.concatenate([want_out, want_out[:, :2]], axis=1))
+    assert [b.tokens for b in covering([finished, states])] == [finished.tokens]
