@@ -153,10 +153,14 @@ ZOO: dict[str, dict] = {
                   expert_layer_period=2, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2, num_experts=4,
                   num_experts_per_tok=2),
     "internlm2": _cfg("internlm2", 4, bias=False),
-    "nemotron_h": _cfg("nemotron_h", 4, attention_bias=False, mamba_num_heads=4, mamba_head_dim=16,
+    # MLP and MoE blocks have no cache (two periods of mamba, attention, a cache-less block; a stage of
+    # cache-less blocks alone at either end)
+    "nemotron_h": _cfg("nemotron_h", 6, attention_bias=False, mamba_num_heads=4, mamba_head_dim=16,
                        mamba_proj_bias=False, ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False,
-                       layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
-                       hybrid_override_pattern=["M", "*", "M", "-"]),
+                       layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, n_routed_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                       n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                       hybrid_override_pattern=["-", "M", "*", "E", "M", "*"]),
     "mamba": {"model_type": "mamba", "vocab_size": 160, "hidden_size": 64, "intermediate_size": 128,
               "state_size": 8, "num_hidden_layers": 4, "conv_kernel": 4, "use_bias": False,
               "use_conv_bias": True, "time_step_rank": 4, "tie_word_embeddings": True},

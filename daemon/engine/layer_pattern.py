@@ -51,7 +51,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringlet.daemon.engine import recurrent_position
+from ringlet.daemon.engine import cacheless, recurrent_position
 from ringlet.daemon.engine.mixins import mixed
 from ringlet.daemon.errors import PlanError
 
@@ -99,7 +99,7 @@ NULLABLE: dict[str, frozenset[str]] = {"qwen3_next": frozenset({"fa_idx", "ssm_i
 PATTERN_VERIFIED = frozenset((
     "afmoe baichuan_m1 bailing_hybrid bailing_moe_linear bailing_moe_v3 cohere2 exaone4 exaone_moe gear gemma3 "
     "gemma3_text gpt_oss granitemoehybrid jamba kimi_linear laguna lfm2 lfm2-vl lfm2_moe llama llama4 mellum "
-    "mimo_v2_flash ministral3 muse_glimmer olmo3 olmo_hybrid plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next "
+    "mimo_v2_flash ministral3 muse_glimmer nemotron_h olmo3 olmo_hybrid plamo2 plamo3 qwen3_5 qwen3_5_moe qwen3_next "
     "recurrent_gemma spark2_5 step3p5").split())
 
 #: Architectures that cannot be split, and why (shown in the PlanError).
@@ -115,7 +115,8 @@ SPLIT_VERIFIED = frozenset((
     "gpt_bigcode gpt_neox gpt_oss gptj granite granitemoe granitemoehybrid helium hunyuan hunyuan_v1_dense "
     "internlm2 internlm3 jamba kimi_k25 kimi_linear kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama "
     "llama4 llama4_text longcat_flash mamba mamba2 mellum mimo mimo_v2_flash minicpm minicpm3 minimax "
-    "minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nanochat nemotron olmo2 "
+    "minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nanochat nemotron nemotron-nas "
+    "nemotron_h olmo2 "
     "olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 "
     "qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma "
     "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
@@ -129,15 +130,6 @@ REFUSED: dict[str, str] = {
                    "ids (embed_tokens_per_layer), which a stage that is not first does not have",
     "gemma4": "it serves text through gemma4_text.Model (gemma4.py), whose last num_kv_shared_layers layers reuse "
               "the KV of earlier layers and whose layers take per-layer inputs embedded from the token ids",
-    "nemotron_h": "only its mamba and attention layers have caches, counted apart from the MLP layers "
-                  "(nemotron_h.py NemotronHModel.__call__ cache_counter), so caches are not one per layer, and "
-                  "an always-empty cache standing in for an MLP layer's would break decode groups (mlx-lm's "
-                  "extract of an empty merged cache fails)",
-    "nemotron-nas": "layers whose attention is a no-op have no cache (nemotron-nas.py Model.make_cache: "
-                    "one KVCache per layer whose self_attn is not None), so caches are not one per layer, and "
-                    "an always-empty KVCache standing in for such a layer's would break decode groups (mlx-lm's "
-                    "extract of an empty merged cache fails) and speculative trims (trim_prompt_cache reports "
-                    "the first layer's count: 0 for an empty one)",
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
@@ -191,6 +183,10 @@ class LayerPattern:
             model set them (global positions; ``None`` kept as ``None``).
         lists: the inner model's per-position lists (:data:`POSITION_LISTS`), whole.
         sets: the inner model's sets of global positions (:data:`POSITION_SETS`), whole.
+        missing: global positions of the layers the model's cache list has no entry for
+            (their ``caches`` entries are length caches, :mod:`cacheless`).
+        unwritten: global positions of the layers whose cache nothing writes (the
+            ``missing`` ones included): the stage advances them.
     """
 
     caches: list
@@ -199,6 +195,8 @@ class LayerPattern:
     indices: dict[str, int | None] = field(default_factory=dict)
     lists: dict[str, list] = field(default_factory=dict)
     sets: dict[str, set] = field(default_factory=dict)
+    missing: frozenset[int] = frozenset()
+    unwritten: frozenset[int] = frozenset()
 
     @property
     def signatures(self) -> list[tuple]:
@@ -234,12 +232,16 @@ class LayerPattern:
         mask: ``ArraysCache.make_mask`` takes no ``window_size``.)
         """
         sigs = self.signatures
-        local = sigs[start:end]
+        # the forward indexes the model's own cache list, which has no entry for a missing layer
+        real = [g for g in range(len(sigs)) if g not in self.missing]  # (a whole model may have fewer: afm7)
+        local = [sigs[g] for g in real if start <= g < end]
+        if self.missing and not local:  # a stage of such layers alone hands its first length cache on
+            local = [sigs[start]]
         stand_ins: list = []
         for name, value in self.indices.items():
             if value is None:
                 continue
-            want = sigs[value]
+            want = sigs[real[value]]
             same = [i for i, s in enumerate(local) if s == want]
             family = [i for i, s in enumerate(local) if _attention(s) == _attention(want)]
             if same or family:
@@ -251,7 +253,7 @@ class LayerPattern:
                 setattr(inner, name, None)
             else:
                 setattr(inner, name, len(local) + len(stand_ins))
-                stand_ins.append(copy.deepcopy(self.caches[value]))
+                stand_ins.append(copy.deepcopy(self.caches[real[value]]))
         for name, whole in self.lists.items():
             owner = inner
             if "." in name:  # a field of a sub-object (``args``): a copy, so the layers keep theirs
@@ -261,10 +263,12 @@ class LayerPattern:
             setattr(owner, name, whole[start:end])
         for name, positions in self.sets.items():
             setattr(inner, name, {g - start for g in positions if start <= g < end})
-        if stand_ins or "_ringlet_stand_ins" in inner.__dict__ or self.counted:
+        if stand_ins or "_ringlet_stand_ins" in inner.__dict__ or self.counted or self.unwritten:
             inner.__class__ = mixed(_StandIns, type(inner))
             inner.__dict__["_ringlet_stand_ins"] = stand_ins  # attributes, not child modules
             inner.__dict__["_ringlet_counted"] = self.counted
+            inner.__dict__["_ringlet_missing"] = frozenset(g - start for g in self.missing if start <= g < end)
+            inner.__dict__["_ringlet_unwritten"] = frozenset(g - start for g in self.unwritten if start <= g < end)
 
     @property
     def counted(self) -> int:
@@ -275,29 +279,36 @@ class LayerPattern:
 
 class _StandIns:
     """Mixed into the class of the module whose forward indexes the caches: the caches
-    it is given get the pattern's stand-ins appended (:meth:`LayerPattern.apply`), a
+    it is given lose the length caches of layers the model gives none and get the
+    pattern's stand-ins appended (:meth:`LayerPattern.apply`), a
     :class:`~recurrent_position.Position` bound to them; recurrent caches that count
-    their tokens count the forward's (:func:`recurrent_position.advance`)."""
+    their tokens count the forward's (:func:`recurrent_position.advance`), and length
+    caches grow by its tokens (:func:`cacheless.advance`)."""
 
     def __call__(self, *args, **kwargs):
         own = kwargs.get("cache") if "cache" in kwargs else (args[1] if len(args) > 1 else None)
         extra = self.__dict__.get("_ringlet_stand_ins") or []
         if own is not None:
             extra = [s.bind(own) if isinstance(s, recurrent_position.Position) else s for s in extra]
-        given, named = _with_stand_ins(extra, args, kwargs)
+        given, named = _with_caches(own, extra, self.__dict__.get("_ringlet_missing"), args, kwargs)
         out = super().__call__(*given, **named)
+        x = args[0] if args else kwargs["inputs"]
         if own is not None and (counted := self.__dict__.get("_ringlet_counted")):
-            recurrent_position.advance(own, args[0] if args else kwargs["inputs"], counted)
+            recurrent_position.advance(own, x, counted)
+        if own is not None:
+            cacheless.advance(own, self.__dict__.get("_ringlet_unwritten") or frozenset(), x)
         return out
 
 
-def _with_stand_ins(extra: list, args: tuple, kwargs: dict) -> tuple:
-    """``(args, kwargs)`` of a forward ``(inputs, cache, ...)`` with ``extra`` after the caches."""
-    if extra and kwargs.get("cache") is not None:
-        kwargs = {**kwargs, "cache": [*kwargs["cache"], *extra]}
-    elif extra and len(args) > 1 and args[1] is not None:
-        args = (args[0], [*args[1], *extra], *args[2:])
-    return args, kwargs
+def _with_caches(own: list | None, extra: list, missing: frozenset[int] | None, args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` of a forward ``(inputs, cache, ...)`` given the model's own
+    caches of ``own`` (:func:`cacheless.model_caches`) with ``extra`` after them."""
+    if own is None or not (extra or missing):
+        return args, kwargs
+    caches = [*cacheless.model_caches(own, missing or frozenset()), *extra]
+    if "cache" in kwargs:
+        return args, {**kwargs, "cache": caches}
+    return (args[0], caches, *args[2:]), kwargs
 
 
 
@@ -323,9 +334,11 @@ def capture(model: Any, inner: Any, model_type: str, n: int) -> LayerPattern:
             lists[name] = list(value)
     sets = {name: set(getattr(inner, name)) for name in POSITION_SETS
             if isinstance(getattr(inner, name, None), (set, frozenset))}
-    caches = make_prompt_cache(model)
+    missing, unwritten = cacheless.positions(model_type, list(model.layers))
+    caches = cacheless.one_per_layer(make_prompt_cache(model), missing, n)
     recurrent_position.carry(caches, model_type)
-    return LayerPattern(caches=caches, model_type=model_type, num_layers=n, indices=indices, lists=lists, sets=sets)
+    return LayerPattern(caches=caches, model_type=model_type, num_layers=n, indices=indices, lists=lists, sets=sets,
+                        missing=missing, unwritten=unwritten)
 
 
 def verified(model_type: str, module: str = "") -> bool:

@@ -92,8 +92,7 @@ class StageEngine:
     Args:
         stage: the loaded stage (built on the worker thread via :meth:`create`): a
             :class:`Stage`, or a tensor group's stage (``tensor.group_stage.GroupStage``);
-            both are :class:`StageRange` with ``make_cache``, ``__call__``,
-            ``forward_many`` and ``settle``.
+            both are :class:`StageRange` with ``make_cache``, ``__call__``, ``forward_many`` and ``settle``.
         executor: the single-thread executor that owns MLX.
         max_tensor_bytes: the largest incoming hidden-states payload accepted, bytes.
         max_batch: the most decode steps run as one forward (1 = no batching: one
@@ -318,9 +317,9 @@ class StageEngine:
 
     def swap(self, stage: Stage | None, keep: bool = False) -> tuple[list, list[Boundary]]:
         """Serve ``stage`` from now on (worker thread); every KV cache of the old stage goes.
-        With ``keep``, its requests in flight and prefix entries come back first as pieces
-        (:func:`ringlet.daemon.engine.kv_handoff.park`), with its boundary activations;
-        without, the store keeps what covers the new range."""
+        With ``keep``, its requests in flight (less unconfirmed drafts) and prefix entries come back
+        first as pieces (:func:`ringlet.daemon.engine.kv_handoff.park`), with its boundary
+        activations; without, the store keeps what covers the new range."""
         self._groups.dissolve_all()
         self._batch_of.clear()
         for state in self._requests.values():

@@ -3,7 +3,9 @@ re-plan's KV handoff and speculative decoding's trim check: a gpt_oss-like model
 ``RotatingKVCache`` layers beside full ``KVCache`` ones), a qwen3_next-like model
 (recurrent ``ArraysCache`` layers beside ``KVCache`` ones) and a bailing_moe_linear-like one
 (recurrent linear attention rotated by the position an attention layer's cache gives:
-a stage without one counts it in its recurrent states), split into stages.
+a stage without one counts it in its recurrent states) and a nemotron_h-like one (mamba and
+attention blocks beside MLP and MoE blocks that cache nothing, given length caches:
+cacheless.py), split into stages.
 
 Expected tokens come from mlx-lm's whole model alone (``mlx_lm.utils.load_model``,
 ``make_prompt_cache``, its forward, greedy argmax over the whole prompt, nothing cached);
@@ -39,6 +41,9 @@ MODELS = {
     # offset comes from the recurrent states' own token count (recurrent_position)
     "bailing_moe_linear": {**ZOO["bailing_moe_linear"], "num_hidden_layers": 6, "max_position_embeddings": 4096,
                            "layer_group_size": 3},
+    # MLP and MoE blocks cache nothing: each stage holds one, given a length cache (cacheless.py)
+    "nemotron_h": {**ZOO["nemotron_h"], "max_position_embeddings": 4096,
+                   "hybrid_override_pattern": ["M", "-", "*", "E", "M", "*"]},
 }
 SPLIT = [(0, 2), (2, 5), (5, 6)]
 TURNS = ([5, 17, 42, 99, 8, 150, 3, 77, 12, 64], [33, 21, 9, 140], [55, 6, 88])
