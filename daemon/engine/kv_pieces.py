@@ -260,7 +260,8 @@ class PieceReader:
         if k.ndim != 4 or v.ndim != 4 or k.shape[0] != 1 or k.shape[:3] != v.shape[:3]:
             raise KVPieceError(f"piece {chunk.piece}, layer {chunk.layer}: keys {tuple(k.shape)} and values "
                                f"{tuple(v.shape)} are not (1, kv_heads, tokens, head_dim) of one length")
-        if self.dtype is not None and (k.dtype != self.dtype or v.dtype != self.dtype):
+        # (a layer that caches nothing holds keys of width 0: no value to be of another dtype, cacheless.py)
+        if self.dtype is not None and k.size and (k.dtype != self.dtype or v.dtype != self.dtype):
             raise KVPieceError(f"piece {chunk.piece}, layer {chunk.layer}: dtype {k.dtype}, this stage caches "
                                f"{self.dtype}")
         self._parts.setdefault((chunk.piece, chunk.layer), []).append((chunk.token_start, k, v))

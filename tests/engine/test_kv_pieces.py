@@ -81,6 +81,20 @@ def test_the_wire_form_round_trips_split_along_tokens(dtype):
     assert reader.nbytes == sum(p.nbytes for p in original)
 
 
+def test_a_layer_that_caches_nothing_crosses_the_wire_beside_real_ones():
+    """A length cache (cacheless.py) holds keys and values of width 0, float32 whatever the
+    stage's dtype: its piece layer arrives with its tokens' count and no values."""
+    empty = mx.zeros((1, 1, 5, 0))
+    real = piece([4, 5, 6, 7, 8], 2, 3, dtype=mx.bfloat16)
+    original = Piece("", real.tokens, 1, 3, [(empty, empty), *real.layers], inflight=True)
+    reader = PieceReader(1, 3, mx.bfloat16, max_bytes=1 << 20)
+    for chunk in to_chunks([original], max_bytes=64):
+        reader.add(chunk)
+    (back,) = reader.pieces()
+    assert back.tokens == original.tokens and back.layers[0][0].shape == (1, 1, 5, 0)
+    assert mx.array_equal(back.layers[1][0], real.layers[0][0]).item()
+
+
 def test_the_reader_names_what_is_wrong():
     chunks = list(to_chunks([piece([1, 2], 0, 2, dtype=mx.float16)], max_bytes=1 << 20))
     with pytest.raises(KVPieceError, match="dtype mlx.core.float16, this stage caches mlx.core.float32"):
