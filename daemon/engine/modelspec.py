@@ -177,9 +177,10 @@ def model_spec_from_model(
     head_flops = 2.0 * (embedding_params if tied else head_params)
 
     dtype_bytes = _dtype_bytes(config, model)
-    kv, windows = _kv_per_token(model, layers, config, text, dtype_bytes)
+    caches = _layer_caches(model, layers, str(config.get("model_type", "")))
+    kv, windows = _kv_per_token(caches, layers, config, text, dtype_bytes)
     hidden = text.get("hidden_size") or config.get("hidden_size") or 0
-    states = _state_bytes(model, layers, int(hidden), dtype_bytes)
+    states = _state_bytes(caches, layers, int(hidden), dtype_bytes)
     return ModelSpec(
         layer_bytes=tuple(layer_bytes),
         layer_read_bytes=tuple(read_bytes),
@@ -271,12 +272,31 @@ def _layer_counts(layer: Any, k_active: int | None, nn: Any, tree_flatten) -> tu
     return total, math.ceil(read), active
 
 
-def _kv_per_token(model: Any, layers: list, config: dict, text: dict, dtype_bytes: int) -> tuple[list, list]:
+def _layer_caches(model: Any, layers: list, model_type: str) -> list | None:
+    """The model's ``make_cache()`` as one cache per layer, a layer that caches nothing
+    marked ``None`` (:mod:`~ringlet.daemon.engine.cacheless`); ``None`` when it has no
+    ``make_cache``, it fails, or its caches do not map to the layers."""
+    from ringlet.daemon.engine import cacheless
+
+    make = getattr(model, "make_cache", None)
+    try:
+        caches = make() if make is not None else None
+        missing, unwritten = cacheless.positions(model_type, layers)
+        caches = cacheless.one_per_layer(caches, missing, len(layers)) if isinstance(caches, list) else None
+    except Exception:  # noqa: BLE001 - any failure: no caches known
+        return None
+    if caches is None or len(caches) != len(layers):
+        return None
+    return [None if i in unwritten else c for i, c in enumerate(caches)]
+
+
+def _kv_per_token(caches: list | None, layers: list, config: dict, text: dict,
+                  dtype_bytes: int) -> tuple[list, list]:
     """Per layer: (KV-cache bytes per token, sliding window or None)."""
-    kinds = _cache_kinds(model, len(layers))
+    kinds = _cache_kinds(caches, len(layers))
     kv, windows = [], []
     for layer, (kind, window) in zip(layers, kinds, strict=True):
-        if kind == "state":
+        if kind in ("state", "none"):
             kv.append(0)
             windows.append(None)
             continue
@@ -285,22 +305,20 @@ def _kv_per_token(model: Any, layers: list, config: dict, text: dict, dtype_byte
     return kv, windows
 
 
-def _state_bytes(model: Any, layers: list, hidden: int, dtype_bytes: int) -> list[int]:
+def _state_bytes(caches: list | None, layers: list, hidden: int, dtype_bytes: int) -> list[int]:
     """Per layer: bytes of the constant state its cache holds after one token (0 for
     attention layers, and for a layer whose one-token forward cannot be run lazily)."""
     import mlx.core as mx
 
-    make = getattr(model, "make_cache", None)
-    try:
-        caches = make() if make is not None else []
-    except Exception:  # noqa: BLE001 - as _cache_kinds: no states known
-        caches = []
-    if len(caches) != len(layers) or not hidden:
+    if caches is None or not hidden:
         return [0] * len(layers)
     dtype = {2: mx.bfloat16, 4: mx.float32}.get(dtype_bytes, mx.float16)
     known: dict[tuple, int] = {}
     out = []
     for layer, cache in zip(layers, caches, strict=True):
+        if cache is None:
+            out.append(0)
+            continue
         members = list(getattr(cache, "caches", None) or (cache,))  # a CacheList's members
         states = [m for m in members if type(m).__name__ in ("ArraysCache", "MambaCache")]
         if not states:
@@ -328,21 +346,17 @@ def _one_token_kwargs(layer: Any, cache: Any) -> dict:
                                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))}
 
 
-def _cache_kinds(model: Any, n: int) -> list[tuple[str, int | None]]:
-    """("kv", window or None) or ("state", None) per layer, from ``model.make_cache()``."""
-    make = getattr(model, "make_cache", None)
-    if make is None:
-        return [("kv", None)] * n
-    try:
-        caches = make()
-    except Exception:  # noqa: BLE001 - any failure: assume full attention everywhere
-        return [("kv", None)] * n
-    if not isinstance(caches, list) or len(caches) != n:
+def _cache_kinds(caches: list | None, n: int) -> list[tuple[str, int | None]]:
+    """("kv", window or None), ("state", None) or ("none", None) (a layer that caches
+    nothing) per layer, from :func:`_layer_caches`; none known: full attention everywhere."""
+    if caches is None:
         return [("kv", None)] * n
     out = []
     for c in caches:
         name = type(c).__name__
-        if "Rotating" in name and getattr(c, "max_size", None):
+        if c is None:
+            out.append(("none", None))
+        elif "Rotating" in name and getattr(c, "max_size", None):
             out.append(("kv", int(c.max_size)))
         elif name in ("ArraysCache", "MambaCache"):
             out.append(("state", None))

@@ -253,3 +253,25 @@ def test_sliding_windows_and_recurrent_states_are_sized_from_the_config():
 
     assert CostModel(qwen3_next).memory[0, 2] == pytest.approx(sum(qwen3_next.layer_bytes[:2])
                                                                + qwen3_next.embedding_bytes + 4864 + 100 * 128)
+
+
+def test_layers_that_cache_nothing_are_sized_at_nothing():
+    """Issue #33 point 4 for cacheless.py's layers. Hand computation, bfloat16 (2 bytes):
+
+    nemotron_h, blocks ``- M * E M *``: an attention block caches 2 KV heads x (16 + 16) x 2
+    = 128 bytes a token; MLP (``-``) and MoE (``E``) blocks nothing; a mamba block a constant
+    state: its convolution state (1, kernel 4 - 1, conv_dim) with conv_dim = 4 heads x 16 +
+    2 x 1 group x 8 = 80, 3 x 80 x 2 = 480 bytes, plus an SSM state of 4 x 16 x 8 = 512
+    elements of at least 2 bytes: at least 1,504 bytes.
+
+    nemotron-nas, 4 heads of 16: layers 0 and 2 group 2 query heads per KV head (2 KV heads:
+    128 bytes a token); layer 1's attention is a no-op and layer 3's a linear map: nothing."""
+    from zoo_models import ZOO
+
+    nemotron_h = model_spec_from_config({**ZOO["nemotron_h"], "torch_dtype": "bfloat16"}, context_tokens=100)
+    assert nemotron_h.kv_bytes_per_token_per_layer == (0, 0, 128, 0, 0, 128)
+    states = nemotron_h.state_bytes_per_layer
+    assert states[1] == states[4] >= 1504 and [states[i] for i in (0, 2, 3, 5)] == [0] * 4
+    assert nemotron_h.kv_cache_bytes() == 2 * states[1] + 2 * 100 * 128
+    nas = model_spec_from_config({**ZOO["nemotron-nas"], "torch_dtype": "bfloat16"}, context_tokens=100)
+    assert nas.kv_bytes_per_token_per_layer == (128, 0, 128, 0) and nas.state_bytes_per_layer == (0,) * 4
