@@ -77,6 +77,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ringlet.daemon.engine import streams
 from ringlet.daemon.engine.mixins import mixed
 
 #: (attribute (dotted: of a sub-module), field of it or None, neutral value or a function of the attribute's value).
@@ -243,6 +244,8 @@ def neutralize(model: Any, inner: Any, model_type: str, *, embed: bool, head: bo
     if model_type in AROUND_LAYERS:
         _, at_embed, at_head = AROUND_LAYERS[model_type]
         undo.append(_layer_ends(inner, model_type, at_embed and not embed, at_head and not head))
+    if (carried := streams.carry(inner, model_type, not embed, not head)) is not None:
+        undo.append(carried)
 
     def restore() -> None:
         for step in reversed(undo):

@@ -119,7 +119,7 @@ SPLIT_VERIFIED = frozenset((
     "nemotron_h olmo2 "
     "olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 "
     "qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma "
-    "seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 telechat3 youtu_llm").split())
+    "rwkv7 seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 talkie telechat3 youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run
 UNVERIFIED_ENV = "RINGLET_SPLIT_UNVERIFIED"
 
@@ -133,8 +133,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v41": "its layers pass hc_mult residual streams, a pre_mix and shared state to each other "
                     "(deepseek_v41.py HyperConnection, TextModel.__call__), not the one hidden state a stage "
                     "boundary carries",
-    "talkie": "its blocks take the embedding output besides the hidden states (talkie.py TalkieModel.__call__: "
-              "h = block(e_x, h, mask, c)), which a stage boundary does not carry",
     "afm7": "its last num_kv_reuse_layers layers attend over the KV of the layer before them (afm7.py "
             "AFMModel.__call__: keys, values = cache[-1].keys_and_values()) and have no caches of their own",
     "iquestloopcoder": "its forward runs the layers twice, the second pass over caches cache[len(layers):] and "
@@ -152,8 +150,6 @@ REFUSED: dict[str, str] = {
                   "which a stage's first layer would compute with input_layernorm instead, so a stage boundary "
                   "changes the hidden states; its kernels are Metal-only (mlx_lm/kernels, mx.fast.metal_kernel), "
                   "so no split of it can be checked against the whole model on a machine without Metal",
-    "rwkv7": "its layers pass v_first, the first layer's value, to every later layer (rwkv7.py "
-             "Rwkv7Model.__call__: x, v_first = layer(x, v_first, c)), which a stage boundary does not carry",
 }
 
 

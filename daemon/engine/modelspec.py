@@ -49,6 +49,7 @@ from typing import Any
 
 from ringlet.daemon.engine.lazy_model import cast_parameters, placeholder_weights, quantize
 from ringlet.daemon.engine.model_config import ModelSpecError, dtype_name, load_config, text_config
+from ringlet.daemon.engine.streams import STREAMS
 from ringlet.partitioning import ModelSpec
 
 __all__ = ["model_spec_from_config", "model_spec_from_model"]
@@ -193,7 +194,8 @@ def model_spec_from_model(
         context_tokens=int(context_tokens),
         flops_per_token_per_layer=tuple(flops),
         head_flops_per_token=head_flops,
-        activation_bytes_per_token=int(hidden) * dtype_bytes,
+        # a hop may carry a second residual stream beside the hidden states (streams.py)
+        activation_bytes_per_token=int(hidden) * dtype_bytes * (2 if config.get("model_type") in STREAMS else 1),
         name=name,
     )
 

@@ -36,9 +36,9 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "ln_f", "f
 #: NemotronHModel, whose final norms are ``norm_f``), ``token_embeddings`` (openelm.py OpenELMModel),
 #: ``wte`` (gpt2.py, gpt_bigcode.py, gptj.py, dbrx.py, qwen.py, exaone.py), ``embed_in``
 #: (gpt_neox.py), ``embedding`` (spark2_5.py ``Spark2_5Model``), ``embd`` (phixtral.py
-#: ``TransformerDecoder``, an ``Embd`` holding ``wte``).
+#: ``TransformerDecoder``, an ``Embd`` holding ``wte``), ``embed`` (talkie.py ``TalkieModel``).
 EMBEDDINGS = ("embed_tokens", "tok_embeddings", "word_embeddings", "embeddings", "token_embeddings", "wte",
-              "embed_in", "embedding", "embd")
+              "embed_in", "embedding", "embd", "embed")
 
 #: Where the decoder layer list lives, from the module holding the embedding: ``layers`` in
 #: most of mlx-lm, ``h`` (gpt2.py ``GPT2Model``, gpt_bigcode.py, gpt_neox.py, gptj.py, qwen.py,
@@ -170,8 +170,9 @@ class Identity(nn.Module):
 #: ``out = mx.tanh(out / self.final_logit_softcapping) * self.final_logit_softcapping``;
 #: nanochat.py ``Model.__call__``: ``logits = softcap(logits)`` (``cap * mx.tanh(logits / cap)``);
 #: muse_glimmer.py ``Model.__call__``: ``out = out * self.args.output_multiplier`` and
-#: ``mx.tanh(out / cap) * cap``.
-HEADLESS = frozenset({"gemma2", "nanochat", "muse_glimmer"})
+#: ``mx.tanh(out / cap) * cap``; talkie.py ``Model.__call__``: ``self.lm_head_gain(out @ self.lm_head.T)``,
+#: its head a bare parameter, not a module.
+HEADLESS = frozenset({"gemma2", "nanochat", "muse_glimmer", "talkie"})
 
 
 class _Headless:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ringlet.daemon.engine import cache_kinds
+from ringlet.daemon.engine import cache_kinds, streams
 from ringlet.daemon.engine import gguf as gguf_source
 from ringlet.daemon.engine.embed_scale import neutralize
 from ringlet.daemon.engine.layer_pattern import LayerPattern
@@ -93,8 +93,10 @@ class StageRange:
 
     @property
     def hidden_size(self) -> int:
-        """Width of the hidden states it takes and gives."""
-        return int(self.config["hidden_size"])
+        """Width of the hidden states it takes and gives, per token: the model's
+        ``hidden_size``, or twice that where a stage boundary carries a second residual
+        stream (:func:`~ringlet.daemon.engine.streams.width`)."""
+        return streams.width(self.config)
 
 
 @dataclass
