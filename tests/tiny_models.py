@@ -189,7 +189,8 @@ def make_chat_model(arch: str, directory: Path, config: dict) -> Path:
     random others, so no greedy stream stops early at ``</s>``."""
     path = make_tiny_model(arch, directory, config=config)
     weights = mx.load(str(path / "model.safetensors"))
-    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    # an untied head, talkie.py's bare ``lm_head`` parameter, or the tied embedding
+    head = next(k for k in ("lm_head.weight", "lm_head", "model.embed_tokens.weight") if k in weights)
     weights[head] = mx.concatenate([mx.zeros_like(weights[head][:3]), weights[head][3:]])
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     return path
