@@ -32,9 +32,9 @@ def undisturbed() -> list[int]:
     return RAW["completion_ids"][:TOKENS]
 
 
-#: A ~2,000-token conversation (2,160 tokens of SmolLM2's tokenizer, counted by hand once).
+#: A ~1,000-token conversation (over 1,000 tokens of SmolLM2's tokenizer, as the test checks).
 CONVERSATION = " ".join(f"Entry {i}: the ring keeps layer {i % 30} of the model and answers in order."
-                        for i in range(110))
+                        for i in range(55))
 
 
 @pytest.mark.parametrize("states", ["kept", "none"])
@@ -42,7 +42,7 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
     """kill -9 of the middle stage of 3 mid-stream: the stream completes equal to an
     undisturbed run.
 
-    With the boundary activations kept (the default), on the next turn of a ~2,000-token
+    With the boundary activations kept (the default), on the next turn of a ~1,000-token
     conversation (its prompt from the prefix caches, its states from the boundary
     stores), the survivors rebuild only the lost layers from the hidden states the first
     stage sent on: no token is prefilled again, and the tokens rebuilt are the context
@@ -70,7 +70,7 @@ def test_kill_mid_stream_completes_with_short_gap(undisturbed, states):
             while not recent() and time.monotonic() < deadline:
                 time.sleep(0.05)
             prompt_tokens = recent()[-1]["prompt_tokens"]
-            assert prompt_tokens > 2000
+            assert prompt_tokens > 1000
         else:
             prompt, expected = PROMPT, undisturbed
         stream = Stream(c.api_urls[api], prompt, len(expected))
