@@ -10,10 +10,14 @@ Two drafters, both free (no model runs):
   as in vLLM's ``[ngram]`` speculator; the index here is built incrementally, one
   dictionary entry per n and token, so each step's lookup is O(max_n).
 * **prediction** (OpenAI's Predicted Outputs): the text the caller expects, as token
-  ids. While the output so far is a prefix of it, the draft is its continuation;
-  after the output departs from it (an edit), the output's last tokens are looked up
-  in it (from ``min_n`` = 2 tokens, at or after where it last agreed) to find where it
-  agrees again.
+  ids. While the output follows it, the draft is its continuation; where the output
+  departs from it (an edit, or a preamble before it), the output's last tokens are
+  looked up in it (from ``min_n`` = 2 tokens) at their *first* occurrence at or after
+  where the output last agreed with it: the output walks through a prediction in
+  order, and a file repeats its lines, so the latest occurrence (prompt lookup's rule)
+  would jump to the last copy of a repeated line, or to the closing fence of a code block
+  when the output opens one. A place found is where the output agrees only once the
+  output's next tokens follow it there; a lookup that found a wrong place moves nothing.
 
 :class:`Speculation` is one request's draft length, which adapts to its acceptance:
 up by one after a draft accepted whole, halved after a draft rejected whole, and after
@@ -23,6 +27,7 @@ up by one after a draft accepted whole, halved after a draft rejected whole, and
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,15 +42,18 @@ class NgramIndex:
 
     Args:
         min_n, max_n: the n-gram lengths indexed, tokens (1 <= min_n <= max_n).
+        every: also keep every occurrence (for :meth:`first_after`).
     """
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, every: bool = False):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token after it
         self._first: dict[tuple[int, ...], int] = {}
+        #: n-gram -> every position of the token after it, ascending (``every`` only)
+        self._all: dict[tuple[int, ...], list[int]] | None = {} if every else None
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append ``tokens`` to the sequence."""
@@ -59,6 +67,8 @@ class NgramIndex:
                 key = tuple(seq[end - n:end])
                 self._last[key] = end
                 self._first.setdefault(key, end)
+                if self._all is not None:
+                    self._all.setdefault(key, []).append(end)
 
     def after(self, tail: Sequence[int], at_least: int = 0) -> int | None:
         """The position following the most recent occurrence of ``tail`` (a tuple of
@@ -75,11 +85,28 @@ class NgramIndex:
                 return pos
         return last
 
-    def propose(self, context: Sequence[int], k: int, at_least: int = 0) -> tuple[list[int], int | None]:
+    def first_after(self, tail: Sequence[int], at_least: int = 0) -> int | None:
+        """The position following the first occurrence of ``tail`` that starts at or
+        after ``at_least``, or ``None``.
+
+        Raises:
+            ValueError: the index was built without ``every``.
+        """
+        if self._all is None:
+            raise ValueError("this index keeps only the latest occurrence of each n-gram")
+        positions = self._all.get(tuple(tail)) or []
+        i = bisect.bisect_left(positions, at_least + len(tail))
+        return positions[i] if i < len(positions) else None
+
+    def propose(self, context: Sequence[int], k: int, at_least: int = 0,
+                earliest: bool = False) -> tuple[list[int], int | None]:
         """Up to ``k`` tokens following the longest indexed n-gram that ends ``context``,
-        and the position in this sequence where they start (``None``: no match)."""
+        and the position in this sequence where they start (``None``: no match): its
+        latest occurrence (:meth:`after`), or with ``earliest`` its first starting at or
+        after ``at_least`` (:meth:`first_after`)."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            pos = self.after(context[len(context) - n:], at_least)
+            tail = context[len(context) - n:]
+            pos = self.first_after(tail, at_least) if earliest else self.after(tail, at_least)
             if pos is not None:
                 return self.tokens[pos:pos + k], pos
         return [], None
@@ -109,12 +136,15 @@ class Drafter:
     _pred: NgramIndex | None = field(init=False, default=None)
     _synced: tuple[int, int | None] = field(init=False, default=(0, 0))  # (output length, prediction position)
     _floor: int = field(init=False, default=0)  # the prediction position where the output last agreed
+    _source: str = field(init=False, default="")  # where the latest proposal came from
+    #: per source, its proposals rejected whole in a row
+    _missed: dict[str, int] = field(init=False, default_factory=lambda: {"prediction": 0, "lookup": 0})
 
     def __post_init__(self) -> None:
         self._own = NgramIndex(self.min_n, self.max_n)
         self._own.extend(self.prompt)
         if self.prediction:
-            self._pred = NgramIndex(2, self.max_n)
+            self._pred = NgramIndex(2, self.max_n, every=True)
             self._pred.extend(self.prediction)
 
     def add(self, tokens: Iterable[int]) -> None:
@@ -123,13 +153,25 @@ class Drafter:
 
     def propose(self, output: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` drafted tokens to follow ``output`` (the tokens generated so far,
-        the same as given to :meth:`add`); ``[]`` for none."""
+        the same as given to :meth:`add`); ``[]`` for none. The prediction's, unless its
+        proposals were rejected whole more times in a row than prompt lookup's (the
+        model is not writing what the caller predicted: a model that describes a file
+        instead of editing it still repeats its own sentences) and prompt lookup has one."""
         if k <= 0:
             return []
-        if self._pred is not None and (draft := self._from_prediction(output, k)):
-            return draft
-        draft, _ = self._own.propose(self._own.tokens, k)
-        return draft
+        predicted = self._from_prediction(output, k) if self._pred is not None else []
+        looked_up, _ = self._own.propose(self._own.tokens, k)
+        if predicted and not (looked_up and self._missed["prediction"] > self._missed["lookup"]):
+            self._source = "prediction"
+            return predicted
+        self._source = "lookup" if looked_up else ""
+        return looked_up
+
+    def verified(self, accepted: int) -> None:
+        """The latest proposal went to be verified and the model accepted ``accepted`` of
+        its tokens."""
+        if self._source:
+            self._missed[self._source] = 0 if accepted else self._missed[self._source] + 1
 
     def propose_by_model(self, output: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` drafts from the draft model to follow the prompt and ``output``
@@ -140,19 +182,19 @@ class Drafter:
 
     def _from_prediction(self, output: Sequence[int], k: int) -> list[int]:
         """The prediction's tokens after the place the output has reached in it: the
-        same place moved on while the output follows it, else found again by n-gram."""
+        same place moved on while the output follows it (the output then agrees with it
+        there), else found again by n-gram, first at or after where it last agreed."""
         pred = self._pred.tokens
         n0, p0 = self._synced
         n = len(output)
         if p0 is not None and pred[p0:p0 + n - n0] == list(output[n0:n]) and p0 + n - n0 <= len(pred):
             p: int | None = p0 + n - n0
+            if n > n0:
+                self._floor = p
         else:
-            _, p = self._pred.propose(output, k, self._floor)
+            _, p = self._pred.propose(output, k, self._floor, earliest=True)
         self._synced = (n, p)
-        if p is None:
-            return []
-        self._floor = p
-        return list(pred[p:p + k])
+        return [] if p is None else list(pred[p:p + k])
 
 
 @dataclass
@@ -186,6 +228,7 @@ class Speculation:
     _pause: int = 0  # steps left without a draft
     _pauses: int = 0
     _steps: int = 0
+    _since_trip: int = 0  # steps since the last verifying trip
 
     #: drafts in a row rejected whole before pausing
     BACKOFF = 2
@@ -193,7 +236,7 @@ class Speculation:
     def __post_init__(self) -> None:
         self.k = self.limit
 
-    #: while drafts do not pay, one step in this many still drafts, to measure again
+    #: while drafts do not pay, a verifying trip every this many steps still drafts, to measure again
     PROBE = 16
 
     def allowance(self, cost: Callable[[int], float | None] | None = None) -> int:
@@ -204,8 +247,11 @@ class Speculation:
         expected tokens per trip over its cost, ``(1 - a^(j+1)) / (1 - a) / cost(j)`` for
         this request's per-token acceptance ``a`` (Leviathan et al. 2023, arXiv:2211.17192,
         §3.4, eq. 1 and the walltime improvement of §3.5), when that beats a plain trip
-        (> 1); else no draft, but for a full-length probe one step in :data:`PROBE`."""
+        (> 1); else no draft, but a full-length probe once :data:`PROBE` steps went by
+        without a verifying trip -- offered on every step until the drafter has a draft
+        and one goes (a probe on a step where the drafter has nothing measures nothing)."""
         self._steps += 1
+        self._since_trip += 1
         if self._pause > 0:
             self._pause -= 1
             return 0
@@ -221,9 +267,9 @@ class Speculation:
                 best, value = j, gain
         if best:
             return best
-        # not paying: one step in PROBE drafts at full length, to measure what the drafter
-        # gives now (at the short length the misses left, a probe could never show a trip paying)
-        return 0 if self._steps % self.PROBE else self.limit
+        # not paying: a probe at full length, to measure what the drafter gives now (at the
+        # short length the misses left, a probe could never show a trip paying)
+        return self.limit if self._since_trip >= self.PROBE else 0
 
     @property
     def acceptance_estimate(self) -> float:
@@ -242,6 +288,7 @@ class Speculation:
         self.drafted += drafted
         self.accepted += accepted
         self.trips += 1
+        self._since_trip = 0
         self._acc = self._acc * self.DECAY + accepted
         self._rej = self._rej * self.DECAY + (1 if accepted < drafted else 0)
         self.tokens += accepted + 1

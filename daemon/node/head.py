@@ -224,6 +224,7 @@ class Head:
             gen.sent_s = 0.0
         if gen.drafting:
             gen.spec.verified(gen.drafting, len(tokens) - 1)
+            gen.drafter.verified(len(tokens) - 1)
             self.spec_totals.count(gen.drafting, len(tokens) - 1)
             gen.drafting = 0
             if gen.info is not None:

@@ -37,6 +37,53 @@ def test_drafter_follows_the_prediction_and_finds_it_again_after_an_edit():
     assert drafter.propose(out, 2) == [15, 16]
 
 
+def test_the_prediction_is_found_again_at_its_first_place_after_where_the_output_agreed():
+    """A file repeats its lines: the output walks through the prediction in order, so a
+    lookup takes the first occurrence at or after where the output last agreed, not the
+    latest (prompt lookup's rule), and a place the output did not follow moves nothing."""
+    fence, a, x = 50, 60, 61
+    prediction = [fence, 51, a, x, 62, 70, a, x, 63, fence]  # two lines "a x ...", then a closing fence
+    drafter = Drafter(prompt=[1, 2, 3], prediction=prediction)
+    out = [90, 91, a, x]  # a preamble, then the first line's start
+    drafter.add(out)
+    assert drafter.propose(out, 3) == [62, 70, a]  # the first "a x", not the latest
+    out += [55]  # the model wrote something else: that place was never agreed on
+    drafter.add([55])
+    assert drafter.propose(out, 3) == []  # "x 55" is nowhere in it (prompt lookup has nothing either)
+    out += [a, x]
+    drafter.add([a, x])
+    assert drafter.propose(out, 3) == [62, 70, a]  # still the first, as nothing was agreed
+    out += [62, 70]  # now the output follows it there
+    drafter.add([62, 70])
+    assert drafter.propose(out, 2) == [a, x]
+    out += [a, x]
+    drafter.add([a, x])
+    assert drafter.propose(out, 2) == [63, fence]
+    out += [99, a, x]  # an edit, then "a x" again: only occurrences after where it agreed count
+    drafter.add([99, a, x])
+    assert drafter.propose(out, 2) == []
+    out += [fence, 7]  # the closing fence
+    drafter.add([fence, 7])
+    assert drafter.propose(out, 1) == []
+
+
+def test_prompt_lookup_takes_over_from_a_prediction_the_model_does_not_follow():
+    drafter = Drafter(prompt=[7, 1, 2, 3, 4, 5, 6], prediction=[1, 2, 9, 2, 3, 9, 9])
+    out = [1, 2]
+    drafter.add(out)
+    # the output follows the prediction: its continuation (prompt lookup has "1 2" then 3 4 5:
+    # neither missed yet, the prediction goes first)
+    assert drafter.propose(out, 3) == [9, 2, 3]
+    drafter.verified(0)  # the model wrote 3, not 9
+    out += [3]
+    drafter.add([3])
+    # the prediction has "2 3" again (then 9 9), the prompt "1 2 3" (then 4 5 6): the
+    # prediction missed last, prompt lookup never did
+    assert drafter.propose(out, 3) == [4, 5, 6]
+    drafter.verified(0)  # prompt lookup missed as often: the prediction goes first again
+    assert drafter.propose(out, 3) == [9, 9]
+
+
 def test_drafter_without_prediction_uses_the_prompt_and_output():
     drafter = Drafter(prompt=[5, 6, 7, 8, 9, 1, 5, 6])
     drafter.add([7])
@@ -102,7 +149,13 @@ def test_the_draft_length_is_the_one_that_pays_most_or_none():
     # accepted 3.8 * 0.49 = 1.862, rejections 0.49 + 0.7 + 1 = 2.19: a = 0.46; k = 1: (1 + a) / 1.2 = 1.22 > 1
     assert spec.allowance(cost) == 1
     dear = {1: 2.5, 2: 3.0, 3: 3.5, 4: 4.0}.get  # a trip too dear for what this request gives
+    spec.verified(1, 0)  # (a = 1.303 / (1.303 + 2.533) = 0.34: no length pays at these costs)
     allowed = [spec.allowance(dear) for _ in range(Speculation.PROBE)]
-    # only the probe step drafts, at full length: at k = 1 a probe could never show a trip paying
-    assert allowed.count(0) == Speculation.PROBE - 1 and max(allowed) == 4
+    # PROBE steps after the last trip a probe is due, at full length: at k = 1 a probe could
+    # never show a trip paying
+    assert allowed == [0] * (Speculation.PROBE - 1) + [4]
+    # the drafter had nothing to send on that step: the probe stays due until a trip goes
+    assert [spec.allowance(dear) for _ in range(3)] == [4, 4, 4]
+    spec.verified(4, 1)
+    assert spec.allowance(dear) == 0 and spec.k == 2
     assert spec.allowance(None) == spec.k  # drafts on every step (no cost): the adaptive length
