@@ -68,8 +68,11 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
     for state in requests.values():
         tokens = state.tokens
         if tokens is not None and len(tokens) == state.offset > 0 and state.cache:
-            layers = snapshot(state.cache, state.offset) if storable(state.cache) else cache_kinds.freeze(state.cache)
-            pieces.append(Piece(state.scope, list(tokens), stage.start, stage.end, layers, inflight=True))
+            # a verifying step's drafts this stage has no verdict on are left out (speculation.drop_unconfirmed)
+            floor = getattr(state, "drafted_from", None)
+            n = state.offset if floor is None else floor + 1
+            layers = snapshot(state.cache, n) if storable(state.cache) else cache_kinds.freeze(state.cache)
+            pieces.append(Piece(state.scope, list(tokens[:n]), stage.start, stage.end, layers, inflight=True))
     for entry in store.entries():
         if entry.start <= stage.start and entry.end >= stage.end:
             pieces.append(Piece(entry.scope, entry.tokens, entry.start, entry.end, entry.layers).within(

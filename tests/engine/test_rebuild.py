@@ -168,6 +168,10 @@ def test_a_request_parked_mid_verification_leaves_only_its_confirmed_tokens(tmp_
         state.boundary = boundaries.record(state.boundary, out)
     engine._requests["r"] = state
 
+    # while it still serves (a joiner fetching KV), its pieces leave the drafts out and it keeps them
+    (held,) = engine.kv_pieces()
+    assert held.tokens == PROMPT and held.layers[0][0].shape[2] == len(PROMPT)
+    assert state.offset == len(PROMPT) + len(drafts) and state.drafted_from == len(PROMPT) - 1
     pieces, parked = engine.swap(load_stage(loc, 0, 3), keep=True)
 
     want_cache = stage.make_cache()
