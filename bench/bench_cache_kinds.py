@@ -6,7 +6,9 @@ new tokens, 16 tokens an answer.
 
 Kinds: ``KVCache`` (llama), ``RotatingKVCache`` windows beside ``KVCache`` (gpt_oss),
 ``ArraysCache`` recurrent states beside ``KVCache`` (qwen3_next), ``CacheList`` of a
-state and KV in each layer (falcon_h1). A plain KVCache stage reuses any prefix; the
+state and KV in each layer (falcon_h1), length caches of layers that cache nothing beside
+``KVCache`` (nemotron-nas) and beside states (nemotron_h), and recurrent states behind a
+hop that carries two residual streams (rwkv7). A plain KVCache stage reuses any prefix; the
 others reuse a state only at the length it was saved, the previous turn's end.
 
 Per kind: turns served with cached tokens (of turns 2-5), and cached prompt tokens over
@@ -26,7 +28,11 @@ from tempfile import TemporaryDirectory
 import httpx
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-KINDS = {"KVCache": "llama", "RotatingKVCache": "gpt_oss", "ArraysCache": "qwen3_next", "CacheList": "falcon_h1"}
+KINDS = {"KVCache": "llama", "RotatingKVCache": "gpt_oss", "ArraysCache": "qwen3_next", "CacheList": "falcon_h1",
+         # layers that cache nothing given length caches (cacheless.py), beside KV and beside states
+         "length+KVCache": "nemotron-nas", "length+ArraysCache": "nemotron_h",
+         # a hop of two residual streams (streams.py), recurrent states
+         "2-stream hop": "rwkv7"}
 TURNS = 5
 NEW, ANSWER = 12, 16
 
@@ -37,6 +43,8 @@ def _config(arch: str) -> dict:
     config = {**ZOO[arch], "num_hidden_layers": 6, "vocab_size": 98, "max_position_embeddings": 4096}
     if "layer_types" in config:
         config["layer_types"] = (config["layer_types"][:2]) * 3
+    if "block_configs" in config:  # nemotron-nas: one block config a layer
+        config["block_configs"] = (config["block_configs"] * 2)[:6]
     return config
 
 

@@ -82,6 +82,7 @@ def model_tp_spec(location, dtype: str | None = "float32") -> TPModelSpec:
         shardable=callable(getattr(model, "shard", None)),
         activation_itemsize=4 if dtype in (None, "float32") else 2,
         name=location.name,
+        num_layers=len(ms.layer_bytes),
     )
     if quant is None and location.kind == "gguf" and dtype is None:
         from ringlet.daemon.engine import gguf as gguf_source

@@ -33,7 +33,7 @@ ANSWER = 8
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_two_stage_chat_equals_the_whole_model(name, tmp_path):
     path = str(make_chat_model(name, tmp_path / name, MODELS[name]))
-    with LocalCluster(2, model=path) as c:
+    with LocalCluster(2, model=path, dynamic=True) as c:  # as `ringlet run` starts: discovery, negotiation
         plan = c.wait_plan(stages=2)
         url = c.api_urls[0]
         prompt: list[int] = []

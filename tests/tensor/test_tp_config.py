@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ringlet.daemon.tensor.planning.decision import TPRefused, decide
-from ringlet.daemon.tensor.planning.inputs import TPLink, TPMember, TPModelSpec, tensor_refusal
+from ringlet.daemon.tensor.planning.inputs import TPLink, TPMember, TPModelSpec, tensor_refusal, tp_spec_from_config
 from ringlet.daemon.tensor.planning.links import lan_links, links_from_thunderbolt, loopback_links
 from ringlet.daemon.tensor.planning.mlx_hosts import HostConfig, decision_host_configs, host_config
 from ringlet.daemon.tensor.planning.topology import find_ring
@@ -277,6 +277,11 @@ def test_heads_that_do_not_divide_are_refused_with_the_reason():
     )
     assert "MLP width 100" in tensor_refusal(replace(SMOL, num_heads=6, num_kv_heads=6, intermediate_size=100), 3)
     assert "no model.shard()" in tensor_refusal(replace(SMOL, shardable=False), 3)
+    # a model without attention heads (a config of rwkv7.py's, or mamba.py's), no num_hidden_layers
+    # (nemotron_h.py derives it from its block list): refused, not a crash at start-up
+    rwkv = tp_spec_from_config({"model_type": "rwkv7", "hidden_size": 64, "vocab_size": 160}, 1000, num_layers=4)
+    assert (rwkv.num_heads, rwkv.num_layers) == (0, 4)
+    assert tensor_refusal(rwkv, 2) == "rwkv7: it has no attention heads to split across ranks"
     q = replace(SMOL, num_heads=12, num_kv_heads=6, head_dim=64, intermediate_size=1536, quant_group_size=64)
     assert tensor_refusal(q, 6) is None  # 1536/6 = 256 and 768/6 = 128 are multiples of 64
     assert tensor_refusal(replace(q, intermediate_size=1344), 6) == (

@@ -151,14 +151,19 @@ def tp_spec_from_config(
     shardable: bool = True,
     activation_itemsize: int = 4,
     name: str | None = None,
+    num_layers: int | None = None,
 ) -> TPModelSpec:
-    """A :class:`TPModelSpec` from an mlx-lm ``config.json`` dict and byte counts."""
+    """A :class:`TPModelSpec` from an mlx-lm ``config.json`` dict and byte counts.
+    ``num_layers``: the decoder layers counted in the built model (default: the config's
+    ``num_hidden_layers``, which some configs leave out: nemotron_h.py derives it from its
+    block list). A model without attention heads (mamba.py, rwkv7.py) gets ``num_heads``
+    0, which :func:`tensor_refusal` refuses."""
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else {}
 
     def get(key: str, default: Any = None) -> Any:
         return config.get(key, text.get(key, default))
 
-    heads = int(get("num_attention_heads"))
+    heads = int(get("num_attention_heads") or 0)
     kv = int(get("num_key_value_heads") or heads)
     hidden = int(get("hidden_size") or 0)
     head_dim = get("head_dim")
@@ -166,7 +171,7 @@ def tp_spec_from_config(
     return TPModelSpec(
         num_heads=heads,
         num_kv_heads=kv,
-        num_layers=int(get("num_hidden_layers")),
+        num_layers=int(num_layers if num_layers is not None else get("num_hidden_layers") or 0),
         total_bytes=int(total_bytes),
         replicated_bytes=int(replicated_bytes),
         hidden_size=hidden,
@@ -184,6 +189,8 @@ def tensor_refusal(spec: TPModelSpec, n: int) -> str | None:
     """Why ``spec`` cannot be split ``n`` ways by ``model.shard`` (``None`` = it can)."""
     if n < 2:
         return f"tensor parallelism needs at least 2 ranks, got {n}"
+    if spec.num_heads <= 0:
+        return f"{spec.name}: it has no attention heads to split across ranks"
     if not spec.shardable:
         return f"{spec.name}: mlx-lm has no model.shard() for this architecture"
     bad = []
