@@ -16,9 +16,12 @@ from tiny_models import make_tiny_model
 from zoo_models import ZOO
 
 from ringlet.daemon.engine.layer_pattern import REFUSED, SPLIT_VERIFIED, UNVERIFIED_ENV, check_split
+from ringlet.daemon.engine.modelspec import model_spec_from_config
 from ringlet.daemon.engine.sources import resolve
 from ringlet.daemon.engine.stage import load_stage
 from ringlet.daemon.errors import PlanError
+from ringlet.daemon.tensor.group import model_tp_spec
+from ringlet.daemon.tensor.planning.inputs import tensor_refusal
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -32,6 +35,9 @@ def test_every_split_is_exact_or_refused(name, tmp_path, monkeypatch):
     location = resolve(str(path))
     whole = load_stage(location, 0)
     n = whole.num_layers
+    # what a daemon computes at start-up to plan (rwkv7, without attention heads, crashed it)
+    spec, tp = model_tp_spec(location, None), model_spec_from_config(config)
+    assert len(tp.layer_bytes) == spec.num_layers == n and tensor_refusal(spec, 2) != ""
     assert all(mx.array_equal(g, e).item() for g, e in zip(split_logits([whole]), expected, strict=True))
     refusals, exact = [], 0
     for split in all_splits(n, min_stages=2):
