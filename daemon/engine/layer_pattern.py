@@ -116,8 +116,8 @@ SPLIT_VERIFIED = frozenset((
     "internlm2 internlm3 jamba kimi_k25 kimi_linear kimi_vl Klear laguna lfm2 lfm2-vl lfm2_moe lille-130m llama "
     "llama4 llama4_text longcat_flash mamba mamba2 mellum mimo mimo_v2_flash minicpm minicpm3 minimax "
     "minimax_m3_vl ministral3 mistral mistral3 mistral4 mixtral muse_glimmer nanbeige nanochat nemotron nemotron-nas "
-    "nemotron_h olmo2 "
-    "olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 qwen qwen2 "
+    "nemotron_h olmo2 olmo3 olmo_hybrid olmoe openelm phi phi3 phi3small phimoe phixtral pixtral plamo plamo2 plamo3 "
+    "qwen qwen2 "
     "qwen2_moe qwen2_vl qwen3 qwen3_5 qwen3_5_moe qwen3_moe qwen3_next qwen3_vl qwen3_vl_moe recurrent_gemma "
     "rwkv7 seed_oss smollm3 solar_open spark2_5 stablelm starcoder2 step3p5 talkie telechat3 youtu_llm").split())
 #: the environment variable that lets a split of an unverified architecture run

@@ -54,8 +54,8 @@ def _talkie(layer: Callable, args: tuple, kwargs: dict, hidden: Any,
 
 #: model_type -> (the inner model's layer list attribute, whether every layer takes the
 #: stream from the forward (else the first only, the layers passing it on), the adapter of
-#: one layer call: ``(layer, args, kwargs, hidden states or None, stream or None) -> (what
-#: the call returns, its hidden states out, the stream)``, ``None``: the call's own);
+#: one layer call: ``(layer, args, kwargs, hidden states, stream) -> (what the call returns,
+#: its hidden states out, the stream)``, a given ``None`` meaning the forward's own);
 #: sources in the module docstring.
 STREAMS: dict[str, tuple[str, bool, Callable]] = {"rwkv7": ("layers", False, _rwkv7),
                                                   "talkie": ("blocks", True, _talkie)}
