@@ -54,6 +54,8 @@ class NgramIndex:
         self._first: dict[tuple[int, ...], int] = {}
         #: n-gram -> every position of the token after it, ascending (``every`` only)
         self._all: dict[tuple[int, ...], list[int]] | None = {} if every else None
+        #: the n-gram length of the latest :meth:`propose` match (0: none)
+        self.matched = 0
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append ``tokens`` to the sequence."""
@@ -108,7 +110,9 @@ class NgramIndex:
             tail = context[len(context) - n:]
             pos = self.first_after(tail, at_least) if earliest else self.after(tail, at_least)
             if pos is not None:
+                self.matched = n
                 return self.tokens[pos:pos + k], pos
+        self.matched = 0
         return [], None
 
 
@@ -136,7 +140,10 @@ class Drafter:
     _pred: NgramIndex | None = field(init=False, default=None)
     _synced: tuple[int, int | None] = field(init=False, default=(0, 0))  # (output length, prediction position)
     _floor: int = field(init=False, default=0)  # the prediction position where the output last agreed
+    _following: bool = field(init=False, default=False)  # the latest prediction draft continues where it agreed
     _source: str = field(init=False, default="")  # where the latest proposal came from
+    #: what the latest proposal rests on (:meth:`propose`), the key of its acceptance in :class:`Speculation`
+    evidence: tuple[str, int] = field(init=False, default=("", 0))
     #: per source, its proposals rejected whole in a row
     _missed: dict[str, int] = field(init=False, default_factory=lambda: {"prediction": 0, "lookup": 0})
 
@@ -163,8 +170,11 @@ class Drafter:
         looked_up, _ = self._own.propose(self._own.tokens, k)
         if predicted and not (looked_up and self._missed["prediction"] > self._missed["lookup"]):
             self._source = "prediction"
+            # following it (0), or found again by an n-gram of this length
+            self.evidence = ("prediction", 0 if self._following else self._pred.matched)
             return predicted
         self._source = "lookup" if looked_up else ""
+        self.evidence = ("lookup", self._own.matched) if looked_up else ("model", 0) if self.model else ("", 0)
         return looked_up
 
     def verified(self, accepted: int) -> None:
@@ -187,7 +197,8 @@ class Drafter:
         pred = self._pred.tokens
         n0, p0 = self._synced
         n = len(output)
-        if p0 is not None and pred[p0:p0 + n - n0] == list(output[n0:n]) and p0 + n - n0 <= len(pred):
+        self._following = p0 is not None and pred[p0:p0 + n - n0] == list(output[n0:n]) and p0 + n - n0 <= len(pred)
+        if self._following:
             p: int | None = p0 + n - n0
             if n > n0:
                 self._floor = p
@@ -229,6 +240,8 @@ class Speculation:
     _pauses: int = 0
     _steps: int = 0
     _since_trip: int = 0  # steps since the last verifying trip
+    #: per evidence (:attr:`Drafter.evidence`): decayed [accepted drafts, rejections]
+    _by: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
     #: drafts in a row rejected whole before pausing
     BACKOFF = 2
@@ -239,15 +252,18 @@ class Speculation:
     #: while drafts do not pay, a verifying trip every this many steps still drafts, to measure again
     PROBE = 16
 
-    def allowance(self, cost: Callable[[int], float | None] | None = None) -> int:
+    def allowance(self, cost: Callable[[int], float | None] | None = None,
+                  evidence: tuple[str, int] | None = None) -> int:
         """Tokens the next step may draft; counts the step. 0 while paused. Without
         ``cost`` (drafts on every step): the adaptive length :attr:`k`. With ``cost``
         (``cost(j)``: a verifying trip of ``j`` drafts in plain trips, :meth:`TripMeter.cost`;
         ``None`` where not yet measured): the length ``j <= k`` that maximises the
         expected tokens per trip over its cost, ``(1 - a^(j+1)) / (1 - a) / cost(j)`` for
-        this request's per-token acceptance ``a`` (Leviathan et al. 2023, arXiv:2211.17192,
-        §3.4, eq. 1 and the walltime improvement of §3.5), when that beats a plain trip
-        (> 1); else no draft, but a full-length probe once :data:`PROBE` steps went by
+        this request's per-token acceptance ``a`` of drafts on the same ``evidence``
+        (:meth:`acceptance_for`; a 5-token match is likelier right than a 2-token one;
+        evidence never tried yet is tried at :attr:`k`), Leviathan et al. 2023
+        (arXiv:2211.17192) §3.4 eq. 1 and the walltime improvement of §3.5, when that beats
+        a plain trip (> 1); else no draft, but a full-length probe once :data:`PROBE` steps went by
         without a verifying trip -- offered on every step until the drafter has a draft
         and one goes (a probe on a step where the drafter has nothing measures nothing)."""
         self._steps += 1
@@ -255,14 +271,14 @@ class Speculation:
         if self._pause > 0:
             self._pause -= 1
             return 0
-        if cost is None or self.trips == 0:
+        if cost is None or self.trips == 0 or (evidence and evidence[0] and evidence not in self._by):
             return self.k
         best, value = 0, 1.0
         for j in range(1, self.k + 1):
             c = cost(j)
             if c is None:
                 return self.k  # not measured at this length yet: draft to measure it
-            gain = expected_tokens(self.acceptance_estimate, j) / c
+            gain = expected_tokens(self.acceptance_for(evidence), j) / c
             if gain > value:
                 best, value = j, gain
         if best:
@@ -283,14 +299,27 @@ class Speculation:
     #: how much a trip's acceptance counts one trip later
     DECAY = 0.7
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """A step drafted ``drafted`` tokens and the model accepted ``accepted`` of them."""
+    def acceptance_for(self, evidence: tuple[str, int] | None) -> float:
+        """The per-token acceptance of this request's drafts on ``evidence`` (their source
+        and match length, :attr:`Drafter.evidence`), counted and decayed as
+        :attr:`acceptance_estimate` over those trips alone; that estimate while they
+        weigh less than one trip."""
+        acc, rej = self._by.get(evidence, (0.0, 0.0)) if evidence and evidence[0] else (0.0, 0.0)
+        return acc / (acc + rej) if acc + rej >= 1.0 else self.acceptance_estimate
+
+    def verified(self, drafted: int, accepted: int, evidence: tuple[str, int] | None = None) -> None:
+        """A step drafted ``drafted`` tokens on ``evidence`` and the model accepted
+        ``accepted`` of them."""
         self.drafted += drafted
         self.accepted += accepted
         self.trips += 1
         self._since_trip = 0
         self._acc = self._acc * self.DECAY + accepted
         self._rej = self._rej * self.DECAY + (1 if accepted < drafted else 0)
+        if evidence and evidence[0]:
+            counts = self._by.setdefault(evidence, [0.0, 0.0])
+            counts[0] = counts[0] * self.DECAY + accepted
+            counts[1] = counts[1] * self.DECAY + (1 if accepted < drafted else 0)
         self.tokens += accepted + 1
         if accepted == drafted:  # (a full-length probe may have drafted more than k)
             self.k = min(self.limit, max(self.k, drafted) + 1)

@@ -48,6 +48,7 @@ class Generation:
     drafter: Drafter | None = None  # speculative decoding (None: off for this request)
     spec: Speculation | None = None
     drafting: int = 0  # drafted tokens in the step in flight
+    evidence: tuple[str, int] = ("", 0)  # what those drafts rest on (Drafter.evidence)
     sent_s: float = 0.0  # perf_counter() when the decode step in flight went out (0: not timed)
     info: dict | None = None
 
@@ -223,7 +224,7 @@ class Head:
             self.trip_meter.observe(gen.drafting, time.perf_counter() - gen.sent_s)
             gen.sent_s = 0.0
         if gen.drafting:
-            gen.spec.verified(gen.drafting, len(tokens) - 1)
+            gen.spec.verified(gen.drafting, len(tokens) - 1, gen.evidence)
             gen.drafter.verified(len(tokens) - 1)
             self.spec_totals.count(gen.drafting, len(tokens) - 1)
             gen.drafting = 0
@@ -294,8 +295,11 @@ class Head:
         if measured and self.trip_meter.wants_plain():
             return [], 0
         cost = self.trip_meter.cost if measured else None
-        k = min(gen.spec.allowance(cost), gen.max_tokens - len(gen.tokens) - 1)
-        return self._cut_at_stop(gen, gen.drafter.propose(gen.tokens, k) if k > 0 else []), k
+        # what the drafter has, then how much of it to send, by how often drafts on the same evidence were right
+        proposal = gen.drafter.propose(gen.tokens, gen.spec.limit)
+        gen.evidence = gen.drafter.evidence
+        k = min(gen.spec.allowance(cost, gen.evidence), gen.max_tokens - len(gen.tokens) - 1)
+        return self._cut_at_stop(gen, proposal[:k] if k > 0 else []), k
 
     @staticmethod
     def _cut_at_stop(gen: Generation, drafts: list[int]) -> list[int]:

@@ -159,3 +159,32 @@ def test_the_draft_length_is_the_one_that_pays_most_or_none():
     spec.verified(4, 1)
     assert spec.allowance(dear) == 0 and spec.k == 2
     assert spec.allowance(None) == spec.k  # drafts on every step (no cost): the adaptive length
+
+
+def test_acceptance_is_kept_per_evidence():
+    """A draft from a 5-token match and one from a 3-token match are not equally likely
+    right: each kind of evidence (source, match length) keeps its own acceptance; one never
+    tried is tried once at the adaptive length."""
+    cost = {1: 1.2, 2: 1.4, 3: 1.6, 4: 1.8}.get
+    spec = Speculation(limit=4)
+    long, short = ("lookup", 5), ("lookup", 3)
+    assert spec.allowance(cost, long) == 4  # no trip yet
+    spec.verified(4, 4, long)  # 5-token matches: 4 of 4 (a = 1); k -> 4
+    spec.verified(4, 0, short)  # 3-token matches: 0 of 4 (a = 0); k -> 2
+    assert spec.k == 2
+    assert spec.allowance(cost, short) == 0  # 1 token a trip at any length: never worth a dearer trip
+    assert spec.allowance(cost, long) == 2  # 3 / 1.4 beats 2 / 1.2; k is 2
+    assert spec.allowance(cost, ("prediction", 0)) == 2  # never tried: tried at k
+    # the request's pooled acceptance, decayed: accepted 4 * 0.7, rejections 1
+    assert spec.acceptance_for(None) == pytest.approx(2.8 / 3.8)
+    assert spec.acceptance_for(long) == 1.0 and spec.acceptance_for(short) == 0.0
+
+
+def test_the_drafter_says_what_its_draft_rests_on():
+    drafter = Drafter(prompt=[5, 6, 7, 8, 9, 1, 5, 6], prediction=[20, 21, 22, 23])
+    assert drafter.propose([], 2) == [20, 21] and drafter.evidence == ("prediction", 0)  # the output follows it
+    drafter.add([5, 6, 7])
+    # the output left the prediction, which has no "6 7"; the prompt has "5 6 7" (a 3-token match)
+    assert drafter.propose([5, 6, 7], 2) == [8, 9] and drafter.evidence == ("lookup", 3)
+    drafter.add([4])
+    assert drafter.propose([5, 6, 7, 4], 2) == [] and drafter.evidence == ("", 0)
