@@ -51,7 +51,6 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> position of the token after it
-        self._first: dict[tuple[int, ...], int] = {}
         #: n-gram -> every position of the token after it, ascending (``every`` only)
         self._all: dict[tuple[int, ...], list[int]] | None = {} if every else None
         #: the n-gram length of the latest :meth:`propose` match (0: none)
@@ -68,24 +67,13 @@ class NgramIndex:
                     break
                 key = tuple(seq[end - n:end])
                 self._last[key] = end
-                self._first.setdefault(key, end)
                 if self._all is not None:
                     self._all.setdefault(key, []).append(end)
 
-    def after(self, tail: Sequence[int], at_least: int = 0) -> int | None:
+    def after(self, tail: Sequence[int]) -> int | None:
         """The position following the most recent occurrence of ``tail`` (a tuple of
-        ``min_n``..``max_n`` tokens), or the first one at or after ``at_least`` when the
-        most recent is before it; ``None`` when it never occurred with a follower."""
-        key = tuple(tail)
-        last = self._last.get(key)
-        if last is None or last >= at_least:
-            return last
-        # the latest is before at_least: look for one at or after it (rare; linear)
-        n, seq = len(key), self.tokens
-        for pos in range(max(at_least, n), len(seq)):
-            if tuple(seq[pos - n:pos]) == key:
-                return pos
-        return last
+        ``min_n``..``max_n`` tokens); ``None`` when it never occurred with a follower."""
+        return self._last.get(tuple(tail))
 
     def first_after(self, tail: Sequence[int], at_least: int = 0) -> int | None:
         """The position following the first occurrence of ``tail`` that starts at or
@@ -100,15 +88,14 @@ class NgramIndex:
         i = bisect.bisect_left(positions, at_least + len(tail))
         return positions[i] if i < len(positions) else None
 
-    def propose(self, context: Sequence[int], k: int, at_least: int = 0,
-                earliest: bool = False) -> tuple[list[int], int | None]:
+    def propose(self, context: Sequence[int], k: int, at_least: int | None = None) -> tuple[list[int], int | None]:
         """Up to ``k`` tokens following the longest indexed n-gram that ends ``context``,
         and the position in this sequence where they start (``None``: no match): its
-        latest occurrence (:meth:`after`), or with ``earliest`` its first starting at or
-        after ``at_least`` (:meth:`first_after`)."""
+        latest occurrence (:meth:`after`), or with ``at_least`` its first starting at or
+        after that position (:meth:`first_after`)."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             tail = context[len(context) - n:]
-            pos = self.first_after(tail, at_least) if earliest else self.after(tail, at_least)
+            pos = self.after(tail) if at_least is None else self.first_after(tail, at_least)
             if pos is not None:
                 self.matched = n
                 return self.tokens[pos:pos + k], pos
@@ -140,8 +127,6 @@ class Drafter:
     _pred: NgramIndex | None = field(init=False, default=None)
     _synced: tuple[int, int | None] = field(init=False, default=(0, 0))  # (output length, prediction position)
     _floor: int = field(init=False, default=0)  # the prediction position where the output last agreed
-    _following: bool = field(init=False, default=False)  # the latest prediction draft continues where it agreed
-    _source: str = field(init=False, default="")  # where the latest proposal came from
     #: what the latest proposal rests on (:meth:`propose`), the key of its acceptance in :class:`Speculation`
     evidence: tuple[str, int] = field(init=False, default=("", 0))
     #: per source, its proposals rejected whole in a row
@@ -166,22 +151,20 @@ class Drafter:
         instead of editing it still repeats its own sentences) and prompt lookup has one."""
         if k <= 0:
             return []
-        predicted = self._from_prediction(output, k) if self._pred is not None else []
+        predicted, found_by = self._from_prediction(output, k) if self._pred is not None else ([], 0)
         looked_up, _ = self._own.propose(self._own.tokens, k)
         if predicted and not (looked_up and self._missed["prediction"] > self._missed["lookup"]):
-            self._source = "prediction"
-            # following it (0), or found again by an n-gram of this length
-            self.evidence = ("prediction", 0 if self._following else self._pred.matched)
+            self.evidence = ("prediction", found_by)
             return predicted
-        self._source = "lookup" if looked_up else ""
         self.evidence = ("lookup", self._own.matched) if looked_up else ("model", 0) if self.model else ("", 0)
         return looked_up
 
     def verified(self, accepted: int) -> None:
         """The latest proposal went to be verified and the model accepted ``accepted`` of
         its tokens."""
-        if self._source:
-            self._missed[self._source] = 0 if accepted else self._missed[self._source] + 1
+        source = self.evidence[0]
+        if source in self._missed:
+            self._missed[source] = 0 if accepted else self._missed[source] + 1
 
     def propose_by_model(self, output: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` drafts from the draft model to follow the prompt and ``output``
@@ -190,22 +173,24 @@ class Drafter:
             return []
         return self.model.propose([*self.prompt, *output], k)
 
-    def _from_prediction(self, output: Sequence[int], k: int) -> list[int]:
+    def _from_prediction(self, output: Sequence[int], k: int) -> tuple[list[int], int]:
         """The prediction's tokens after the place the output has reached in it: the
         same place moved on while the output follows it (the output then agrees with it
-        there), else found again by n-gram, first at or after where it last agreed."""
+        there), else found again by n-gram, first at or after where it last agreed; and
+        how it was found (0: followed, else the n-gram's length)."""
         pred = self._pred.tokens
         n0, p0 = self._synced
         n = len(output)
-        self._following = p0 is not None and pred[p0:p0 + n - n0] == list(output[n0:n]) and p0 + n - n0 <= len(pred)
-        if self._following:
+        found_by = 0
+        if p0 is not None and pred[p0:p0 + n - n0] == list(output[n0:n]) and p0 + n - n0 <= len(pred):
             p: int | None = p0 + n - n0
             if n > n0:
                 self._floor = p
         else:
-            _, p = self._pred.propose(output, k, self._floor, earliest=True)
+            _, p = self._pred.propose(output, k, self._floor)
+            found_by = self._pred.matched
         self._synced = (n, p)
-        return [] if p is None else list(pred[p:p + k])
+        return ([] if p is None else list(pred[p:p + k])), found_by
 
 
 @dataclass
@@ -234,8 +219,8 @@ class Speculation:
     trips: int = 0
     tokens: int = 0
     _misses: int = 0
-    _acc: float = 0.0  # decayed accepted drafts (acceptance_estimate)
-    _rej: float = 0.0  # decayed rejections
+    #: decayed [accepted drafts, rejections] over all trips (acceptance_estimate)
+    _pooled: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _pause: int = 0  # steps left without a draft
     _pauses: int = 0
     _steps: int = 0
@@ -293,8 +278,8 @@ class Speculation:
         drafts over accepted drafts plus rejections (a trip that stopped short is one
         rejection; the geometric model of Leviathan et al. §3.1), each trip's counts
         decayed by :data:`DECAY` per later trip; 0.5 before any trip."""
-        n = self._acc + self._rej
-        return self._acc / n if n > 0 else 0.5
+        acc, rej = self._pooled
+        return acc / (acc + rej) if acc + rej > 0 else 0.5
 
     #: how much a trip's acceptance counts one trip later
     DECAY = 0.7
@@ -314,10 +299,10 @@ class Speculation:
         self.accepted += accepted
         self.trips += 1
         self._since_trip = 0
-        self._acc = self._acc * self.DECAY + accepted
-        self._rej = self._rej * self.DECAY + (1 if accepted < drafted else 0)
+        buckets = [self._pooled]
         if evidence and evidence[0]:
-            counts = self._by.setdefault(evidence, [0.0, 0.0])
+            buckets.append(self._by.setdefault(evidence, [0.0, 0.0]))
+        for counts in buckets:
             counts[0] = counts[0] * self.DECAY + accepted
             counts[1] = counts[1] * self.DECAY + (1 if accepted < drafted else 0)
         self.tokens += accepted + 1
