@@ -26,7 +26,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ringlet.daemon.engine import cache_kinds
+from ringlet.daemon.engine import cache_kinds, speculation
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore
 from ringlet.daemon.engine.kv_pieces import Piece, assemble
 from ringlet.daemon.engine.prefix_store import PrefixStore, snapshot, storable
@@ -68,9 +68,7 @@ def park(stage, requests: dict, store: PrefixStore, clear: bool = True) -> list[
     for state in requests.values():
         tokens = state.tokens
         if tokens is not None and len(tokens) == state.offset > 0 and state.cache:
-            # a verifying step's drafts this stage has no verdict on are left out (speculation.drop_unconfirmed)
-            floor = getattr(state, "drafted_from", None)
-            n = state.offset if floor is None else floor + 1
+            n = speculation.confirmed(state)  # a verifying step's drafts with no verdict here are left out
             layers = snapshot(state.cache, n) if storable(state.cache) else cache_kinds.freeze(state.cache)
             pieces.append(Piece(state.scope, list(tokens[:n]), stage.start, stage.end, layers, inflight=True))
     for entry in store.entries():

@@ -114,6 +114,14 @@ def roll_back(state: Any, offset: int, boundaries: Any) -> bool:
     return True
 
 
+def confirmed(state: Any) -> int:
+    """The leading tokens of ``state`` (a scheduler ``_RequestState``) known to be the
+    request's: all of them, or while a verifying step this stage sent on awaits its
+    verdict, those up to and including the fed token at ``drafted_from``."""
+    floor = getattr(state, "drafted_from", None)
+    return state.offset if floor is None else floor + 1
+
+
 def drop_unconfirmed(state: Any, boundaries: Any) -> None:
     """Before a re-plan parks ``state`` (its KV and boundary states become pieces to
     keep or rebuild): drop the drafted positions of a verifying step this stage sent on
@@ -122,11 +130,10 @@ def drop_unconfirmed(state: Any, boundaries: Any) -> None:
     finished turn it repeats nor the resumed request contains, so it would be rebuilt
     beside them (twice the work) and never reused. Drafts the last stage did accept are
     prefilled again on resume (at most ``k`` tokens)."""
-    floor = getattr(state, "drafted_from", None)
-    if floor is None:
+    if getattr(state, "drafted_from", None) is None:
         return
     try:
-        trim(state, floor + 1, boundaries)
+        trim(state, confirmed(state), boundaries)
     except ValueError:  # drafts run only on caches that trim; parked as they are, they cost work, not exactness
         return
     state.drafted_from = None
