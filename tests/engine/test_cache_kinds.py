@@ -19,7 +19,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
-from test_rebuild import run_ring
+from test_rebuild import park_survivors, run_ring
 from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
 
@@ -204,11 +204,7 @@ def test_a_lost_middle_stage_is_rebuilt_from_boundary_states_and_decodes_as_the_
     name, path, old = model
     prompt = TURNS[0] + TURNS[1]
     caches, sent = run_ring(old, prompt)
-    state = type("State", (), {"tokens": prompt, "offset": len(prompt), "scope": "", "cache": None})
-    parked = []
-    for s, c in ((old[0], caches[0]), (old[2], caches[2])):
-        state.cache = c
-        parked += kv_handoff.park(s, {"r": state}, PrefixStore(0, s.start, s.end))
+    parked = park_survivors(old, caches, prompt)
     assert [p.exact for p in parked] == [True, cache_kinds.exact_only(caches[2])]
 
     location = resolve(str(path))

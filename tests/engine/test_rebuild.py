@@ -65,6 +65,21 @@ def run_ring(stages: list, prompt: list[int]) -> tuple[list[list], list[mx.array
     return caches, sent
 
 
+def park_survivors(stages: list, caches: list[list], prompt: list[int]) -> list[Piece]:
+    """The pieces the first and last of ``stages`` park (``kv_handoff.park``) for one
+    request in flight over ``prompt``, holding ``caches`` (from :func:`run_ring`), when
+    the stages between them are lost."""
+    from ringlet.daemon.engine import kv_handoff
+    from ringlet.daemon.engine.prefix_store import PrefixStore
+
+    state = type("State", (), {"tokens": prompt, "offset": len(prompt), "scope": "", "cache": None})
+    parked = []
+    for stage, cache in ((stages[0], caches[0]), (stages[-1], caches[-1])):
+        state.cache = cache
+        parked += kv_handoff.park(stage, {"r": state}, PrefixStore(0, stage.start, stage.end))
+    return parked
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("chunk", [64, 4])
 def test_a_lost_middle_stage_is_rebuilt_in_chain_and_decodes_as_the_whole_model(arch, chunk, tmp_path):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from test_rebuild import run_ring
+from test_rebuild import park_survivors, run_ring
 from tiny_models import make_tiny_model, whole_model_greedy
 from zoo_models import ZOO
 
@@ -54,11 +54,7 @@ def test_a_lost_middle_stage_is_rebuilt_from_states_that_carry_the_stream(name, 
     location = resolve(str(path))
     old = [load_stage(location, s, e) for s, e in ((0, 1), (1, 3), (3, 4))]
     caches, sent = run_ring(old, PROMPT)
-    state = type("State", (), {"tokens": PROMPT, "offset": len(PROMPT), "scope": "", "cache": None})
-    parked = []
-    for stage, cache in ((old[0], caches[0]), (old[2], caches[2])):
-        state.cache = cache
-        parked += kv_handoff.park(stage, {"r": state}, PrefixStore(0, stage.start, stage.end))
+    parked = park_survivors(old, caches, PROMPT)
     first, second = load_stage(location, 0, 2), load_stage(location, 2, 4)
     rebuilt_1, out_2 = rebuild(first, 1, 2, [Boundary("", PROMPT, 1, sent[0], inflight=True)], chunk)
     rebuilt_2, out_3 = rebuild(second, 2, 3, out_2, chunk)
