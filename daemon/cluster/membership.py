@@ -258,6 +258,9 @@ class Membership:
         if info.leaving:
             self._refuse(address, f"{info.node_id} is stopping")
             return
+        if not info.record_version:  # its gRPC answers before its cluster starts (servicer.GetNodeInfo)
+            self._refuse(address, f"{info.node_id} is still starting (no record yet); retrying quietly")
+            return
         self._admit(info, address)
 
     def _refuse(self, address: str, why: str) -> None:
