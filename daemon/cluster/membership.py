@@ -1,28 +1,27 @@
 """Membership: who is in the cluster, what each member is, and whether it is alive.
 
-An mDNS advert, a ``--peers`` address or a peer's heartbeat naming a node we do not
-know leads to a handshake (``GetNodeInfo``): the peer's id, protocol version,
-cluster id and its *record* (probe, usable memory, measured links, API URL). A
-successful handshake makes the peer a member.
+An mDNS advert, a ``--peers`` address or a peer's heartbeat naming a node we do not know
+leads to a handshake (``GetNodeInfo``): the peer's id, protocol version, cluster id and its
+*record* (probe, usable memory, measured links, API URL). A successful handshake makes the
+peer a member, once it has a record (a daemon answers before its cluster starts: retried).
 
-Liveness comes from heartbeats, never from mDNS (a killed node's mDNS records
-live ~19 minutes in peers' caches). Every node sends ``Beat`` to every member every
-``heartbeat_s``; a failed or missed beat makes the member *suspect*, and a member
-not heard from for ``remove_after_s`` is removed. A clean mDNS goodbye marks it
-suspect at once. Each node owns its record and versions it; a beat's reply carries
-the responder's record version, and a newer version is fetched, so every member
-converges on the same records (gossip: replies also list the responder's members,
-and unknown ones are handshaken).
+Liveness comes from heartbeats, never from mDNS (a killed node's mDNS records live ~19
+minutes in peers' caches). Every node sends ``Beat`` to every member every ``heartbeat_s``;
+a failed or missed beat makes the member *suspect*, and a member not heard from for
+``remove_after_s`` is removed. A clean mDNS goodbye marks it suspect at once. Each node owns
+its record and versions it; a beat's reply carries the responder's record version, and a
+newer version is fetched, so every member converges on the same records (gossip: replies
+also list the responder's members, and unknown ones are handshaken).
 
-Members learn members from members (beats, proposals, refusals: :meth:`Membership.learn`),
-by the same handshake as an mDNS advert. A failed dial drops that address's channel, so
-the next connects afresh: a cached channel's reconnect backoff (doubling to 2 minutes
-while a peer was down) must not keep a restarted peer out once it answers again.
+Members learn members from members (beats, proposals, refusals: :meth:`Membership.learn`), by
+the same handshake as an mDNS advert. A failed dial drops that address's channel, so the next
+connects afresh: a cached channel's reconnect backoff (doubling to 2 minutes while a peer was
+down) must not keep a restarted peer out once it answers again.
 
-A member may answer at several addresses; it is dialled at :attr:`Member.address`, which
-only :meth:`Membership.use_address` changes (the address in use stopped answering and
-another does, or a faster link was measured: :mod:`ringlet.daemon.cluster.router`), never
-a handshake at another address while the one in use works.
+A member may answer at several addresses; it is dialled at :attr:`Member.address`, which only
+:meth:`Membership.use_address` changes (the address in use stopped answering and another
+does, or a faster link was measured: :mod:`ringlet.daemon.cluster.router`), never a
+handshake at another address while the one in use works.
 """
 
 from __future__ import annotations
@@ -72,10 +71,7 @@ class Membership:
                  remove_after_s: float = 2.0, on_change: Callable[[], None] | None = None,
                  on_event: Callable[[str, str], None] | None = None,
                  epoch_fn: Callable[[], tuple[int, str]] | None = None):
-        self.node_id = node_id
-        self.address = address
-        self.cluster_id = cluster_id
-        self.incarnation = incarnation
+        self.node_id, self.address, self.cluster_id, self.incarnation = node_id, address, cluster_id, incarnation
         self.transport = transport
         self.heartbeat_s = heartbeat_s
         self.suspect_after_s = suspect_after_s
