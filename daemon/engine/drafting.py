@@ -28,7 +28,7 @@ up by one after a draft accepted whole, halved after a draft rejected whole, and
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,6 +327,33 @@ class Speculation:
         return self.drafted - self.accepted
 
 
+def next_drafts(drafter: Drafter, spec: Speculation, output: Sequence[int], room: int, stop_ids: Container[int],
+                meter: TripMeter | None = None) -> tuple[list[int], int]:
+    """A request's drafts for its next decode step, and how many it may draft.
+
+    Args:
+        drafter, spec: the request's :class:`Drafter` and :class:`Speculation`.
+        output: its tokens generated so far (the drafter has been given them).
+        room: the most tokens the step may draft (``max_tokens`` less the tokens so far
+            and the step's own next token).
+        stop_ids: stop tokens: drafts end before the first (the model's own draw decides a stop).
+        meter: where verifying steps are measured (:class:`TripMeter`): a plain step when it
+            wants one, and the draft length weighed against its cost; ``None``: drafts on
+            every step at the adaptive length.
+
+    Returns:
+        ``(drafts, k)``: the drafted tokens (``drafter.evidence`` says what they rest on)
+        and the allowance ``k`` they were cut to (a draft model may fill it when the
+        drafter had none).
+    """
+    if meter is not None and meter.wants_plain():
+        return [], 0
+    proposal = drafter.propose(output, spec.limit)
+    k = min(spec.allowance(meter.cost if meter is not None else None, drafter.evidence), room)
+    drafts = proposal[:k] if k > 0 else []
+    return drafts[:next((i for i, t in enumerate(drafts) if t in stop_ids), len(drafts))], k
+
+
 def expected_tokens(acceptance: float, drafts: int) -> float:
     """Tokens a verifying trip of ``drafts`` drafts gives on average when each draft is
     accepted with probability ``acceptance`` until the first rejection (the accepted ones
@@ -412,6 +439,14 @@ class SpecTotals:
         self.trips += 1
         self.tokens += accepted + 1
         self.drafted += drafted
+        self.accepted += accepted
+
+    def add(self, accepted: int, rejected: int, trips: int) -> None:
+        """A request's verifying steps counted elsewhere (a tensor group's rank 0): ``trips``
+        steps whose drafts the model accepted ``accepted`` and rejected ``rejected`` of."""
+        self.trips += trips
+        self.tokens += accepted + trips
+        self.drafted += accepted + rejected
         self.accepted += accepted
 
     def skip(self, why: str) -> None:

@@ -35,10 +35,13 @@ import mlx.core as mx
 def trimmable(cache: list) -> bool:
     """Whether drafted positions can be dropped from ``cache`` exactly, whatever their
     number: every layer is mlx-lm's plain ``KVCache`` (a ``RotatingKVCache`` stops being
-    trimmable once it wraps, a recurrent ``ArraysCache`` never is)."""
+    trimmable once it wraps, a recurrent ``ArraysCache`` never is), or an entry that says
+    it trims exactly (``trims_exactly``: a tensor group's slot, whose ranks hold plain
+    ``KVCache`` s and say so in ``is_trimmable``)."""
     from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
-    return bool(cache) and all(type(c) is KVCache for c in cache) and can_trim_prompt_cache(cache)
+    return (bool(cache) and all(type(c) is KVCache or getattr(c, "trims_exactly", False) for c in cache)
+            and can_trim_prompt_cache(cache))
 
 
 def verify(sampler: Any, logits: mx.array, fed: Sequence[int], history: Sequence[int]) -> list[int]:

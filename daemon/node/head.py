@@ -13,12 +13,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ringlet.daemon.engine.drafting import Drafter, Speculation
+from ringlet.daemon.engine.drafting import Drafter, Speculation, next_drafts
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.engine.speculation import trimmable
-from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS, SPEC_ALWAYS_ENV, TEST_CHUNK_DELAY_ENV
 from ringlet.daemon.node.signals import PrefixMissed, RetryOnPlan
@@ -264,16 +263,17 @@ class Head:
 
     def _may_speculate(self) -> bool:
         """Whether this stage 0 drafts for a new request: drafts are on (``--spec-tokens``),
-        the plan is a pipeline of engine stages, and every layer's KV cache can drop
-        rejected positions exactly (mlx-lm's plain ``KVCache``; not a rotating window or
-        a recurrent state). Counted in :attr:`spec_totals` when not."""
+        this node holds stage 0 (its own layers, or a hybrid plan's tensor group), and every
+        layer's KV cache can drop rejected positions exactly (mlx-lm's plain ``KVCache``, in
+        this process or in the group's ranks; not a rotating window or a recurrent state).
+        Counted in :attr:`spec_totals` when not."""
         if self.config.spec_tokens <= 0:
             return False
         stage = self.engine.stage if self.engine is not None else None
-        if not isinstance(stage, Stage) or (self.plan is not None and (self.plan.is_tensor or self.plan.is_hybrid)):
-            self.spec_totals.skip("tensor")
+        if stage is None:
             return False
-        if not trimmable(stage.pattern.caches if stage.pattern is not None else stage.make_cache()):
+        pattern = getattr(stage, "pattern", None)
+        if not trimmable(pattern.caches if pattern is not None else stage.make_cache()):
             self.spec_totals.skip("cache")
             return False
         return True
@@ -291,15 +291,11 @@ class Head:
         if len(self._generations) > 1:
             self.spec_totals.skip("batching")
             return [], 0
-        measured = os.environ.get(SPEC_ALWAYS_ENV) != "1"
-        if measured and self.trip_meter.wants_plain():
-            return [], 0
-        cost = self.trip_meter.cost if measured else None
-        # what the drafter has, then how much of it to send, by how often drafts on the same evidence were right
-        proposal = gen.drafter.propose(gen.tokens, gen.spec.limit)
+        meter = self.trip_meter if os.environ.get(SPEC_ALWAYS_ENV) != "1" else None
+        drafts, k = next_drafts(gen.drafter, gen.spec, gen.tokens, gen.max_tokens - len(gen.tokens) - 1, gen.stop_ids,
+                                meter)
         gen.evidence = gen.drafter.evidence
-        k = min(gen.spec.allowance(cost, gen.evidence), gen.max_tokens - len(gen.tokens) - 1)
-        return self._cut_at_stop(gen, proposal[:k] if k > 0 else []), k
+        return drafts, k
 
     @staticmethod
     def _cut_at_stop(gen: Generation, drafts: list[int]) -> list[int]:

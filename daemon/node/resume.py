@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb, token_from_pb
 from ringlet.daemon.engine.stage import token_id_error
 from ringlet.daemon.errors import GenerationError, NoPlanError, one_line
-from ringlet.daemon.node.config import EPOCH_SKEW_RETRY_S, RESUME_WAIT_S
+from ringlet.daemon.node.config import EPOCH_SKEW_RETRY_S, RESUME_WAIT_S, SPEC_ALWAYS_ENV
 from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
@@ -245,14 +246,23 @@ class ResumingClient:
             self._channels[address] = ch
         return ch
 
+    def _group_spec(self, prediction: list[int] | None) -> dict | None:
+        """Speculative decoding for a request rank 0 of this node's tensor group drives:
+        ``{"k", "prediction", "measured"}``, or ``None`` when drafts are off (``--spec-tokens
+        0``); the group drops it where its KV caches cannot drop drafted positions exactly.
+        The draft model (``--draft-model``) runs for pipeline stage 0s only."""
+        if self.config.spec_tokens <= 0:
+            return None
+        return {"k": self.config.spec_tokens, "prediction": list(prediction or ()),
+                "measured": os.environ.get(SPEC_ALWAYS_ENV) != "1"}
+
     def head_source(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
                     stop_ids: frozenset[int], scope: str = "", info: dict | None = None,
                     prediction: list[int] | None = None) -> AsyncIterator[int]:
         """This node heads the request: stage 0 of a pipeline, or rank 0 of a tensor group
         (whose prefix cache lives in its ranks: :mod:`ringlet.daemon.tensor.rank_prefix`)."""
         if self.plan is not None and self.plan.is_tensor and self.tp is not None:
-            if self.config.spec_tokens > 0:
-                self.spec_totals.skip("tensor")  # a tensor group's ranks hold the KV: no drafts (yet)
-            return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids, scope, info)
+            return self.tp.generate(request_id, prompt, max_tokens, sampling, stop_ids, scope, info,
+                                    self._group_spec(prediction))
         return self._generate_local(request_id, prompt, max_tokens, sampling, stop_ids, scope, info, prediction)
 

@@ -261,7 +261,8 @@ class TPGroup(GroupRequests, GroupEpochs):
     # ------------------------------------------------------------------------------------ diagnostics
 
     def info(self) -> dict[str, Any]:
-        """Mode, backend, ranks (node ids in rank order), size, epoch, state, reason, pids, restarts."""
+        """Mode, backend, ranks (node ids in rank order), size, epoch, state, reason, pids, restarts,
+        and ``trims``: every rank's KV caches drop drafted positions exactly (speculative decoding)."""
         ep = self._epoch
         d = self.decision
         return {
@@ -278,6 +279,7 @@ class TPGroup(GroupRequests, GroupEpochs):
             "in_flight": sum(not r.done for r in self._reqs.values()),
             "history": list(self.history),
             "layers": list(self.layers) if self.layers else None,
+            "trims": bool(ep and ep.ranks and all(r.trims for r in ep.ranks)),
         }
 
     def rank_pids(self) -> dict[int, int]:

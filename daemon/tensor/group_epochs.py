@@ -130,7 +130,7 @@ class GroupEpochs:
             if all(r.loaded for r in ep.ranks):
                 ep.all_loaded.set()
         elif t == "ready":
-            rs.ready = True
+            rs.ready, rs.trims = True, bool(msg.get("trims"))
             if all(r.ready for r in ep.ranks):
                 ep.all_ready.set()
         elif t == "fatal":  # it leaves by itself: not a lost member (often it saw a peer vanish)

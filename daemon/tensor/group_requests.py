@@ -49,7 +49,8 @@ class Req:
     done: bool = False
     resumes: int = 0
     prefix: dict | None = None  # gen: {"scope", "budget"} for rank 0's prefix cache
-    info: dict | None = None  # gen: the caller's dict, given "cached_tokens"
+    info: dict | None = None  # gen: the caller's dict, given "cached_tokens" and "drafts"
+    spec: dict | None = None  # gen: speculative decoding ({"k", "prediction", "measured"}), None: off
 
 
 class GroupRequests:
@@ -67,13 +68,17 @@ class GroupRequests:
         stop_ids: Sequence[int] = (),
         prefix: dict | None = None,
         info: dict | None = None,
+        spec: dict | None = None,
     ) -> AsyncIterator[int]:
         """Token ids as rank 0 produces them; survives group failures (re-prefill).
         Stops after ``max_tokens`` or a token in ``stop_ids`` (which is yielded).
 
         ``prefix`` (``{"scope": str, "budget": bytes per rank}``) turns rank 0's prefix
         cache on for this request (:mod:`ringlet.daemon.tensor.rank_prefix`); ``info``
-        then gets ``cached_tokens``, the prompt tokens taken from it.
+        then gets ``cached_tokens``, the prompt tokens taken from it. ``spec``
+        (``{"k": most drafts per step, "prediction": expected output ids, "measured":
+        bool}``) has rank 0 decode speculatively (exact: the same tokens); ``info["drafts"]``
+        then gets (accepted, rejected, verifying steps).
 
         Raises:
             TPGroupError: the group failed for good.
@@ -90,6 +95,7 @@ class GroupRequests:
             extra={"steps_done": int(sampling.steps_done)},
             prefix=dict(prefix) if prefix else None,
             info=info,
+            spec=dict(spec) if spec else None,
         )
         async for item in self._run(req):
             yield item
@@ -111,7 +117,7 @@ class GroupRequests:
 
     async def stage_forward(self, slot: int | Sequence[int], epoch: int | None, *,
                             tokens: Sequence[int] | None = None, hidden=None, dtype: str = "float32",
-                            head: bool = True) -> tuple[int, Any, str]:
+                            head: bool | None = True) -> tuple[int, Any, str]:
         """Stage mode: one forward of this group's layer range for one KV-cache slot, or one
         batched decode step of several.
 
@@ -124,15 +130,16 @@ class GroupRequests:
             hidden: hidden states, float32 numpy ``(1, tokens, hidden_size)`` (``(n, 1,
                 hidden_size)`` for a batch), whose activation dtype is ``dtype`` (float32,
                 float16 or bfloat16).
-            head: on the last stage, compute the logits (``False``: a prefill chunk that
-                only fills the cache).
+            head: on the last stage, compute the logits of the last position (``False``: a
+                prefill chunk that only fills the cache; ``None``: every position's, a
+                verifying step of speculative decoding, one slot).
 
         Returns:
             ``(epoch, out, dtype)``: the group epoch that ran it; float32 numpy hidden
             states ``(1, tokens, hidden_size)``, or the last position's logits
-            ``(1, 1, vocab)`` on the last stage (``None`` when ``head`` is false; the
-            first axis is the slot for a batch); and the activation dtype the ranks
-            computed in (``"float32"``, ``"bfloat16"``, ...).
+            ``(1, 1, vocab)`` on the last stage (``(1, tokens, vocab)`` when ``head`` is
+            ``None``, ``None`` when it is false; the first axis is the slot for a batch);
+            and the activation dtype the ranks computed in (``"float32"``, ``"bfloat16"``, ...).
 
         Raises:
             TPStageLost: the group restarted since ``epoch`` (the slot's cache is gone).
@@ -143,7 +150,10 @@ class GroupRequests:
         if self.layers is None:
             raise TPGroupError("stage_forward needs a group started with layers=(start, end)")
         if isinstance(slot, int):
-            extra: dict[str, Any] = {"slot": int(slot), "new": epoch is None, "head": bool(head), "epoch": epoch}
+            extra: dict[str, Any] = {"slot": int(slot), "new": epoch is None, "head": head is None or bool(head),
+                                     "epoch": epoch}
+            if head is None:
+                extra["every"] = True
         else:
             if epoch is None:
                 raise ValueError("a batched step needs the slots' group epoch")
@@ -184,6 +194,14 @@ class GroupRequests:
         ep = self._epoch
         if ep is not None and ep.number == epoch and self.state == "ready" and not ep.failed.is_set():
             self._write(ep.ranks[0], {"t": "pdrop", "entry": int(entry)})
+
+    def trim_slot(self, slot: int, n: int, epoch: int) -> None:
+        """Stage mode: drop the last ``n`` positions of a slot's KV cache on every rank (a
+        verifying step's rejected drafts; nothing when ``epoch`` is gone). Sent on the control
+        connection the slot's next step follows, so rank 0 applies it first."""
+        ep = self._epoch
+        if ep is not None and ep.number == epoch and self.state == "ready" and not ep.failed.is_set():
+            self._write(ep.ranks[0], {"t": "trim", "slot": int(slot), "n": int(n)})
 
     def free_slot(self, slot: int, epoch: int) -> None:
         """Stage mode: drop a slot's KV cache on every rank (nothing when ``epoch`` is gone)."""
@@ -254,6 +272,8 @@ class GroupRequests:
             )
             if req.prefix:
                 msg["prefix"] = req.prefix
+            if req.spec:
+                msg["spec"] = req.spec
         elif req.kind == "logits":
             msg.update(prompt=req.prompt)
         else:
@@ -301,11 +321,15 @@ class GroupRequests:
         if t == "tok":
             if "cached" in msg and req.info is not None:
                 req.info.setdefault("cached_tokens", int(msg["cached"]))
-            scores = msg.get("lp")
-            for tok in msg["ids"]:
+            if "sd" in msg and req.info is not None:  # a verifying step: (drafted, accepted)
+                accepted, rejected, trips = req.info.get("drafts", (0, 0, 0))
+                drafted, took = (int(x) for x in msg["sd"])
+                req.info["drafts"] = (accepted + took, rejected + drafted - took, trips + 1)
+            scores = msg.get("lp") or [None] * len(msg["ids"])
+            for tok, score in zip(msg["ids"], scores, strict=True):
                 req.generated.append(int(tok))
-                req.queue.put_nowait(Token(int(tok), float(scores[0]), tuple((int(i), float(v)) for i, v in scores[1]))
-                                     if scores else int(tok))
+                req.queue.put_nowait(Token(int(tok), float(score[0]), tuple((int(i), float(v)) for i, v in score[1]))
+                                     if score else int(tok))
         elif t == "done":
             req.done = True
             req.queue.put_nowait(("done", msg.get("reason")))

@@ -46,12 +46,35 @@ ATTACH_WAIT_S = 120.0
 
 
 class _Slot:
-    """One request's KV cache in the group's ranks (the engine keeps it in ``cache[0]``)."""
+    """One request's KV cache in the group's ranks (the engine keeps it in ``cache[0]``).
 
-    __slots__ = ("__weakref__", "number")
+    It answers mlx-lm's trim protocol (``is_trimmable``, ``trim``, as ``trim_prompt_cache``
+    calls them), so speculative decoding drops a verifying step's rejected drafts from the
+    ranks' caches exactly as from a stage's own (:mod:`ringlet.daemon.engine.speculation`).
+    """
 
-    def __init__(self, number: int):
+    __slots__ = ("__weakref__", "number", "stage")
+
+    #: read by :func:`ringlet.daemon.engine.speculation.trimmable`: trims are exact when the
+    #: ranks say their caches are plain ``KVCache`` s (:meth:`is_trimmable`)
+    trims_exactly = True
+
+    def __init__(self, number: int, stage: GroupStage):
         self.number = number
+        self.stage = stage
+
+    def is_trimmable(self) -> bool:
+        """Whether the ranks' caches of this model drop positions exactly (every layer mlx-lm's
+        plain ``KVCache``, as every rank reported when the group started); ``False`` while no
+        group is attached."""
+        group = self.stage.group
+        return group is not None and bool(group.info().get("trims"))
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions of this slot's cache in every rank (sent ahead of its
+        next step, no wait). Returns ``n``."""
+        self.stage.trim_slot(self.number, n)
+        return n
 
 
 class GroupStage(StageRange):
@@ -92,9 +115,21 @@ class GroupStage(StageRange):
 
     def make_cache(self) -> list:
         """A fresh slot for one request; freed in the ranks once nothing holds it."""
-        slot = _Slot(next(self._numbers))
+        slot = _Slot(next(self._numbers), self)
         weakref.finalize(slot, self._free, slot.number)
         return [slot]
+
+    def trim_slot(self, number: int, n: int) -> None:
+        """Have every rank drop the last ``n`` positions of slot ``number``'s cache (no wait;
+        ordered before the slot's next step). Nothing when the slot never ran."""
+        with self._lock:
+            epoch = self._epochs.get(number)
+        group = self.group
+        if epoch is not None and group is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(group.trim_slot, number, n, epoch)
+            except RuntimeError:
+                pass  # the loop closed meanwhile: the ranks are gone too
 
     def _free(self, number: int) -> None:
         with self._lock:
@@ -106,20 +141,21 @@ class GroupStage(StageRange):
             except RuntimeError:
                 pass  # the loop closed meanwhile: the ranks are gone too
 
-    def __call__(self, x: mx.array, cache: list, head: bool = True) -> mx.array | None:
+    def __call__(self, x: mx.array, cache: list, head: bool | None = True) -> mx.array | None:
         """One forward of this stage for one request (blocks the calling thread).
 
         Args:
             x: token ids ``(1, tokens)`` int32 on the first stage, hidden states
                 ``(1, tokens, hidden_size)`` on the others.
             cache: the request's ``[slot]`` from :meth:`make_cache`.
-            head: on the last stage, compute the logits (``False`` for a prefill chunk
-                that more chunks follow).
+            head: on the last stage, compute the last position's logits (``False`` for a
+                prefill chunk that more chunks follow; ``None``: every position's, a
+                verifying step of speculative decoding).
 
         Returns:
             Hidden states ``(1, tokens, hidden_size)`` in the activation dtype, the
-            last position's logits ``(1, 1, vocab)`` float32 on the last stage, or
-            ``None`` on the last stage without ``head``.
+            last position's logits ``(1, 1, vocab)`` float32 on the last stage
+            (``(1, tokens, vocab)`` with ``head=None``), or ``None`` there with ``head=False``.
 
         Raises:
             RequestRetry: the group restarted since this request's cache was made.

@@ -28,6 +28,7 @@ class RankState:
     phase: str = "starting"
     loaded: bool = False
     ready: bool = False
+    trims: bool = False  # its KV caches drop drafted positions exactly (speculative decoding)
     exit_code: int | None = None
     gave_up: bool = False  # sent "fatal" and exits on its own
     side_port: int | None = None  # rank 0: where the others connect their side channel

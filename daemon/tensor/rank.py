@@ -39,6 +39,7 @@ from ringlet.daemon.tensor.side_channel import (
     OP_SAVE,
     OP_STEP,
     OP_STOP,
+    OP_TRIM,
     SideChannel,
 )
 
@@ -205,6 +206,25 @@ class Rank:
             mx.eval(out)
         return out if self.rank == 0 and (head or self.stage_mode) else None
 
+    def trims(self) -> bool:
+        """Whether this model's KV caches drop drafted positions exactly (every layer is
+        mlx-lm's plain ``KVCache``: :func:`ringlet.daemon.engine.speculation.trimmable`);
+        speculative decoding runs on the group only then."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ringlet.daemon.engine.speculation import trimmable
+
+        return trimmable(make_prompt_cache(self.model))
+
+    def trim(self, slot: int, n: int) -> int:
+        """Drop the last ``n`` positions of ``slot``'s cache (a verifying step's rejected
+        drafts; mlx-lm's ``trim_prompt_cache``). Returns the positions dropped (0: no such
+        cache, or one that cannot trim)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        cache = self.caches.get(slot)
+        return trim_prompt_cache(cache, n) if cache is not None and n > 0 else 0
+
     def bench(self, iters: int, width: int) -> float:
         import mlx.core as mx
 
@@ -223,7 +243,7 @@ class Rank:
             self.groups.dissolve([free])
             self.caches.pop(free, None)
         op = int(header[H_OP])
-        if op in (OP_SAVE, OP_LOAD, OP_FREE):  # these use or replace one slot's own cache
+        if op in (OP_SAVE, OP_LOAD, OP_FREE, OP_TRIM):  # these use or replace one slot's own cache
             self.groups.dissolve([int(header[H_SLOT])])
         if op == OP_STEP:
             return self.step(header, tokens, hidden)
@@ -236,6 +256,8 @@ class Rank:
             if cache is not None:
                 self.caches[int(header[H_SLOT])] = cache
             return cache is not None
+        if op == OP_TRIM:
+            return self.trim(int(header[H_SLOT]), int(header[H_N]))
         if op == OP_DROP:
             self.kept.drop(int(header[H_ARG]))
         elif op == OP_FREE:

@@ -39,6 +39,7 @@ from ringlet.daemon.tensor.side_channel import (
     OP_SAVE,
     OP_STEP,
     OP_STOP,
+    OP_TRIM,
 )
 
 #: All-reduces per bench round (the first round is a warm-up and not counted).
@@ -63,6 +64,10 @@ class Request:
     scope: str | None = None  # its prefix cache scope (None: the cache is off for it)
     fed: list[int] = field(default_factory=list)  # the token ids its KV cache holds
     cached: int = 0  # prompt tokens taken from the prefix cache
+    drafter: Any = None  # speculative decoding (engine.drafting.Drafter; None: off for it)
+    spec: Any = None  # its engine.drafting.Speculation
+    measured: bool = True  # drafts weighed against what a verifying step costs (TripMeter)
+    output: list[int] = field(default_factory=list)  # its tokens so far (this epoch's)
 
 
 class LeadRank(Rank):
@@ -84,7 +89,8 @@ class LeadRank(Rank):
 
     def lead_stage(self) -> None:
         """Stage mode: run each ``stage`` request as it comes (the daemon's engine orders and
-        times them) and answer with the stage's output; ``free`` drops a slot's cache; a ``stage``
+        times them) and answer with the stage's output (every position's logits for a verifying
+        step, ``every``); ``free`` drops a slot's cache, ``trim`` its last ``n`` positions; a ``stage``
         request with an ``op`` keeps a slot's cache as a prefix entry (``save``, answered
         with rank 0's bytes) or starts a slot from one (``load``), and ``pdrop`` forgets one."""
         import mlx.core as mx
@@ -104,6 +110,11 @@ class LeadRank(Rank):
                     self.groups.dissolve([slot])
                     self.caches.pop(slot, None)
                 continue
+            if t == "trim":  # a verifying step's rejected drafts leave the slot's cache (every rank)
+                header = [OP_TRIM, int(msg["slot"]), 0, int(msg["n"]), 0, 0, -1]
+                self.side.send(header)
+                self.apply_header(header)
+                continue
             if t == "pdrop":  # forget a prefix cache entry (every rank its shard)
                 self.side.send([OP_DROP, 0, 0, 0, 0, int(msg["entry"]), -1])
                 self.kept.drop(int(msg["entry"]))
@@ -117,7 +128,7 @@ class LeadRank(Rank):
                 value = self.apply_header(header)
                 self.ctrl.send({"t": "out", "id": msg["id"], "shape": None, "value": int(value)})
                 continue
-            head = bool(msg.get("head"))
+            head, every = bool(msg.get("head")), bool(msg.get("every"))  # every: all positions' logits
             slots = [int(x) for x in msg["slots"]] if "slots" in msg else [int(msg["slot"])]
             new = bool(msg.get("new")) and "slots" not in msg
             missing = [x for x in slots if x not in self.caches]
@@ -126,7 +137,7 @@ class LeadRank(Rank):
                                 "msg": f"no KV cache for slot {missing[0]} in this group"})
                 continue
             slot = slots[0]
-            flags = (F_NEW_CACHE if new else 0) | (F_HEAD | F_LAST if head and self.last else 0)
+            flags = (F_NEW_CACHE if new else 0) | (F_HEAD | (0 if every else F_LAST) if head and self.last else 0)
             data: bytes | None = msg.get("_data")
             if "slots" in msg:  # a batched decode step: one token (or hidden state) per slot
                 if data is not None:
@@ -151,16 +162,28 @@ class LeadRank(Rank):
             if self.last and not head:
                 self.ctrl.send({"t": "out", "id": msg["id"], "shape": None})  # a prefill chunk: cache only
                 continue
-            if self.last:
+            if self.last and not every:
                 out = out[:, -1:, :]  # the last position's logits: all the daemon samples from
             dtype = str(out.dtype).removeprefix("mlx.core.")
             arr = np.array(out.astype(mx.float32))
             self.ctrl.send({"t": "out", "id": msg["id"], "shape": list(arr.shape), "dtype": dtype}, arr.tobytes())
 
     def lead(self) -> None:
+        """Serve ``gen``, ``logits`` and ``bench`` requests, one step of one request at a
+        time (round robin). A ``gen`` request with ``spec`` (``{"k", "prediction",
+        "measured"}``) decodes speculatively (:mod:`ringlet.daemon.engine.speculation`): each
+        decode step feeds the latest token and up to ``k`` drafts, verifies them on every
+        position's logits, and has every rank drop the rejected ones (``OP_TRIM``); its
+        ``tok`` answers then carry several ids and ``sd`` (drafted, accepted)."""
+        import time
+
         import mlx.core as mx
 
+        from ringlet.daemon.engine.drafting import Drafter, Speculation, TripMeter, next_drafts
         from ringlet.daemon.engine.sampling import RequestSampler, sampling_from_dict
+        from ringlet.daemon.engine.speculation import verify
+
+        meter = TripMeter()  # what a verifying step costs in this group, measured
 
         reqs: dict[int, Request] = {}
         order: list[int] = []  # round-robin over slots
@@ -221,6 +244,10 @@ class LeadRank(Rank):
                 if req.max_tokens <= 0:
                     self.ctrl.send({"t": "done", "id": req.id, "reason": "length"})
                     return True
+                if isinstance(msg.get("spec"), dict) and int(msg["spec"].get("k", 0)) > 0:
+                    req.drafter = Drafter(prompt, [int(x) for x in msg["spec"].get("prediction") or ()])
+                    req.spec = Speculation(int(msg["spec"]["k"]))
+                    req.measured = bool(msg["spec"].get("measured", True))
             reqs[slot] = req
             order.append(slot)
             return True
@@ -290,11 +317,22 @@ class LeadRank(Rank):
                     r.fed, r.pending, r.started, r.cached = r.pending[:n], r.pending[n:], True, n
             n = len(r.pending) if r.kind == "logits" else min(chunk, len(r.pending))
             feed, r.pending = r.pending[:n], r.pending[n:]
+            decoding = r.produced > 0 and not r.pending  # the latest token alone: a decode step
+            drafts: list[int] = []
+            if decoding and r.spec is not None:
+                drafts, _ = next_drafts(r.drafter, r.spec, r.output, r.max_tokens - r.produced - 1, r.stop,
+                                        meter if r.measured else None)
+                feed = feed + drafts
+                n = len(feed)
             r.fed += feed
             last = not r.pending
-            head_flags = F_HEAD | (0 if r.kind == "logits" else F_LAST)  # logits(): every position
+            every = r.kind == "logits" or bool(drafts)  # logits(), a verifying step: every position
+            head_flags = F_HEAD | (0 if every else F_LAST)
             flags = (0 if r.started else F_NEW_CACHE) | (head_flags if last else 0)
+            began = time.perf_counter()
             logits = run([OP_STEP, slot, flags, n, feed[0] if n == 1 else 0, 0, free], feed)
+            if decoding and r.spec is not None:
+                meter.observe(len(drafts), time.perf_counter() - began)
             r.started = True
             if not last:
                 continue
@@ -313,13 +351,27 @@ class LeadRank(Rank):
                 )
                 finish(slot, "")
                 continue
-            tok = r.sampler(logits[0, -1], r.fed)
-            r.produced += 1
-            r.pending = [int(tok)]
-            self.ctrl.send({"t": "tok", "id": r.id, "ids": [int(tok)], "k": r.produced,
-                            **({"cached": r.cached} if r.produced == 1 else {}),
-                            **({"lp": [tok.logprob, list(tok.top)]} if tok.logprob is not None else {})})
-            if tok in r.stop:
+            if drafts:  # the accepted drafts, then the model's own next token; the rest leave every cache
+                toks = verify(r.sampler, logits[0], feed, r.fed[:-len(feed)])
+                keep = len(r.fed) - len(feed) + len(toks)
+                if keep < len(r.fed):
+                    run([OP_TRIM, slot, 0, len(r.fed) - keep, 0, 0, -1])
+                    del r.fed[keep:]
+                r.spec.verified(len(drafts), len(toks) - 1, r.drafter.evidence)
+                r.drafter.verified(len(toks) - 1)
+            else:
+                toks = [r.sampler(logits[0, -1], r.fed)]
+            r.produced += len(toks)
+            r.pending = [int(toks[-1])]
+            r.output += [int(t) for t in toks]
+            if r.drafter is not None:
+                r.drafter.add(int(t) for t in toks)
+            self.ctrl.send({"t": "tok", "id": r.id, "ids": [int(t) for t in toks], "k": r.produced,
+                            **({"cached": r.cached} if r.produced == len(toks) else {}),
+                            **({"sd": [len(drafts), len(toks) - 1]} if drafts else {}),
+                            **({"lp": [[t.logprob, list(t.top)] for t in toks]} if toks[0].logprob is not None
+                               else {})})
+            if toks[-1] in r.stop:
                 finish(slot, "stop")
             elif r.produced >= r.max_tokens:
                 finish(slot, "length")

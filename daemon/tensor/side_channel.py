@@ -36,6 +36,9 @@ OP_STEP, OP_FREE, OP_STOP, OP_BENCH, OP_BSTEP = 1, 2, 4, 5, 6
 #: ``slot``'s cache as entry ``arg``; start ``slot``'s cache from ``n`` tokens of entry
 #: ``arg``; forget entry ``arg``
 OP_SAVE, OP_LOAD, OP_DROP = 7, 8, 9
+#: speculative decoding (:mod:`ringlet.daemon.engine.speculation`): drop the last ``n``
+#: positions of ``slot``'s cache (the drafts a verifying step rejected)
+OP_TRIM = 10
 F_NEW_CACHE, F_HEAD, F_HIDDEN = 1, 2, 4
 #: With ``F_HEAD``: rank 0's head projects only the last position onto the vocabulary (a
 #: step whose logits are sampled from; ``TPGroup.logits`` asks for every position).

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 "size": args.size,
                 "backend": args.backend,
                 "headless": rank.inner is not None,
+                "trims": rank.trims(),
             }
         )
         if args.rank == 0:

@@ -168,11 +168,22 @@ def test_three_daemons_serve_tensor_parallel_through_any_node(trio):
     while (store := c.cluster_info(leader)["prefix_cache"])["hits"] < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert (store["ranks"], store["hits"], store["hit_tokens"]) == (3, 1, len(CHAT["prompt_ids"]) - 1), store
+    # with the expected answer as the prediction, rank 0 decodes speculatively: the same tokens
+    r = httpx.post(f"{c.api_urls[api]}/v1/chat/completions", timeout=300, json={
+        "messages": CHAT["messages"], "max_tokens": FIRST, "temperature": 0, "return_token_ids": True,
+        "prediction": {"type": "content", "content": CHAT["completion_text"]}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == CHAT["completion_ids"][:FIRST]
+    details = r.json()["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= 4, details
+    spec = c.cluster_info(leader)["speculation"]
+    assert spec["trips"] >= 1 and spec["accepted"] == details["accepted_prediction_tokens"], spec
 
 
 def test_a_tensor_group_applies_a_grammar_and_reports_logprobs(trio):
     """Rank 0 samples for the group: a json_schema request's output validates and its
-    logprobs come back through the group's control channel."""
+    logprobs come back through the group's control channel, one for every token of a
+    verifying step's answer too."""
     import json
 
     import jsonschema
@@ -183,7 +194,8 @@ def test_a_tensor_group_applies_a_grammar_and_reports_logprobs(trio):
               "required": ["name", "age"], "additionalProperties": False}
     r = httpx.post(f"{c.api_urls[ids[ranks[1]]]}/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": "Describe a person."}], "max_tokens": 40, "temperature": 0,
-        "logprobs": True, "top_logprobs": 2,
+        "logprobs": True, "top_logprobs": 2,  # drafts of a prediction, verified under the grammar
+        "prediction": {"type": "content", "content": '{"name": "John Smith", "age": 30}'},
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

@@ -29,6 +29,7 @@ import pytest
 from smollm2 import KV_DIM, LAYERS
 from tp_support import alive, make_model, mlx_greedy, rank_env, wait_dead, worker_pids
 
+from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.tensor.group import TPGroup
 from ringlet.daemon.tensor.planning.decision import TPRefused
 
@@ -148,6 +149,32 @@ def test_three_ranks_keep_their_shards_of_a_turn_and_the_next_turn_prefills_only
     assert stats["entries"] == 2 and stats["tokens"] == (len(prompt) + 19) * 2, stats
     # each rank keeps 1 of the 3 kv heads: keys and values, 30 layers, float32
     assert stats["bytes"] == stats["tokens"] * 2 * LAYERS * (KV_DIM // 3) * 4
+
+
+def test_three_ranks_decode_speculatively_and_give_the_reference(smol3, loop, reference, eos_ids):
+    """Speculative decoding in a tensor group: rank 0 feeds the latest token and the drafts
+    of the caller's prediction, verifies them on every position's logits, and every rank
+    drops the rejected ones. The prediction is the reference's own completion with three
+    tokens changed at 12-14, so drafts are accepted, then rejected there (each rank's cache
+    trimmed), then found again; the output is still the reference (transformers, fp32),
+    token for token, with logprobs for every token, and the counts add up."""
+    case = reference[0]  # raw_once: 40 reference completion tokens
+    want = case["completion_ids"]
+    prediction = [*want[:12], *(t + 1 for t in want[12:15]), *want[15:]]
+    info: dict = {}
+    spec = {"k": 6, "prediction": prediction, "measured": False}
+    scope = {"scope": "spec", "budget": 1 << 30}
+    tokens = run(loop, collect(smol3.generate(case["prompt_ids"], 30, SamplingParams(logprobs=2),
+                                              stop_ids=eos_ids, prefix=scope, info=info, spec=spec)))
+    assert [int(t) for t in tokens] == want[:30]
+    assert all(t.logprob is not None and len(t.top) == 2 and t.logprob <= 0 for t in tokens)
+    accepted, rejected, trips = info["drafts"]
+    assert accepted >= 20 and rejected >= 1 and trips <= 9, info  # several tokens a step; the changed ones rejected
+    # every rank's cache held exactly the accepted tokens: the turn it kept serves the next one
+    second: dict = {}
+    got = run(loop, collect(smol3.generate(case["prompt_ids"] + want[:30], 10, stop_ids=eos_ids, prefix=scope,
+                                           info=second)))
+    assert got == want[30:40] and second["cached_tokens"] == len(case["prompt_ids"]) + 29
 
 
 def test_kill_a_rank_mid_stream_falls_back_to_one_process(smol3, loop, reference, eos_ids):

@@ -5,7 +5,8 @@ backend over loopback, hidden states passed from one group to the next by the te
 - tiny random llama / qwen3 models, two 2-rank groups holding layers [0, 2) and [2, 4): the
   logits of the last position after a prefill and after one decode step equal mlx-lm's
   single-process forward to 1e-4 relative error; a prefill chunk that more chunks follow
-  (``head=False``) returns nothing and fills the cache; a batched decode step of three
+  (``head=False``) returns nothing and fills the cache; a verifying step (``head=None``)
+  gives every position's logits, and positions trimmed from it leave every rank's cache; a batched decode step of three
   requests of different lengths gives each one its own single-process logits;
 - the default model (9 heads: groups of 3), float32: a 3-rank group holding layers [0, 15)
   chained with an ordinary in-process stage [15, 30) decodes the reference greedy ids
@@ -33,15 +34,21 @@ pytestmark = pytest.mark.timeout(300)
 
 FIRST = 20
 PROMPT = [1, 40, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+DRAFTS = [9, 10, 11]  # a verifying step's tokens after the decoded 7: the last two get rejected
 
 
-def mlx_last_logits(path, ids: list[int]) -> np.ndarray:
-    """mlx-lm's single-process logits of the last position (the independent reference)."""
+def mlx_logits(path, ids: list[int]) -> np.ndarray:
+    """mlx-lm's single-process logits of every position (the independent reference)."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)
-    return np.array(model(mx.array([ids]))[0, -1].astype(mx.float32))
+    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+
+
+def mlx_last_logits(path, ids: list[int]) -> np.ndarray:
+    """mlx-lm's single-process logits of the last position."""
+    return mlx_logits(path, ids)[-1]
 
 
 def rel_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -90,17 +97,29 @@ def test_two_tiny_groups_chained_match_single_process(tmp_path, arch):
             _, prefill, _ = await b.stage_forward(1, eb, hidden=h)
             _, h, _ = await a.stage_forward(1, ea, tokens=[7])
             _, decode, dt = await b.stage_forward(1, eb, hidden=h)
+            # a verifying step (speculative decoding): every position's logits; then the
+            # last two drafts are rejected and leave every rank's cache
+            _, h, _ = await a.stage_forward(1, ea, tokens=DRAFTS, head=None)
+            _, verifying, _ = await b.stage_forward(1, eb, hidden=h, head=None)
+            a.trim_slot(1, 2, ea)
+            b.trim_slot(1, 2, eb)
+            _, h, _ = await a.stage_forward(1, ea, tokens=[12])
+            _, after, _ = await b.stage_forward(1, eb, hidden=h)
             a.free_slot(1, ea)
             b.free_slot(1, eb)
             with pytest.raises(TPGroupError, match="no KV cache for slot 1"):
                 await a.stage_forward(1, ea, tokens=[7])
             assert dt == "float32"
-            return prefill, decode
+            return prefill, decode, verifying, after
 
-    prefill, decode = asyncio.run(asyncio.wait_for(go(), 200))
-    assert prefill.shape == decode.shape == (1, 1, 160)
+    prefill, decode, verifying, after = asyncio.run(asyncio.wait_for(go(), 200))
+    assert prefill.shape == decode.shape == after.shape == (1, 1, 160)
     assert rel_error(prefill[0, 0], want_prefill) < 1e-4
     assert rel_error(decode[0, 0], want_decode) < 1e-4
+    assert verifying.shape == (1, 3, 160)
+    for j, want in enumerate(mlx_logits(path, [*PROMPT, 7, *DRAFTS])[-3:]):
+        assert rel_error(verifying[0, j], want) < 1e-4, j
+    assert rel_error(after[0, 0], mlx_last_logits(path, [*PROMPT, 7, DRAFTS[0], 12])) < 1e-4
 
 
 def test_a_batched_decode_step_through_two_groups_matches_single_process(tmp_path):

@@ -5,7 +5,9 @@ member's own daemon (MLX's ring backend over loopback) and a tiny random llama m
 
 - 4 daemons, float32: the committed plan is hybrid, 2 groups of 2 over ring, layers [0, 2)
   and [2, 4); the plan's stages are the groups' leaders; greedy completions through a node
-  that leads no group equal mlx-lm's single-process greedy ids (the independent reference);
+  that leads no group equal mlx-lm's single-process greedy ids (the independent reference),
+  decoding speculatively (drafts on every step here: verifying steps through both groups,
+  rejected drafts trimmed from every rank's cache);
 - 4 concurrent requests: each group batches their decode steps, and every request gets its
   own prompt's reference ids;
 - kill -9 a rank process (its daemon lives): its group restarts on the same members, the
@@ -37,6 +39,7 @@ from streaming import Streamed, read_events
 from test_tp_cluster import rank_workers, stop_and_check, tp_env
 from tp_support import alive, make_model, mlx_greedy, wait_dead
 
+from ringlet.daemon.node.config import SPEC_ALWAYS_ENV
 from ringlet.daemon.ops.demo import LocalCluster
 
 pytestmark = pytest.mark.timeout(400)
@@ -66,8 +69,10 @@ def wait_groups_ready(c: LocalCluster, leaders: list[int], timeout_s: float = 12
 def quad(tmp_path_factory):
     # seed 4: no near-tie in the first 24 greedy tokens of PROMPT (smallest top-2 margin 3.4e-3)
     path = make_model("llama", tmp_path_factory.mktemp("hybrid") / "llama", seed=4)
+    # drafts on every decode step (not only where measured to pay): every request here also
+    # checks speculative decoding through the groups
     c = LocalCluster(4, model=str(path), dtype="float32", dynamic=True, extra_args=["--mode", "hybrid"],
-                     env=tp_env())
+                     env={**tp_env(), SPEC_ALWAYS_ENV: "1"})
     c.start(stages=2)  # a hybrid plan's stages are its 2 groups
     try:
         yield c, path
@@ -108,6 +113,8 @@ def test_four_daemons_serve_two_tensor_groups_as_pipeline_stages(quad):
     assert margin > 1e-3  # no near-tie: float32 sums in another order cannot flip a token
     assert choice["finish_reason"] == "length"  # no end-of-sequence token among them
     assert choice["token_ids"] == want
+    spec = c.cluster_info(leaders[0])["speculation"]  # stage 0 drafted from the output's own repeats
+    assert spec["trips"] > 0 and spec["accepted"] > 0 and spec["off"] == {}, spec
     got = stream(c.api_urls[ids[groups[0][1]]])
     assert (got.ids, got.finish, got.error) == (want, "length", None)
 
@@ -236,8 +243,10 @@ def test_a_later_stage_group_that_keeps_crashing_gives_way_to_the_pipeline(tmp_p
     each time it restarts), it says so in its membership record, and the proposer re-plans the
     same members on the pipeline, saying why; requests are served again."""
     path = make_model("llama", tmp_path / "llama", seed=4)
+    # drafts on every decode step (not only where measured to pay): every request here also
+    # checks speculative decoding through the groups
     c = LocalCluster(4, model=str(path), dtype="float32", dynamic=True, extra_args=["--mode", "hybrid"],
-                     env=tp_env())
+                     env={**tp_env(), SPEC_ALWAYS_ENV: "1"})
     c.start(stages=2)
     try:
         groups = c.cluster_info(0)["tp"]["groups"]

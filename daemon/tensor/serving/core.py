@@ -273,10 +273,13 @@ class TPServing:
     # --- generation on rank 0 ----------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams,
-                       stop_ids: frozenset[int], scope: str = "", info: dict | None = None) -> AsyncIterator[int]:
+                       stop_ids: frozenset[int], scope: str = "", info: dict | None = None,
+                       spec: dict | None = None) -> AsyncIterator[int]:
         """Tokens of one request driven by this node's group (this node is rank 0). The
         group's prefix cache serves it under ``scope`` (``info`` gets ``cached_tokens``),
-        within :meth:`prefix_budget` per rank.
+        within :meth:`prefix_budget` per rank; with ``spec`` rank 0 decodes speculatively
+        (:meth:`ringlet.daemon.tensor.group_requests.GroupRequests.generate`; ``info`` gets
+        ``drafts``, and the node's speculation figures count them).
 
         Raises:
             GenerationError: no group here for the committed plan, or the group failed.
@@ -296,7 +299,11 @@ class TPServing:
         self.node.state = "serving"
         try:
             prefix = {"scope": scope, "budget": self.prefix_budget(group)}
-            async for token in group.generate(prompt, max_tokens, sampling, sorted(stop_ids), prefix, info):
+            info = info if info is not None else {}
+            if spec and not group.info().get("trims"):  # its caches cannot drop drafted positions exactly
+                self.node.spec_totals.skip("cache")
+                spec = None
+            async for token in group.generate(prompt, max_tokens, sampling, sorted(stop_ids), prefix, info, spec):
                 if ttft is None:
                     ttft = time.perf_counter() - started
                 count += 1
@@ -310,6 +317,8 @@ class TPServing:
         except TPGroupError as exc:
             raise GenerationError(f"tensor group: {exc}") from None
         finally:
+            if info is not None and info.get("drafts"):
+                self.node.spec_totals.add(*info["drafts"])
             elapsed = time.perf_counter() - started
             self.node.requests_served += 1
             self.node.recent.append({
