@@ -47,8 +47,8 @@ async def _ranks(ranks: int, cases: dict[str, tuple[list[int], list[int] | None]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tp_support import rank_env
 
-    group = TPGroup.local(None, ranks, dtype="float32", extra_env=rank_env(ranks), mode=None if ranks == 1 else "tensor",
-                          step_timeout=300)
+    group = TPGroup.local(None, ranks, dtype="float32", extra_env=rank_env(ranks),
+                          mode=None if ranks == 1 else "tensor", step_timeout=300)
     await group.start()
     try:
         await _decode(group, cases["edit"][0], None, "off", stop)  # warm up
