@@ -203,10 +203,29 @@ class _Prompted(_Strict):
         choice, parallel = self.choice(tools)
         fmt = self.output_config.format if self.output_config is not None else None
         messages = self.conversation(seal, ignored)
+        kwargs = self.template_kwargs()
+        prefill = self.messages[-1].role == "assistant"
+        if prefill:
+            self.check_prefill(messages[-1], kwargs)
         return GenerationRequest(messages=messages, tools=tools, tool_choice=choice,
-                                 parallel_tool_calls=parallel, template_kwargs=self.template_kwargs(),
+                                 parallel_tool_calls=parallel, template_kwargs=kwargs,
                                  response_format=ResponseFormat("json_schema", fmt.schema_) if fmt else None,
-                                 ignored=ignored, **sampling)
+                                 ignored=ignored, prefill=prefill, **sampling)
+
+    def check_prefill(self, last: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        """A final assistant message is a prefill: the answer continues its text
+        (Anthropic's "prefill Claude's response"). 400 where Anthropic refuses one -- its
+        text ending in whitespace, with thinking on -- or where there is nothing to continue
+        (``tool_use`` blocks)."""
+        where = f"messages.{len(self.messages) - 1}.content"
+        if last.get("tool_calls"):
+            raise ApiError(400, "a final assistant message is continued (prefill); it cannot hold tool_use "
+                           "blocks", param=where)
+        if last.get("content", "") != last.get("content", "").rstrip():
+            raise ApiError(400, "final assistant content cannot end with trailing whitespace", param=where)
+        if kwargs.get("enable_thinking"):
+            raise ApiError(400, "a final assistant message (prefill) cannot be continued with thinking on",
+                           param="thinking")
 
 
 class MessagesRequest(_Prompted):

@@ -143,7 +143,8 @@ def forced(request: GenerationRequest) -> bool:
 
 def chat_prompt(tokenizer, request: GenerationRequest) -> tuple[list[int], ToolFormat | None]:
     """The chat's prompt token ids, and the tool format its output is parsed with
-    (``None``: no tools, or ``tool_choice`` ``none``).
+    (``None``: no tools, or ``tool_choice`` ``none``). A request with ``prefill`` ends
+    inside its last message (Hugging Face's ``continue_final_message``).
 
     Raises:
         ApiError: the template rejected the messages (400, naming the template's error).
@@ -160,8 +161,10 @@ def chat_prompt(tokenizer, request: GenerationRequest) -> tuple[list[int], ToolF
         rendered = _in_json_format(messages, request.tools if tools_on else [], request.tool_choice,
                                    forced_custom(request))
         fmt = JSON_FORMAT if tools_on else None
+    if request.prefill:  # the answer continues the last (assistant) message: no new turn, that one left open
+        kwargs["continue_final_message"] = True
     try:
-        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **kwargs)
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=not request.prefill, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template raises jinja2 errors of many kinds
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return list(ids), fmt

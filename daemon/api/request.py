@@ -110,6 +110,9 @@ class GenerationRequest:
             API key does ("" for none).
         prediction: the text the client expects the output to be (OpenAI's Predicted
             Outputs): stage 0 drafts from it; it speeds up, never changes, the output.
+        prefill: the last message is an assistant message the answer continues
+            (Anthropic's prefill): the prompt ends inside it, and the output is what
+            follows its text.
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -139,6 +142,7 @@ class GenerationRequest:
     cache_key: str = ""
     progress: bool = False
     prediction: str = ""
+    prefill: bool = False
 
 
 # --- the event stream ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Anthropic's Messages API through the official ``anthropic`` client against real
 daemons on the bundled model: text, system prompts, stop sequences, streaming, tools
 (a forced call validates against its schema; a tool result yields an answer), thinking
-blocks in the history, structured output, count_tokens, ``x-api-key``, and a 400 in
+blocks in the history, structured output, a final assistant message continued (prefill),
+count_tokens, ``x-api-key``, and a 400 in
 Anthropic's shape naming the field for each bad input."""
 
 from __future__ import annotations
@@ -129,6 +130,26 @@ def test_count_tokens_is_the_rendered_prompts_length(cluster):
     assert counted.input_tokens == expected
 
 
+def test_a_final_assistant_message_is_continued(cluster):
+    """Anthropic's prefill: the answer continues the final assistant message's text (the
+    prompt ends inside that turn, as Hugging Face's ``continue_final_message`` renders it),
+    so the prefill and the answer make one JSON object; without it this model answers
+    ``{"city": "Paris"}``, a turn of its own."""
+    from ringlet.daemon.engine.model_info import load_tokenizer
+    from ringlet.daemon.engine.sources import resolve
+
+    prefill = '{"capital": "'
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."},
+                {"role": "assistant", "content": prefill}]
+    m = client(cluster).messages.create(model=MODEL, max_tokens=12, messages=messages, extra_body=GREEDY)
+    assert json.loads(prefill + m.content[0].text) == {"capital": "Paris"}
+    assert m.stop_reason == "end_turn"
+    rendered = load_tokenizer(resolve(None)).apply_chat_template(messages, continue_final_message=True,
+                                                                 add_generation_prompt=False)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(rendered)
+    assert client(cluster).messages.count_tokens(model=MODEL, messages=messages).input_tokens == len(rendered)
+
+
 def test_x_api_key_is_checked(cluster):
     with pytest.raises(anthropic.AuthenticationError):
         client(cluster, key="wrong-key-" + "w" * 24).messages.create(model=MODEL, max_tokens=2, messages=ASK)
@@ -145,6 +166,10 @@ def test_x_api_key_is_checked(cluster):
     ({"tools": [{"description": "no name", "input_schema": {"type": "object"}}]}, "tools.0.name"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
     ({"temperature": 1.5}, "temperature"),
+    ({"messages": [*ASK, {"role": "assistant", "content": "It is "}]}, "trailing whitespace"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                             "input": {"city": "Paris"}}]}], "tools": [WEATHER]},
+     "tool_use"),
     ({"max_tokens": None}, "max_tokens"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "output_config.format"),
 ])
