@@ -7,7 +7,11 @@ Cases (greedy chat completions, streamed, ``return_token_ids``):
 
 * ``edit``: a ~600-token Python file in the prompt, "rename ``x`` to ``y`` and return
   the whole file" (drafts come from the prompt: prompt lookup);
-* ``edit+prediction``: the same with ``prediction`` = the file with the rename done;
+* ``edit+prediction``: the same with ``prediction`` = the original file (as the issue has it);
+* ``edit, prefilled`` and ``edit+prediction, prefilled``: the same two with the answer
+  prefilled with ```` ```python ```` (``continue_final_message``), so that this model writes
+  the file out -- asked plainly, it describes the functions instead: the echo-heavy output
+  of a coding agent;
 * ``story``: free text (the drafter should back off);
 * ``4 edits``: 4 concurrent edits (different files), aggregate tokens/s.
 
@@ -56,21 +60,27 @@ def python_file(seed: int) -> str:
     return "".join(out)
 
 
+FENCE = "```python"
+
+
 def edit_message(seed: int) -> tuple[str, str]:
+    """The edit's user message, and the original file as it stands in it (the prediction
+    the issue names: a client predicts the file unchanged but for its edit)."""
     code = python_file(seed)
-    renamed = code.replace("(x,", "(y,").replace("x < 0", "y < 0").replace("x = -x", "y = -y") \
-        .replace("sqrt(x)", "sqrt(y)").replace("of x", "of y")
     return (f"Rename the variable `x` to `y` in this file and return the whole file, nothing else:\n\n"
-            f"```python\n{code}```", f"```python\n{renamed}```")
+            f"{FENCE}\n{code}```", f"{FENCE}\n{code}```")
 
 
 STORY = "Write a long story about a lighthouse keeper and a storm."
 
 
 async def _one(client: httpx.AsyncClient, url: str, message: str, max_tokens: int,
-               prediction: str | None = None) -> dict:
+               prediction: str | None = None, prefill: str | None = None) -> dict:
     body = {"messages": [{"role": "user", "content": message}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if prefill is not None:  # the answer continues it (vLLM's continue_final_message)
+        body["messages"].append({"role": "assistant", "content": prefill})
+        body.update(continue_final_message=True, add_generation_prompt=False)
     if prediction is not None:
         body["prediction"] = {"type": "content", "content": prediction}
     times: list[float] = []
@@ -101,13 +111,15 @@ async def _case(url: str, case: str) -> dict:
         if case == "story":
             r = await _one(client, url, STORY, STORY_TOKENS)
         else:
-            message, renamed = edit_message(1)
-            r = await _one(client, url, message, EDIT_TOKENS, renamed if case == "edit+prediction" else None)
+            message, original = edit_message(1)
+            prefill = FENCE if case.endswith("prefilled") else None
+            prediction = None if "prediction" not in case else original[len(FENCE):] if prefill else original
+            r = await _one(client, url, message, EDIT_TOKENS, prediction, prefill)
         return {"tokens_per_s": (r["tokens"] - 1) / (r["last"] - r["first"]), "tokens": r["tokens"],
                 "usage_details": r["usage"].get("completion_tokens_details")}
 
 
-CASES = ("edit", "edit+prediction", "story", "4 edits")
+CASES = ("edit", "edit+prediction", "edit, prefilled", "edit+prediction, prefilled", "story", "4 edits")
 #: off (--spec-tokens 0), on (the default: drafts where they are measured to pay), and
 #: always (RINGLET_TEST_SPEC_ALWAYS=1: drafts on every step a drafter can, whatever the cost)
 SIDES = ("off", "on", "always")
@@ -143,7 +155,7 @@ def main() -> dict:
             off = statistics.median(r["tokens_per_s"] for r in runs[case, "off"])
             row: dict = {"off_tokens_per_s": round(off, 2), "runs_off": [round(r["tokens_per_s"], 2)
                                                                           for r in runs[case, "off"]]}
-            line = f"  {stages} stage(s) {case:16s} off {off:6.2f} tok/s"
+            line = f"  {stages} stage(s) {case:26s} off {off:6.2f} tok/s"
             for side in SIDES[1:]:
                 on = statistics.median(r["tokens_per_s"] for r in runs[case, side])
                 fig = figures[case, side]

@@ -5,9 +5,11 @@ loop, no collective) and of 3 ranks (its heads allow 3; more ranks than this box
 the poll shim of tests/tp_support.py, so the figures include the contention).
 
 Cases: ``bench_spec``'s edit (a ~600-token Python file, "rename x to y and return the
-whole file": drafts from prompt lookup) and the same edit with the renamed file as the
-prediction. Decode tokens/s = (tokens - 1) / (last token's arrival - first token's), at
-the supervisor; median of ``REPEATS``, off / on / always alternating. Ratios are the result.
+whole file": drafts from prompt lookup), the same edit with the original file as the
+prediction, and both with the answer prefilled with a code fence (the prompt ends inside
+the assistant's turn), with which this model writes the file out. Decode tokens/s =
+(tokens - 1) / (last token's arrival - first token's), at the supervisor; median of
+``REPEATS``, off / on / always alternating. Ratios are the result.
 
 Run: ``python bench/run.py bench_spec_tensor``.
 """
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_spec import EDIT_TOKENS, edit_message
+from bench_spec import EDIT_TOKENS, FENCE, edit_message
 
 from ringlet.daemon.engine.model_info import load_tokenizer
 from ringlet.daemon.engine.sources import resolve
@@ -63,7 +65,7 @@ async def _ranks(ranks: int, cases: dict[str, tuple[list[int], list[int] | None]
     for case in cases:
         off = statistics.median(r["tokens_per_s"] for r in runs[case, "off"])
         row: dict = {"off_tokens_per_s": round(off, 2)}
-        line = f"  {ranks} rank(s) {case:16s} off {off:6.2f} tok/s"
+        line = f"  {ranks} rank(s) {case:26s} off {off:6.2f} tok/s"
         for side in SIDES[1:]:
             on = statistics.median(r["tokens_per_s"] for r in runs[case, side])
             drafted = sum(r["drafted"] for r in runs[case, side])
@@ -82,9 +84,15 @@ async def _ranks(ranks: int, cases: dict[str, tuple[list[int], list[int] | None]
 
 def main() -> dict:
     tokenizer = load_tokenizer(resolve(None))
-    message, renamed = edit_message(1)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+    message, original = edit_message(1)
+    asked = [{"role": "user", "content": message}]
+    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True)
+    prefilled = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": FENCE}],
+                                              continue_final_message=True, add_generation_prompt=False)
     cases = {"edit": (prompt, None),
-             "edit+prediction": (prompt, tokenizer.encode(renamed, add_special_tokens=False))}
+             "edit+prediction": (prompt, tokenizer.encode(original, add_special_tokens=False)),
+             "edit, prefilled": (prefilled, None),
+             "edit+prediction, prefilled": (prefilled, tokenizer.encode(original[len(FENCE):],
+                                                                        add_special_tokens=False))}
     stop = sorted(tokenizer.eos_token_ids)
     return {f"{ranks}_ranks": asyncio.run(_ranks(ranks, cases, stop)) for ranks in RANKS}

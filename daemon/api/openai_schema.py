@@ -291,9 +291,16 @@ class ChatRequest(_Common):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     modalities: list[str] | None = None
+    #: extensions (as in vLLM): the answer continues the last message (a prefill); no new
+    #: assistant turn opened after the messages
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
     def internal(self) -> GenerationRequest:
         """The internal request (400 for a field that cannot be honoured)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (the answer "
+                                "either continues the last message or opens a new turn)", param="add_generation_prompt")
         if self.store:
             raise unsupported("store", "ringlet keeps no completions")
         if self.modalities is not None and set(self.modalities) - {"text"}:
@@ -316,7 +323,8 @@ class ChatRequest(_Common):
             tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format_from(self.response_format), template_kwargs=kwargs,
             max_tokens=self.max_completion_tokens or self.max_tokens, prediction=prediction_text(self.prediction),
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None, **common)
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None, prefill=self.continue_final_message,
+            generation_prompt=self.add_generation_prompt is not False, **common)
 
 
 class CompletionRequest(_Common):

@@ -164,7 +164,8 @@ def chat_prompt(tokenizer, request: GenerationRequest) -> tuple[list[int], ToolF
     if request.prefill:  # the answer continues the last (assistant) message: no new turn, that one left open
         kwargs["continue_final_message"] = True
     try:
-        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=not request.prefill, **kwargs)
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=request.generation_prompt
+                                            and not request.prefill, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template raises jinja2 errors of many kinds
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     return list(ids), fmt

@@ -110,9 +110,11 @@ class GenerationRequest:
             API key does ("" for none).
         prediction: the text the client expects the output to be (OpenAI's Predicted
             Outputs): stage 0 drafts from it; it speeds up, never changes, the output.
-        prefill: the last message is an assistant message the answer continues
-            (Anthropic's prefill): the prompt ends inside it, and the output is what
-            follows its text.
+        prefill: the answer continues the last message (Anthropic's prefill, vLLM's
+            ``continue_final_message``): the prompt ends inside it, and the output is
+            what follows its text.
+        generation_prompt: open the assistant's turn after the messages (vLLM's
+            ``add_generation_prompt``; never with ``prefill``).
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -143,6 +145,7 @@ class GenerationRequest:
     progress: bool = False
     prediction: str = ""
     prefill: bool = False
+    generation_prompt: bool = True
 
 
 # --- the event stream ------------------------------------------------------------------

@@ -219,6 +219,7 @@ def test_logit_bias_forces_and_forbids_tokens(clusters, whole_model):
     ({"frobnicate": True}, "frobnicate"),
     ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages.0.audio"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
 ])
 def test_bad_agent_fields_get_a_400_naming_them_and_the_node_keeps_serving(clusters, body, field):
     c = client(clusters(1))

@@ -26,7 +26,7 @@ from collections import Counter
 import httpx
 import pytest
 from conftest import REFERENCE
-from spec_support import CASES, WholeModel, assert_same_or_near_tie, chat
+from spec_support import CASES, CODE, WholeModel, assert_same_or_near_tie, chat
 
 from ringlet.daemon.node.config import SPEC_ALWAYS_ENV
 from ringlet.daemon.ops.demo import LocalCluster
@@ -123,6 +123,30 @@ def test_three_stages_logprobs_are_the_accepted_tokens_own(ring3, whole):
         row = np.asarray(rows[k], dtype=np.float64)
         expected = row[token] - (row.max() + np.log(np.exp(row - row.max()).sum()))
         assert abs(logprob - expected) < 1e-3, (k, logprob, expected)
+
+
+def test_three_stages_continue_a_prefilled_answer_with_the_original_file_as_prediction(ring3, whole):
+    """The issue's edit as this model can do it: asked to return the file with its answer
+    prefilled with a code fence (vLLM's ``continue_final_message``), it writes the file out;
+    with the original file as the prediction most drafts are accepted, and the output is
+    the whole model's greedy continuation of the prompt Hugging Face's template renders
+    with ``continue_final_message`` (the prompt ends inside the assistant's turn)."""
+    from ringlet.daemon.engine.model_info import load_tokenizer
+    from ringlet.daemon.engine.sources import resolve
+
+    messages = [{"role": "user", "content": CASES[1][0]}, {"role": "assistant", "content": "```python"}]
+    r = httpx.post(f"{ring3.api_urls[0]}/v1/chat/completions", timeout=300, json={
+        "messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+        "continue_final_message": True, "add_generation_prompt": False,
+        "prediction": {"type": "content", "content": "\n" + CODE + "```"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == load_tokenizer(resolve(None)).apply_chat_template(
+        messages, continue_final_message=True, add_generation_prompt=False)
+    want, rows = whole.greedy(choice["prompt_token_ids"], 40, STOP)
+    assert_same_or_near_tie(choice["token_ids"], want, rows, "prefilled edit")
+    assert choice["message"]["content"].lstrip().startswith("def area(")  # the file, written out
+    assert r.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] >= 20
 
 
 def test_three_stages_grammar_applies_at_every_verified_position(ring3):
