@@ -33,7 +33,7 @@ PREFIX_ATTEMPTS = 3
 #: a fast machine (tests/api/test_long_prefill.py); unset (no wait) in service.
 TEST_CHUNK_DELAY_ENV = "RINGLET_TEST_PREFILL_CHUNK_DELAY_S"
 #: Tests and benchmarks only: "1" makes stage 0 draft whatever a verifying trip is measured
-#: to cost (:class:`ringlet.daemon.engine.drafting.TripMeter`), so that exactness tests
+#: to cost (:class:`ringlet.daemon.engine.draft_length.TripMeter`), so that exactness tests
 #: verify drafts on every step they can; unset in service.
 SPEC_ALWAYS_ENV = "RINGLET_TEST_SPEC_ALWAYS"
 #: Default prefix store budget: this share of the usable memory the stage's weights leave

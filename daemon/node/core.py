@@ -41,7 +41,8 @@ import psutil
 
 from ringlet.daemon.engine.boundary import BoundaryStore
 from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
-from ringlet.daemon.engine.drafting import SpecTotals, TripMeter
+from ringlet.daemon.engine.draft_length import TripMeter
+from ringlet.daemon.engine.drafting import SpecTotals
 from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
 from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine

@@ -13,7 +13,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ringlet.daemon.engine.drafting import Drafter, Speculation, next_drafts
+from ringlet.daemon.engine.draft_length import Speculation, next_drafts
+from ringlet.daemon.engine.drafting import Drafter
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb
 from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
@@ -283,7 +284,7 @@ class Head:
         how many it may draft (the draft model's allowance when those give none): none
         while other requests decode here (their steps batch instead) or while its
         drafts do not pay for their trips
-        (:class:`~ringlet.daemon.engine.drafting.TripMeter`), at most the tokens ``max_tokens`` leaves after the
+        (:class:`~ringlet.daemon.engine.draft_length.TripMeter`), at most the tokens ``max_tokens`` leaves after the
         next one, and cut before a stop token (the model's own draw decides a stop)."""
         if gen.drafter is None:
             return [], 0

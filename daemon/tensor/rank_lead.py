@@ -65,7 +65,7 @@ class Request:
     fed: list[int] = field(default_factory=list)  # the token ids its KV cache holds
     cached: int = 0  # prompt tokens taken from the prefix cache
     drafter: Any = None  # speculative decoding (engine.drafting.Drafter; None: off for it)
-    spec: Any = None  # its engine.drafting.Speculation
+    spec: Any = None  # its engine.draft_length.Speculation
     measured: bool = True  # drafts weighed against what a verifying step costs (TripMeter)
     output: list[int] = field(default_factory=list)  # its tokens so far (this epoch's)
 
@@ -179,7 +179,8 @@ class LeadRank(Rank):
 
         import mlx.core as mx
 
-        from ringlet.daemon.engine.drafting import Drafter, Speculation, TripMeter, next_drafts
+        from ringlet.daemon.engine.draft_length import Speculation, TripMeter, next_drafts
+        from ringlet.daemon.engine.drafting import Drafter
         from ringlet.daemon.engine.sampling import RequestSampler, sampling_from_dict
         from ringlet.daemon.engine.speculation import verify
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringlet.daemon.engine.drafting import Drafter, NgramIndex, Speculation, TripMeter, expected_tokens
+from ringlet.daemon.engine.draft_length import RunLengths, Speculation, TripMeter, expected_tokens
+from ringlet.daemon.engine.drafting import Drafter, NgramIndex
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
@@ -115,6 +116,40 @@ def test_expected_tokens_per_trip_follow_leviathan_eq_1():
     assert expected_tokens(0.0, 6) == 1.0 and expected_tokens(1.0, 6) == 7.0
 
 
+def test_run_lengths_are_counted_by_position():
+    """Kaplan-Meier by draft position, by hand. Fresh, every position takes the prior
+    hazard: 0.5 gives eq. 1 of Leviathan et al. (1 + 0.5 + 0.25 + 0.125 = 1.875)."""
+    runs = RunLengths(4)
+    assert runs.expected(3, 0.5) == pytest.approx(1.875)
+    runs.add(4, 4, 0.7)  # reached 1 1 1 1, rejected 0 0 0 0
+    runs.add(4, 1, 0.7)  # decayed, then: reached 1.7 1.7 0.7 0.7, rejected 0 1 0 0
+    assert runs.reached == pytest.approx([1.7, 1.7, 0.7, 0.7]) and runs.rejected == pytest.approx([0, 1, 0, 0])
+    # hazards (rejected + 0.2) / (reached + 1): 0.2/2.7, 1.2/2.7, 0.2/1.7, 0.2/1.7
+    # S = 0.925926, 0.514403, 0.453885, 0.400487; 1 + their sum = 3.294701
+    assert runs.expected(4, 0.2) == pytest.approx(3.294701, abs=1e-5)
+    assert runs.expected(1, 0.2) == pytest.approx(1.925926, abs=1e-5)
+
+
+def test_the_length_that_pays_is_read_from_where_drafts_were_rejected():
+    """Two drafts of 6 accepted whole, then one rejected at its 6th token: per-token
+    acceptance a = 12.14 / 13.14 (decayed, by hand) would make 6 drafts the best buy at
+    these costs, but the rejections by position say the 6th draft is the weak one."""
+    spec = Speculation(limit=6)
+    for accepted in (6, 6, 5):
+        spec.verified(6, accepted)
+    assert spec.k == 6 and spec.acceptance_estimate == pytest.approx(12.14 / 13.14)
+    # reached 2.19 at every position, rejected 1 at the 6th; prior hazard h = 1 - a = 0.07610
+    # positions 1-5: 1 - h / 3.19 = 0.976144 each; 6th: 1 - 1.07610 / 3.19 = 0.662665
+    # expected(5) = 1 + 0.976144 + 0.952857 + 0.930126 + 0.907937 + 0.886277 = 5.653341
+    assert spec.expected(None, 5) == pytest.approx(5.653341, abs=1e-4)
+    assert spec.expected(None, 6) == pytest.approx(5.653341 + 0.886277 * 0.662665, abs=1e-4)
+    cost = {j: 1 + 0.25 * j for j in range(1, 7)}.get
+    # 5.6533 / 2.25 = 2.513 beats 6.2406 / 2.5 = 2.496 (and shorter lengths); per token,
+    # (1 - a^7) / (1 - a) / 2.5 = 2.236 would beat (1 - a^6) / (1 - a) / 2.25 = 2.208
+    assert expected_tokens(12.14 / 13.14, 6) / 2.5 > expected_tokens(12.14 / 13.14, 5) / 2.25
+    assert spec.allowance(cost) == 5
+
+
 def test_trip_meter_costs_each_draft_length():
     meter = TripMeter()
     assert meter.cost(4) is None and meter.wants_plain()  # nothing measured: measure a plain trip first
@@ -140,9 +175,11 @@ def test_the_draft_length_is_the_one_that_pays_most_or_none():
     # 5 / 1.8 = 2.78 beats 4 / 1.6, 3 / 1.4, 2 / 1.2
     assert spec.allowance(cost) == 4
     spec.verified(4, 1)  # decayed: accepted 4 * 0.7 + 1 = 3.8, rejections 1: a = 0.79
-    a = 3.8 / 4.8
-    gains = {j: expected_tokens(a, j) / cost(j) for j in range(1, spec.k + 1)}  # k is now 2
-    assert spec.k == 2 and spec.allowance(cost) == max(gains, key=gains.get)
+    # by position (test_run_lengths_are_counted_by_position), prior hazard 1 - a = 0.208333:
+    # S1 = 1 - 0.208333 / 2.7 = 0.922840, S2 = S1 * (1 - 1.208333 / 2.7) = 0.509840;
+    # k is now 2: 1.922840 / 1.2 = 1.602 < 2.432680 / 1.4 = 1.738
+    assert spec.k == 2 and spec.expected(None, 2) == pytest.approx(2.432680, abs=1e-5)
+    assert spec.allowance(cost) == 2
     spec.verified(2, 0)
     spec.verified(1, 0)  # two whole rejections: paused 8 steps
     assert [spec.allowance(cost) for _ in range(8)] == [0] * 8
