@@ -3,11 +3,10 @@
 (OpenAI chat completions), each configured as docs/agents.md says for the bundled
 model's 8,192-token context. For each client:
 
-* a plain answer: the client exits 0 and prints a non-empty answer, the one the node
-  streamed;
-* a 5-turn session (the client's own continue/resume): every turn answered, and from
-  turn 2 on the prefix cache serves >= 95 % of the previous turn's prompt, read from the
-  client's own usage figures;
+* a 5-turn session (the client's own continue/resume): the client exits 0 and prints a
+  non-empty answer every turn, the first the one the node streamed, and from turn 2 on the
+  prefix cache serves >= 95 % of the previous turn's prompt, read from the client's own
+  usage figures;
 * a tool round trip: the client sends a tool call and its result back and gets an answer
   (Claude Code runs its Read tool on a call ringlet forces; the others' histories hold a
   hand-written call: the bundled SmolLM2-135M does not call tools unforced);
@@ -122,24 +121,20 @@ def claude_result(run) -> dict:
     return result
 
 
-def test_claude_code_answers(ring, proxy, sandbox):
-    mark = proxy.mark()
-    run = sandbox.run(claude(*SMALL_CLAUDE, "--output-format", "json", QUESTIONS[0]), claude_env(proxy.url))
-    assert run.returncode == 0, run
-    result = claude_result(run)
-    assert not result["is_error"] and result["result"].strip(), run
-    streamed = [e for e in proxy.since(mark, "/v1/messages") if e.status == 200]
-    assert streamed and streamed[-1].text().strip() == result["result"].strip(), run
-
-
-def test_claude_code_session_of_5_turns_reads_the_prefix_cache(ring, proxy, sandbox):
+def test_claude_code_answers_a_session_of_5_turns_that_reads_the_prefix_cache(ring, proxy, sandbox):
+    """Each turn answers (the first with the very text the API streamed), ``-c`` continues
+    the session, and later turns read the prefix cache."""
     turns, session = [], None
     for n, question in enumerate(QUESTIONS):
+        mark = proxy.mark()
         run = sandbox.run(claude(*SMALL_CLAUDE, *(("-c",) if n else ()), "--output-format", "json", question),
                           claude_env(proxy.url))
         assert run.returncode == 0, run
         result = claude_result(run)
         assert not result["is_error"] and result["result"].strip() and result["num_turns"] == 1, run
+        if n == 0:
+            streamed = [e for e in proxy.since(mark, "/v1/messages") if e.status == 200]
+            assert streamed and streamed[-1].text().strip() == result["result"].strip(), run
         assert session in (None, result["session_id"]), "-c did not continue the session"
         session = result["session_id"]
         u = result["usage"]
@@ -205,23 +200,21 @@ def codex_answer(run) -> str:
     return answers[-1]
 
 
-def test_codex_answers(ring, proxy, sandbox):
-    env = codex_home(sandbox, proxy.url)
-    mark = proxy.mark()
-    run = codex_exec(sandbox, env, QUESTIONS[0])
-    assert run.returncode == 0, run
-    answer = codex_answer(run)
-    assert json.loads(answer)["answer"], run  # the --output-schema shape, enforced by ringlet
-    streamed = [e for e in proxy.since(mark, "/v1/responses") if e.status == 200]
-    assert streamed and streamed[-1].text() == answer, run
-
-
-def test_codex_session_of_5_turns_reads_the_prefix_cache(ring, proxy, sandbox):
+def test_codex_answers_a_session_of_5_turns_that_reads_the_prefix_cache(ring, proxy, sandbox):
+    """Each turn answers (the first in the ``--output-schema`` shape ringlet enforces, with
+    the very text the API streamed), ``resume`` continues the thread, and later turns read
+    the prefix cache."""
     env = codex_home(sandbox, proxy.url)
     totals = []
     for n, question in enumerate(QUESTIONS):
+        mark = proxy.mark()
         run = codex_exec(sandbox, env, question, resume=n > 0)
         assert run.returncode == 0 and codex_answer(run), run
+        if n == 0:
+            answer = codex_answer(run)
+            assert json.loads(answer)["answer"], run
+            streamed = [e for e in proxy.since(mark, "/v1/responses") if e.status == 200]
+            assert streamed and streamed[-1].text() == answer, run
         u = next(e["usage"] for e in run.events() if e["type"] == "turn.completed")
         totals.append((u["input_tokens"], u["cached_input_tokens"]))
     # a resumed thread's turn.completed usage is the thread's running total: one request
@@ -288,23 +281,19 @@ def later_id(opencode_id: str, k: int) -> str:
     return f"{prefix}_{int(rest[:12], 16) + k:012x}{rest[12:]}"
 
 
-def test_opencode_answers(ring, proxy, sandbox):
-    opencode_config(sandbox, proxy.url)
-    mark = proxy.mark()
-    run = sandbox.run(opencode("run", "--format", "json", QUESTIONS[0]), OPENCODE_ENV)
-    assert run.returncode == 0, run
-    text, _ = opencode_answer(run)
-    streamed = [e for e in proxy.since(mark, "/v1/chat/completions") if e.status == 200]
-    assert streamed and streamed[-1].text() == text, run
-
-
-def test_opencode_session_of_5_turns_reads_the_prefix_cache(ring, proxy, sandbox):
+def test_opencode_answers_a_session_of_5_turns_that_reads_the_prefix_cache(ring, proxy, sandbox):
+    """Each turn answers (the first with the very text the API streamed), ``-c`` continues
+    the session, and later turns read the prefix cache."""
     opencode_config(sandbox, proxy.url)
     turns, session = [], None
     for n, question in enumerate(QUESTIONS):
+        mark = proxy.mark()
         run = sandbox.run(opencode("run", *(("-c",) if n else ()), "--format", "json", question), OPENCODE_ENV)
         assert run.returncode == 0, run
-        _, tokens = opencode_answer(run)
+        text, tokens = opencode_answer(run)
+        if n == 0:
+            streamed = [e for e in proxy.since(mark, "/v1/chat/completions") if e.status == 200]
+            assert streamed and streamed[-1].text() == text, run
         ids = {e["sessionID"] for e in run.events()}
         assert len(ids) == 1 and session in (None, *ids), "-c did not continue the session"
         session = ids.pop()
