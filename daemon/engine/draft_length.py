@@ -43,6 +43,18 @@ class RunLengths:
         """The decayed number of trips counted."""
         return self.reached[0]
 
+    @property
+    def verdicts(self) -> float:
+        """The decayed number of drafts judged: accepted ones plus rejections."""
+        return sum(self.reached)
+
+    def acceptance(self) -> float:
+        """Per-token acceptance, the geometric model of Leviathan et al. §3.1: accepted
+        drafts over accepted drafts plus rejections (a trip that stopped short is one
+        rejection), decayed as counted; 0.5 before any verdict."""
+        verdicts = self.verdicts
+        return (verdicts - sum(self.rejected)) / verdicts if verdicts > 0 else 0.5
+
     def add(self, drafted: int, accepted: int, decay: float) -> None:
         """One trip of ``drafted`` drafts, ``accepted`` of them accepted; earlier trips
         count ``decay`` times as much as before."""
@@ -96,15 +108,11 @@ class Speculation:
     trips: int = 0
     tokens: int = 0
     _misses: int = 0
-    #: decayed [accepted drafts, rejections] over all trips (acceptance_estimate)
-    _pooled: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _pause: int = 0  # steps left without a draft
     _pauses: int = 0
     _steps: int = 0
     _since_trip: int = 0  # steps since the last verifying trip
-    #: per evidence (:attr:`Drafter.evidence`): decayed [accepted drafts, rejections]
-    _by: dict[tuple[str, int], list[float]] = field(default_factory=dict)
-    #: accepted-run lengths per evidence, and over all trips (key None)
+    #: accepted-run lengths per evidence (:attr:`Drafter.evidence`), and over all trips (key None)
     _runs: dict[tuple[str, int] | None, RunLengths] = field(default_factory=dict)
 
     #: drafts in a row rejected whole before pausing
@@ -134,7 +142,7 @@ class Speculation:
         if self._pause > 0:
             self._pause -= 1
             return 0
-        if cost is None or self.trips == 0 or (evidence and evidence[0] and evidence not in self._by):
+        if cost is None or self.trips == 0 or (evidence and evidence[0] and evidence not in self._runs):
             return self.k
         best, value = 0, 1.0
         for j in range(1, self.k + 1):
@@ -152,12 +160,10 @@ class Speculation:
 
     @property
     def acceptance_estimate(self) -> float:
-        """This request's per-token acceptance, recent trips weighted most: accepted
-        drafts over accepted drafts plus rejections (a trip that stopped short is one
-        rejection; the geometric model of Leviathan et al. §3.1), each trip's counts
-        decayed by :data:`DECAY` per later trip; 0.5 before any trip."""
-        acc, rej = self._pooled
-        return acc / (acc + rej) if acc + rej > 0 else 0.5
+        """This request's per-token acceptance (:meth:`RunLengths.acceptance`) over all its
+        trips, each trip's counts decayed by :data:`DECAY` per later trip; 0.5 before any trip."""
+        runs = self._runs.get(None)
+        return runs.acceptance() if runs is not None else 0.5
 
     #: how much a trip's acceptance counts one trip later
     DECAY = 0.7
@@ -166,9 +172,9 @@ class Speculation:
         """The per-token acceptance of this request's drafts on ``evidence`` (their source
         and match length, :attr:`Drafter.evidence`), counted and decayed as
         :attr:`acceptance_estimate` over those trips alone; that estimate while they
-        weigh less than one trip."""
-        acc, rej = self._by.get(evidence, (0.0, 0.0)) if evidence and evidence[0] else (0.0, 0.0)
-        return acc / (acc + rej) if acc + rej >= 1.0 else self.acceptance_estimate
+        weigh less than one verdict."""
+        runs = self._runs.get(evidence) if evidence and evidence[0] else None
+        return runs.acceptance() if runs is not None and runs.verdicts >= 1.0 else self.acceptance_estimate
 
     def expected(self, evidence: tuple[str, int] | None, drafts: int) -> float:
         """Tokens a trip of ``drafts`` drafts on ``evidence`` is expected to give
@@ -187,12 +193,6 @@ class Speculation:
         self.accepted += accepted
         self.trips += 1
         self._since_trip = 0
-        buckets = [self._pooled]
-        if evidence and evidence[0]:
-            buckets.append(self._by.setdefault(evidence, [0.0, 0.0]))
-        for counts in buckets:
-            counts[0] = counts[0] * self.DECAY + accepted
-            counts[1] = counts[1] * self.DECAY + (1 if accepted < drafted else 0)
         for key in (None, evidence) if evidence and evidence[0] else (None,):
             self._runs.setdefault(key, RunLengths(self.limit)).add(drafted, accepted, self.DECAY)
         self.tokens += accepted + 1
@@ -240,8 +240,12 @@ def next_drafts(drafter: Drafter, spec: Speculation, output: Sequence[int], room
         return [], 0
     proposal = drafter.propose(output, spec.limit)
     k = min(spec.allowance(meter.cost if meter is not None else None, drafter.evidence), room)
-    drafts = proposal[:k] if k > 0 else []
-    return drafts[:next((i for i, t in enumerate(drafts) if t in stop_ids), len(drafts))], k
+    return before_stop(proposal[:k] if k > 0 else [], stop_ids), k
+
+
+def before_stop(drafts: Sequence[int], stop_ids: Container[int]) -> list[int]:
+    """``drafts`` up to the first stop token (the model's own draw decides a stop)."""
+    return list(drafts[:next((i for i, t in enumerate(drafts) if t in stop_ids), len(drafts))])
 
 
 def expected_tokens(acceptance: float, drafts: int) -> float:
