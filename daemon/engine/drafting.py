@@ -209,10 +209,7 @@ class SpecTotals:
 
     def count(self, drafted: int, accepted: int) -> None:
         """One verifying step: ``drafted`` drafts sent, ``accepted`` of them accepted."""
-        self.trips += 1
-        self.tokens += accepted + 1
-        self.drafted += drafted
-        self.accepted += accepted
+        self.add(accepted, drafted - accepted, 1)
 
     def add(self, accepted: int, rejected: int, trips: int) -> None:
         """A request's verifying steps counted elsewhere (a tensor group's rank 0): ``trips``

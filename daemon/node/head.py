@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ringlet.daemon.engine.draft_length import Speculation, next_drafts
+from ringlet.daemon.engine.draft_length import Speculation, before_stop, next_drafts
 from ringlet.daemon.engine.drafting import Drafter
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb
@@ -252,7 +252,7 @@ class Head:
         """Draft ``k`` tokens with the draft model, on the engine's thread (MLX runs
         there), then send the step; a draft model that fails sends it without drafts."""
         try:
-            drafts = self._cut_at_stop(gen, await self.engine.run(gen.drafter.propose_by_model, list(gen.tokens), k))
+            drafts = before_stop(await self.engine.run(gen.drafter.propose_by_model, list(gen.tokens), k), gen.stop_ids)
         except Exception as exc:  # noqa: BLE001 - drafts are optional: the step goes on without them
             log.warning("request %s: the draft model failed (%s); decoding without its drafts", gen.request_id,
                         one_line(exc))
@@ -297,14 +297,6 @@ class Head:
                                 meter)
         gen.evidence = gen.drafter.evidence
         return drafts, k
-
-    @staticmethod
-    def _cut_at_stop(gen: Generation, drafts: list[int]) -> list[int]:
-        """``drafts`` up to the first stop token (the model's own draw decides a stop)."""
-        for i, t in enumerate(drafts):
-            if t in gen.stop_ids:
-                return drafts[:i]
-        return drafts
 
     def _finish(self, gen: Generation, error: Exception | None) -> None:
         if gen.finished:
