@@ -221,7 +221,7 @@ class _Prompted(_Strict):
         if last.get("tool_calls"):
             raise ApiError(400, "a final assistant message is continued (prefill); it cannot hold tool_use "
                            "blocks", param=where)
-        if last.get("content", "") != last.get("content", "").rstrip():
+        if (text := last.get("content", "")) != text.rstrip():
             raise ApiError(400, "final assistant content cannot end with trailing whitespace", param=where)
         if kwargs.get("enable_thinking"):
             raise ApiError(400, "a final assistant message (prefill) cannot be continued with thinking on",

@@ -279,8 +279,15 @@ class TPGroup(GroupRequests, GroupEpochs):
             "in_flight": sum(not r.done for r in self._reqs.values()),
             "history": list(self.history),
             "layers": list(self.layers) if self.layers else None,
-            "trims": bool(ep and ep.ranks and all(r.trims for r in ep.ranks)),
+            "trims": self.trims,
         }
+
+    @property
+    def trims(self) -> bool:
+        """Whether every rank of the current epoch reported KV caches that drop drafted
+        positions exactly (speculative decoding runs on the group only then)."""
+        ep = self._epoch
+        return bool(ep and ep.ranks and all(r.trims for r in ep.ranks))
 
     def rank_pids(self) -> dict[int, int]:
         ep = self._epoch

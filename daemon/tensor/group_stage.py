@@ -68,7 +68,7 @@ class _Slot:
         plain ``KVCache``, as every rank reported when the group started); ``False`` while no
         group is attached."""
         group = self.stage.group
-        return group is not None and bool(group.info().get("trims"))
+        return group is not None and group.trims
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` positions of this slot's cache in every rank (sent ahead of its

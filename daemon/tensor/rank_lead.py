@@ -318,9 +318,10 @@ class LeadRank(Rank):
                     r.fed, r.pending, r.started, r.cached = r.pending[:n], r.pending[n:], True, n
             n = len(r.pending) if r.kind == "logits" else min(chunk, len(r.pending))
             feed, r.pending = r.pending[:n], r.pending[n:]
-            decoding = r.produced > 0 and not r.pending  # the latest token alone: a decode step
+            # the latest token alone (a decode step) of a request that drafts
+            speculating = r.spec is not None and r.produced > 0 and not r.pending
             drafts: list[int] = []
-            if decoding and r.spec is not None:
+            if speculating:
                 drafts, _ = next_drafts(r.drafter, r.spec, r.output, r.max_tokens - r.produced - 1, r.stop,
                                         meter if r.measured else None)
                 feed = feed + drafts
@@ -332,7 +333,7 @@ class LeadRank(Rank):
             flags = (0 if r.started else F_NEW_CACHE) | (head_flags if last else 0)
             began = time.perf_counter()
             logits = run([OP_STEP, slot, flags, n, feed[0] if n == 1 else 0, 0, free], feed)
-            if decoding and r.spec is not None:
+            if speculating:
                 meter.observe(len(drafts), time.perf_counter() - began)
             r.started = True
             if not last:

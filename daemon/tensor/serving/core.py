@@ -300,7 +300,7 @@ class TPServing:
         try:
             prefix = {"scope": scope, "budget": self.prefix_budget(group)}
             info = info if info is not None else {}
-            if spec and not group.info().get("trims"):  # its caches cannot drop drafted positions exactly
+            if spec and not group.trims:  # its caches cannot drop drafted positions exactly
                 self.node.spec_totals.skip("cache")
                 spec = None
             async for token in group.generate(prompt, max_tokens, sampling, sorted(stop_ids), prefix, info, spec):
