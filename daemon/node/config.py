@@ -12,7 +12,6 @@ from ringlet.daemon.engine.sources import ModelLocation
 from ringlet.daemon.wire.serving_plan import StageSpec
 from ringlet.daemon.wire.transport import TransportConfig
 
-PROTOCOL_VERSION = 1
 #: Seconds a failed request waits for a new plan before its error is reported:
 #: detection (2 s) + negotiation + loading, with room to spare.
 RESUME_WAIT_S = 10.0

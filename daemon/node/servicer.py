@@ -16,11 +16,11 @@ import grpc
 
 from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb
 from ringlet.daemon.errors import GenerationError
-from ringlet.daemon.node.config import PROTOCOL_VERSION
 from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
+from ringlet.daemon.wire.versions import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from ringlet.daemon.node.core import Node

@@ -23,10 +23,27 @@ from ringlet.daemon.ops.run_options import (
     add_model_args,
     add_run_parser,
 )
+from ringlet.daemon.wire import versions
+
+
+def version_line() -> str:
+    """``ringlet --version``'s line: release, wire protocol version and capabilities."""
+    return (f"ringlet {versions.RELEASE} (wire protocol {versions.PROTOCOL_VERSION}; "
+            f"capabilities: {', '.join(sorted(versions.CAPABILITIES))})")
+
+
+class _Version(argparse.Action):
+    """``--version``: :func:`version_line` on one line (argparse's own action wraps it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringlet", description="Run a language model across a ring of machines.")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the release, the wire protocol version and the capabilities, then exit")
     add_global_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_run_parser(sub)

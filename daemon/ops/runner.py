@@ -36,6 +36,7 @@ from ringlet.daemon.ops.secret import api_limits, transport_config
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
 from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
 from ringlet.daemon.probes.colocated import ThreadSizer
+from ringlet.daemon.wire import versions
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
         "whole_model": getattr(args, "fetched_location", None) is None,  # a tensor rank needs every layer
         "model": node.config.model.ident,  # a Hub model: its commit, which the members agree on
+        **versions.record_fields(),  # release, protocol version, capabilities (what a plan may use)
     }
     model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
     spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
