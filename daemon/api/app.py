@@ -29,6 +29,7 @@ from ringlet.daemon.api.seal import Sealer
 from ringlet.daemon.api.ticker import ClientGone
 from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.node import Node
+from ringlet.daemon.wire import versions
 from ringlet.daemon.wire.limits import ApiLimits, install
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "state": node.state, "node_id": node.node_id}
+        return {"status": "ok", "state": node.state, "node_id": node.node_id, "release": versions.RELEASE,
+                "protocol_version": versions.PROTOCOL_VERSION}
 
     @app.get("/v1/models")
     async def models():

@@ -32,6 +32,7 @@ def cluster_view(negotiator: Negotiator) -> dict:
             "memory_total_bytes": rec.get("memory_total_bytes"),
             "memory_usable_bytes": rec.get("usable_memory_bytes"),
             "silent_s": m.get("silent_s"), "record_version": m["record_version"],
+            "release": m["release"], "protocol_version": m["protocol_version"], "capabilities": m["capabilities"],
         })
     tp = negotiator.tp.info() if negotiator.tp is not None else {"mode": "pipeline", "backend": "none", "ranks": []}
     return {

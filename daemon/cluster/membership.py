@@ -37,10 +37,10 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from ringlet.daemon.cluster.member import Member, membership_digest
+from ringlet.daemon.wire import versions
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_channel
-from ringlet.daemon.wire.versions import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +243,8 @@ class Membership:
             return
         finally:
             self._pending.discard(address)
-        if info.protocol_version != PROTOCOL_VERSION:
-            self._refuse(address, f"protocol version {info.protocol_version} (we speak {PROTOCOL_VERSION})")
+        if info.protocol_version != versions.PROTOCOL_VERSION:
+            self._refuse(address, f"protocol version {info.protocol_version} (we speak {versions.PROTOCOL_VERSION})")
             return
         if info.cluster_id != self.cluster_id:
             self._refuse(address, "another cluster")
@@ -490,10 +490,11 @@ class Membership:
     def info(self) -> list[dict]:
         """Every member (this node first) as JSON-safe dicts."""
         now = time.monotonic()
-        out = [{"node_id": self.node_id, "grpc_address": self.address, "state": "self",
-                "record_version": self.record_version, "record": self._record}]
+        out = [{"node_id": self.node_id, "grpc_address": self.address, "state": "self", "record_version":
+                self.record_version, "record": self._record, **versions.member_versions(self._record)}]
         for m in sorted(self.members.values(), key=lambda m: m.node_id):
             out.append({"node_id": m.node_id, "grpc_address": m.address, "state": m.state,
-                        "record_version": m.record_version, "record": m.record,
+                        "record_version": m.record_version, "record": m.record, **versions.member_versions(m.record),
                         "silent_s": round(now - m.last_ok, 3), "committed_epoch": m.committed_epoch})
         return out
+

@@ -77,6 +77,16 @@ def release_of(record: Mapping | None) -> str:
     return value if isinstance(value, str) and value else "0.1.0"
 
 
+def member_versions(record: Mapping | None) -> dict:
+    """A member's ``release``, ``protocol_version`` and ``capabilities`` (sorted names) as its
+    record gives them, for ``/v1/cluster``: a record without them is a node of release 0.1.0,
+    which speaks protocol 1's baseline."""
+    record = record or {}
+    protocol = record.get(RECORD_PROTOCOL)
+    return {"release": release_of(record), "protocol_version": protocol if isinstance(protocol, int) else 1,
+            "capabilities": sorted(capabilities_of(record))}
+
+
 def common(records: Iterable[Mapping | None]) -> frozenset[str]:
     """The capabilities every one of ``records`` names (this build's own set for none)."""
     out = CAPABILITIES

@@ -20,12 +20,13 @@ import time
 import pytest
 from test_negotiation import LAYERS, RECORD, SPEC, Host, free_port
 
-from ringlet.daemon.cluster.membership import PROTOCOL_VERSION, Member, Membership
+from ringlet.daemon.cluster.membership import Member, Membership
 from ringlet.daemon.cluster.negotiation import Negotiator
 from ringlet.daemon.cluster.refusals import MEMBERSHIP_DIFFERS, NON_MEMBER
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.transport import TransportConfig, make_server
+from ringlet.daemon.wire.versions import PROTOCOL_VERSION
 
 CLUSTER = "cluster"
 

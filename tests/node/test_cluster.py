@@ -287,3 +287,24 @@ def test_a_reply_cut_mid_character_ends_with_whole_characters(cluster):
         assert count == max_tokens
         assert text == streamed == expected, (max_tokens, text, streamed)
         assert "\ufffd" not in text
+
+
+def test_every_node_says_its_release_and_protocol(cluster):
+    """Issue #42's "versions everywhere": ``ringlet --version``, every node's ``/healthz`` and
+    ``/v1/cluster`` and ``ringlet status`` (each member's: test_resharding's 3-node cluster) give the release that
+    pyproject.toml names and wire protocol 1."""
+    import tomllib
+    from pathlib import Path
+
+    release = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    version = ringlet("--version")
+    assert version.returncode == 0 and version.stdout.startswith(f"ringlet {release} (wire protocol 1; "), version
+    assert "drafts" in version.stdout
+    for url in cluster.api_urls:
+        health = httpx.get(f"{url}/healthz", timeout=10).json()
+        assert (health["release"], health["protocol_version"]) == (release, 1)
+        info = httpx.get(f"{url}/v1/cluster", timeout=10).json()
+        assert (info["release"], info["protocol_version"]) == (release, 1) and "drafts" in info["capabilities"]
+    status = ringlet("status", "--api", cluster.api_urls[0])
+    rows = [line.split() for line in status.stdout.splitlines() if line[:1].isdigit()]
+    assert rows[0][2] == f"{release}/p1", status.stdout  # a static plan: status reaches the node it asks

@@ -12,6 +12,8 @@ import json
 import re
 import signal
 import time
+import tomllib
+from pathlib import Path
 
 import grpc
 import httpx
@@ -101,6 +103,10 @@ def test_join_mid_stream_keeps_the_stream(undisturbed):
             assert mem["mlx_active_bytes"] >= mem["weights_bytes"], mem
 
 
+#: The release pyproject.toml names (each member's record must carry it).
+RELEASE = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
+
+
 def test_sigterm_mid_stream_is_a_graceful_leave(undisturbed):
     """SIGTERM the middle stage of 3 mid-stream: it tells its peers, they commit a plan
     without it while it still runs (so not from missed heartbeats), record it as
@@ -108,6 +114,9 @@ def test_sigterm_mid_stream_is_a_graceful_leave(undisturbed):
     expected = undisturbed[:100]
     with LocalCluster(3, dynamic=True) as c:
         plan = c.wait_plan(stages=3)
+        members = c.cluster_info(0)["members"]  # each member's versions, from its record
+        assert len(members) == 3 and all((m["release"], m["protocol_version"]) == (RELEASE, 1) and "drafts" in
+                                         m["capabilities"] for m in members), members
         leaver_id = plan["plan"][1]["node_id"]
         leaver = index_of(c, leaver_id)
         api = next(i for i in range(3) if i != leaver)

@@ -96,7 +96,7 @@ def test_batch_per_stage_at_80x24_under_the_tokens_per_s():
     lines = frame(snap, 80, 24)
     assert len(lines) <= 24 and all(len(ln) <= 80 for ln in lines)
     assert lines[1].endswith("3/3 ready · in flight 3 · 7.5 tok/s")
-    second = [ln for ln in lines if ln.startswith("   —  ")]  # a stage's second line (no chip reported)
+    second = [ln for ln in lines if ln.startswith("   — ")]  # a stage's second line (no chip reported)
     assert [ln.split("  ")[-1].strip() for ln in second] == ["batch 2.4/8", "batch 12/16", "batch —"]
     assert second[0].endswith("▼ hop 410 µs                   batch 2.4/8")
     assert second[2].endswith("↩ 127.0.0.1:7100 · hop 400 µs      batch —")  # the older node
@@ -369,3 +369,12 @@ def test_speculative_decoding_on_the_cluster_line():
     assert any("drafts 2.50 tok/trip 40% accepted" in ln for ln in lines), lines
     plain = frame(build_snapshot("http://a0", batched_infos(), {}, now=1_700_000_100), 200)
     assert not any("tok/trip" in ln for ln in plain)
+
+
+def test_each_stage_shows_its_release_wide_and_narrow():
+    """The release each node reports stands beside its chip (a rolling upgrade shows which
+    nodes are done); a node that reports none (an older daemon) shows the chip alone."""
+    snap = build_snapshot("http://a0", batched_infos(), {}, now=1_700_000_100)
+    for width in (80, 140):
+        text = "\n".join(frame(snap, width, 30))
+        assert text.count("— · 0.2.0") == 2, text

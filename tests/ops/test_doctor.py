@@ -276,3 +276,33 @@ def test_blas_and_dtype_are_reported_with_the_fix_on_the_slow_path(tmp_path):
     assert block, bad.stdout
     assert "bundled reference BLAS" in block.group(0) and "missing-libblas.so" in block.group(0).replace("\n", "")
     assert "fix:" in block.group(0) and "libopenblas0-pthread" in block.group(0)
+
+
+def test_versions_check_names_what_to_upgrade():
+    """The versions check against a daemon's /v1/cluster (a real HTTP server): the same
+    release everywhere is OK; a rolling upgrade under way names the nodes still behind; a
+    daemon older than the installed package is told to restart; a member kept out for its
+    protocol version FAILs with the reason."""
+    from ringlet.daemon.ops.doctor import versions
+
+    def info(releases, running="0.2.0", **extra):
+        members = [{"node_id": f"n{k}", "name": f"studio-{k + 1}", "release": r, "protocol_version": 1}
+                   for k, r in enumerate(releases)]
+        return today_info(0, n=1, release=running, protocol_version=1, members=members, **extra)
+
+    same = info(["0.2.0", "0.2.0"])
+    with FakeNode(same) as node:
+        c = versions.check_versions(ctx(api_port=node.port))
+    assert c.status == OK and "the daemon runs 0.2.0" in c.summary and "0.2.0 on studio-1, studio-2" in c.summary
+    assert versions.versions_verdict(None, installed="0.2.0").status == OK
+
+    rolling = versions.versions_verdict(info(["0.2.0", "0.1.0", "0.1.0"]), installed="0.2.0")
+    assert rolling.status == WARN and "upgrade studio-2, studio-3 to 0.2.0" in rolling.fix
+    old_daemon = versions.versions_verdict(info(["0.1.0"], running=None), installed="0.2.0")
+    assert old_daemon.status == WARN and "the daemon runs 0.1.0" in old_daemon.summary
+    assert "restart" in old_daemon.fix
+    reason = "n9 runs ringlet 0.3.0 with wire protocol 2; this node runs 0.2.0 with protocol 1: ..."
+    out = versions.versions_verdict(info(["0.2.0"], incompatible=[{"node_id": "n9", "reason": reason}]),
+                                    installed="0.2.0")
+    assert out.status == FAIL and reason in out.summary
+    assert versions.versions_verdict("could not read /v1/cluster: x", installed="0.2.0").status == WARN

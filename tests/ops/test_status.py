@@ -106,8 +106,9 @@ def batched_infos() -> dict[str, dict]:
     api = {"running": 3, "queued": 2, "max_concurrent_requests": 8, "max_queue": 32}
     return {
         "http://a0": today_info(0, state="serving", requests_in_flight=3, tokens_generated_total=400,
-                                batching=batching_of(2.4, 3, queued=1, head=7.5), api=api),
-        "http://a1": today_info(1, state="serving", tokens_generated_total=0,
+                                batching=batching_of(2.4, 3, queued=1, head=7.5), api=api, release="0.2.0",
+                                protocol_version=1),
+        "http://a1": today_info(1, state="serving", tokens_generated_total=0, release="0.2.0", protocol_version=1,
                                 batching=batching_of(12.4, 12, max_batch=16),
                                 api=dict(api, running=0, queued=0)),
         "http://a2": today_info(2, state="serving"),
@@ -227,10 +228,30 @@ def test_batch_figures_per_node_and_an_old_node_without_them():
     assert snap["cluster"]["tokens_per_s"] == 7.5 and snap["cluster"]["requests_in_flight"] == 3
     assert format_status(snap) == (
         "model smollm2-135m · layers 30 · epoch 1 · policy — · nodes 3/3 ready · in flight 3 · tokens/s 7.5\n"
-        "stage  node            state    layers   memory  tok/s  batch  compute  prefix  grpc            api\n"
-        "0      127.0.0.1:7100  serving  [0,10)   280MiB  7.5    2.4/8  —        —       127.0.0.1:7100  http://a0\n"
-        "1      127.0.0.1:7101  serving  [10,20)  281MiB  7.5    12/16  —        —       127.0.0.1:7101  http://a1\n"
-        "2      127.0.0.1:7102  serving  [20,30)  282MiB  7.5    —      —        —       127.0.0.1:7102  http://a2\n")
+        "stage  node            version   state    layers   memory  tok/s  batch  compute  prefix  grpc            "
+        "api\n"
+        "0      127.0.0.1:7100  0.2.0/p1  serving  [0,10)   280MiB  7.5    2.4/8  —        —       127.0.0.1:7100  "
+        "http://a0\n"
+        "1      127.0.0.1:7101  0.2.0/p1  serving  [10,20)  281MiB  7.5    12/16  —        —       127.0.0.1:7101  "
+        "http://a1\n"
+        "2      127.0.0.1:7102  —         serving  [20,30)  282MiB  7.5    —      —        —       127.0.0.1:7102  "
+        "http://a2\n")
+
+
+def test_mixed_releases_in_the_rows_and_one_line():
+    """A rolling upgrade under way: the members' releases (as /v1/cluster's members list gives
+    them) in each row, and a line counting the nodes on each."""
+    infos = studio_infos()
+    members = infos["http://10.0.0.1:8000"]["members"]
+    for k, m in enumerate(members):
+        m.update(release="0.1.0" if k == 3 else "0.2.0", protocol_version=1)
+    snap = build_snapshot("http://10.0.0.1:8000", infos, {})
+    assert [n["release"] for n in snap["nodes"]] == ["0.2.0", "0.2.0", "0.2.0", "0.1.0"]
+    text = format_status(snap)
+    rows = {line.split()[1]: line.split()[2] for line in text.splitlines() if line.startswith(("0 ", "1 ", "2 ", "3 "))}
+    assert rows == {"studio-1": "0.2.0/p1", "studio-2": "0.2.0/p1", "studio-3": "0.2.0/p1", "studio-4": "0.1.0/p1"}
+    assert ("releases: 0.2.0/p1 on 3 nodes, 0.1.0/p1 on 1 node (mixed: each plan uses only what every node "
+            "taking part speaks)") in text.splitlines()
 
 
 def test_prefix_store_figures_per_node_and_summed():
@@ -335,7 +356,7 @@ def test_batch_column_dash_when_idle_or_unknown():
     assert [n["batch_mean"] for n in snap["nodes"]] == [None, None, None]
     assert snap["nodes"][0]["max_batch"] == 8 and snap["nodes"][1]["max_batch"] is None
     rows = format_status(snap).splitlines()[2:]
-    assert [r.split()[6] for r in rows] == ["—", "—", "—"]
+    assert [r.split()[7] for r in rows] == ["—", "—", "—"]
 
 
 def test_ring_rate_is_the_sum_over_concurrent_requests_and_heads():

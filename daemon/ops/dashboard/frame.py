@@ -33,6 +33,7 @@ from rich.text import Text
 
 from ringlet.daemon.ops.dashboard.widgets import (
     STAGE_COLORS,
+    chip_label,
     hop_text,
     layer_bar,
     memory_text,
@@ -208,7 +209,7 @@ class Dashboard:
         if wide:
             batch_w = max(len("batch"), batch_w)
             name_w = max(8, min(24, max((len(n["name"]) for n in nodes), default=12)))
-            chip_w = max(4, min(16, max((len(n["chip"] or DASH) for n in nodes), default=4)))
+            chip_w = max(4, min(24, max((len(chip_label(n)) for n in nodes), default=4)))
             # columns and their padding, layer bar and memory excluded
             fixed = 2 + name_w + chip_w + 17 + 9 + 7 + batch_w + 8
             # the hop column as wide as its longest label -- long form when the layer bar keeps
@@ -226,7 +227,7 @@ class Dashboard:
             avail = width - others
             bar_w = max(12, min(40, avail - need))
             hop_w = max(12, width - others - bar_w)
-            for name, w, just in (("#", 2, "right"), ("node", name_w, "left"), ("chip", chip_w, "left"),
+            for name, w, just in (("#", 2, "right"), ("node", name_w, "left"), ("chip · release", chip_w, "left"),
                                   ("state", 17, "left"), ("layers", 9 + bar_w, "left"),
                                   ("memory", mem_bar + 13, "left"), ("tok/s", 7, "right"),
                                   ("batch", batch_w, "right"), ("hop to next stage", hop_w, "left")):
@@ -265,14 +266,14 @@ class Dashboard:
             batch_t = Text(batch if wide else f"batch {batch}", style="dim" if batch == DASH else "")
             if wide:
                 mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], mem_bar)
-                t.add_row(idx, name, Text(n["chip"] or DASH), state_text(n["state"], progress_of(n), 17),
+                t.add_row(idx, name, Text(chip_label(n)), state_text(n["state"], progress_of(n), 17),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), mem, tps, batch_t, hop_t)
             elif dense:
                 t.add_row(idx, name, state_text(n["state"], progress_of(n), state_w),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), tps, batch_t)
             else:
                 mem = memory_text(n["memory_used_bytes"], n["memory_total_bytes"], 5)
-                line2_name = Text(n["chip"] or DASH, style="dim")
+                line2_name = Text(chip_label(n), style="dim")
                 t.add_row(idx, name, state_text(n["state"], progress_of(n), state_w),
                           rng + layer_bar(n["layer_range"], depth, bar_w, color), tps)
                 t.add_row(Text(""), line2_name, mem, hop_t, batch_t)

@@ -106,3 +106,9 @@ def hop_text(hop: dict | None, short: bool) -> Text:
     t.append((" " if short else " · ").join(parts) if parts else ("" if hop["returns"] else DASH),
              style="bright_blue")
     return t
+
+
+def chip_label(node: dict) -> str:
+    """A node's chip and release, e.g. ``Apple M3 Ultra · 0.2.0`` (``—`` for what is unknown)."""
+    release = node.get("release")
+    return f"{node.get('chip') or DASH}" + (f" · {release}" if release else "")

@@ -24,13 +24,15 @@ from ringlet.daemon.ops.doctor.network import (
     check_ports,
     check_thunderbolt,
 )
+from ringlet.daemon.ops.doctor.versions import check_versions
+from ringlet.daemon.wire import versions
 
 CHECKS: list[tuple[str, Callable[[Context], Check]]] = [
     ("mlx device", check_mlx), ("blas", check_blas), ("model", check_model), ("dtype", check_dtype),
     ("memory", check_memory),
     ("gpu wired limit", check_wired_limit), ("disk space", check_disk), ("multicast", check_multicast),
     ("ports", check_ports), ("firewall", check_firewall), ("thunderbolt", check_thunderbolt),
-    ("secret", check_secret), ("service", check_service), ("daemon", check_daemon),
+    ("secret", check_secret), ("service", check_service), ("daemon", check_daemon), ("versions", check_versions),
 ]
 
 
@@ -113,7 +115,8 @@ def print_results(results: list[Check], ctx: Context, console=None) -> None:
 
     console = console or Console(highlight=False)
     width = max(60, console.width)
-    head = (f"ringlet doctor · {platform.system().lower()} {platform.machine()} · Python "
+    head = (f"ringlet doctor · ringlet {versions.RELEASE} (wire protocol {versions.PROTOCOL_VERSION}) · "
+            f"{platform.system().lower()} {platform.machine()} · Python "
             f"{platform.python_version()} · {sys.executable}")
     console.print(Text(head, style="bold"), soft_wrap=True)
     if ctx.config_source:

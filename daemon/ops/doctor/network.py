@@ -214,9 +214,8 @@ def check_thunderbolt(ctx: Context) -> Check:
                  + ("; load thunderbolt-net for networking over them (modprobe thunderbolt-net)" if tb.peers else ""))
 
 
-def _routes_of(api_port: int) -> list[dict] | str:
-    """The running daemon's ``/v1/cluster`` ``routes`` (addresses members could not reach),
-    or why they could not be read."""
+def read_cluster(api_port: int) -> dict | str:
+    """The running daemon's ``/v1/cluster`` answer, or why it could not be read."""
     try:
         import httpx
 
@@ -227,10 +226,19 @@ def _routes_of(api_port: int) -> list[dict] | str:
                          headers=auth_headers(client_api_key()))
         if resp.status_code != 200:
             return f"/v1/cluster answered {resp.status_code} (set RINGLET_API_KEY if the node has API keys)"
-        routes = resp.json().get("routes") or []
-        return [r for r in routes if isinstance(r, dict)]
+        data = resp.json()
+        return data if isinstance(data, dict) else "/v1/cluster answered no JSON object"
     except Exception as exc:  # noqa: BLE001 - a check reports, it never raises
         return f"could not read /v1/cluster: {type(exc).__name__}: {exc}"
+
+
+def _routes_of(api_port: int) -> list[dict] | str:
+    """The running daemon's ``/v1/cluster`` ``routes`` (addresses members could not reach),
+    or why they could not be read."""
+    cluster = read_cluster(api_port)
+    if isinstance(cluster, str):
+        return cluster
+    return [r for r in cluster.get("routes") or [] if isinstance(r, dict)]
 
 
 def check_daemon(ctx: Context) -> Check:

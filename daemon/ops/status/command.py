@@ -67,12 +67,14 @@ def format_status(snap: dict) -> str:
         lines.append(" · ".join(mode))
         if c.get("mode_reason"):
             lines.append(f"why: {c['mode_reason']}")
-    rows = [("stage", "node", "state", "layers", "memory", "tok/s", "batch", "compute", "prefix", "grpc", "api")]
+    rows = [("stage", "node", "version", "state", "layers", "memory", "tok/s", "batch", "compute", "prefix", "grpc",
+             "api")]
     for n in snap["nodes"]:
         mem = fmt_bytes(n["memory_used_bytes"]).replace(" ", "")
         if n["memory_total_bytes"]:
             mem += "/" + fmt_bytes(n["memory_total_bytes"]).replace(" ", "")
-        rows.append((v(n["stage"]), n["name"], v(n["state"]), fmt_range(n["layer_range"]).replace(" ", ""), mem,
+        rows.append((v(n["stage"]), n["name"], version_text(n), v(n["state"]),
+                     fmt_range(n["layer_range"]).replace(" ", ""), mem,
                      fmt_rate(n["tokens_per_s"]), fmt_batch(n.get("batch_mean"), n.get("max_batch")),
                      (n.get("compute") or "—").replace(" · ", "/").replace(" ", "-"), prefix_text(n), n["address"],
                      v(n["api_url"])))
@@ -88,6 +90,8 @@ def format_status(snap: dict) -> str:
                      "re-prefill(s))")
     if (spec := c.get("speculation")) is not None:
         lines.append(spec_text(spec))
+    if mixed := releases_line(snap["nodes"]):
+        lines.append(mixed)
     negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
     for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
         lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")
@@ -107,6 +111,27 @@ def format_status(snap: dict) -> str:
     if snap["error"]:
         lines.append(f"not reached: {snap['error']}")
     return "\n".join(lines) + "\n"
+
+
+def version_text(node: dict) -> str:
+    """A node's release and wire protocol, e.g. ``0.2.0/p1`` (``—`` when not reported)."""
+    if node.get("release") is None:
+        return "—"
+    return f"{node['release']}/p{node['protocol_version'] if node.get('protocol_version') is not None else '?'}"
+
+
+def releases_line(nodes: list[dict]) -> str | None:
+    """``releases: 0.2.0 on 2 nodes, 0.1.0 on 1`` when the nodes run more than one release
+    (a rolling upgrade under way), else ``None``."""
+    counts: dict[str, int] = {}
+    for n in nodes:
+        if n.get("release") is not None:
+            counts[version_text(n)] = counts.get(version_text(n), 0) + 1
+    if len(counts) < 2:
+        return None
+    parts = [f"{r} on {k} node{'s' if k > 1 else ''}" for r, k in sorted(counts.items(), key=lambda kv: kv[0],
+                                                                         reverse=True)]
+    return "releases: " + ", ".join(parts) + " (mixed: each plan uses only what every node taking part speaks)"
 
 
 def run_status(args) -> int:

@@ -21,7 +21,8 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                  that head requests: {"trips", "tokens", "drafted", "accepted",
                  "tokens_per_trip", "acceptance"}, or None when none drafted)},
      "nodes": [{"stage" (hybrid: its group's stage), "rank" (tensor rank, in its group when hybrid, or None),
-                "in_plan", "address", "node_id", "name", "chip", "state",
+                "in_plan", "address", "node_id", "name", "chip", "release" (e.g. "0.2.0"),
+                "protocol_version" (wire protocol), "state",
                 "loading_progress" (0..1), "download" (the stage's files coming from the Hub:
                 {"bytes_done", "bytes_total", "fraction", "rate_bytes_per_s", "eta_s", "file"},
                 else None), "layer_range" [start, end), "epoch",
@@ -168,6 +169,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "name": first(as_str(m.get("name")), as_str(info.get("name")), as_str(m.get("node_id")),
                           as_str(info.get("node_id")), addr),
             "chip": first(as_str(m.get("chip")), as_str(info.get("chip"))),
+            "release": first(as_str(m.get("release")), as_str(info.get("release"))),
+            "protocol_version": first(as_int(m.get("protocol_version")), as_int(info.get("protocol_version"))),
             "state": state,
             "loading_progress": first(as_progress(m.get("loading_progress")),
                                       as_progress(info.get("loading_progress"))),
