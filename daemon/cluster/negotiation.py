@@ -54,7 +54,7 @@ from typing import Protocol
 
 import grpc
 
-from ringlet.daemon.cluster import refusals
+from ringlet.daemon.cluster import features, refusals
 from ringlet.daemon.cluster.cluster_view import cluster_view
 from ringlet.daemon.cluster.kv_sources import mark_rebuilds, room_refusal
 from ringlet.daemon.cluster.membership import Membership
@@ -67,10 +67,6 @@ from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
 from ringlet.partitioning import Infeasible, InvalidPlan, ModelSpec, Plan, Policy, make_plan, validate_plan
 
 log = logging.getLogger(__name__)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 class PlanHost(Protocol):
@@ -120,21 +116,21 @@ class Negotiator:
         tp: tensor-parallel serving (:class:`ringlet.daemon.tensor.serving.TPServing`): the
             proposer's mode decision travels in the proposal, and commits start or stop
             tensor groups; ``None`` = pipeline only.
+        requires: the capabilities a node needs to hold a stage of this model
+            (:func:`.features.required_by`); members lacking one are left out, named.
     """
 
     def __init__(self, node: PlanHost, membership: Membership, model_spec: ModelSpec, model_name: str,
                  num_layers: int, policy: Policy | None = None, *, settle_s: float = 0.3,
-                 initial_settle_s: float = 1.0, prepare_timeout_s: float = 300.0, tp=None):
-        self.node = node
-        self.membership = membership
-        self.model_spec = model_spec
-        self.model_name = model_name
+                 initial_settle_s: float = 1.0, prepare_timeout_s: float = 300.0, tp=None,
+                 requires: frozenset[str] = frozenset()):
+        self.node, self.membership, self.model_spec, self.model_name = node, membership, model_spec, model_name
         self.num_layers = num_layers
         self.policy = policy or Policy()
         self.settle_s = settle_s
         self.initial_settle_s = initial_settle_s
         self.prepare_timeout_s = prepare_timeout_s
-        self.tp = tp
+        self.tp, self.requires = tp, requires
         self.state = "idle"
         self.committed_plan: Plan | None = None
         self.committed_digest = ""
@@ -207,7 +203,8 @@ class Negotiator:
         planning context, every stage is sized for that many tokens of KV."""
         ids = self.agreement.view(self.membership).eligible
         records = {i: self.membership.record_of(i) or {} for i in ids}
-        nodes, links = planner_inputs(build_graph(records))
+        unable = features.unable(records, self.requires, self.model_name)  # too old for this model: left out
+        nodes, links = planner_inputs(build_graph({i: r for i, r in records.items() if i not in unable}))
         spec = self.model_spec
         if kv_tokens > spec.context_tokens:
             spec = replace(spec, context_tokens=kv_tokens)
@@ -217,8 +214,9 @@ class Negotiator:
             have = sum(n.memory_bytes for n in nodes)
             need = have + exc.shortfall_bytes
             lost = "".join(f"; lost {i}: {self.membership.departed.get(i, '?')}" for i in sorted(self.membership.lost))
-            return None, (f"model needs {_gb(need)}, cluster has {_gb(have)} usable across {len(nodes)} "
-                          f"node(s); add a node or memory ({exc.message}){lost}")  # lost: where it was last dialled
+            lost += "".join(f"; left out: {why}" for _, why in sorted(unable.items()))
+            return None, (f"model needs {need / 1e9:.2f} GB, cluster has {have / 1e9:.2f} GB usable across "
+                          f"{len(nodes)} node(s); add a node or memory ({exc.message}){lost}")
 
     async def _propose_round(self) -> bool:
         """One proposal. Returns True to retry later (views differ, a vote failed)."""
@@ -226,7 +224,10 @@ class Negotiator:
         plan, reason = self.compute_plan()
         ids = self.agreement.view(self.membership).eligible
         mode = self.tp.decide(ids) if self.tp is not None and plan is not None else None
-        if self.node.plan is not None and digest == self.committed_digest and not self._split:
+        records = {i: self.membership.record_of(i) for i in ids}
+        uses = features.plan_features(records, plan, mode)
+        if self.node.plan is not None and digest == self.committed_digest and not self._split and (
+                plan is None or self.node.plan.features == uses):  # a member's build changed: the plan's features too
             same = (plan is not None and self.committed_plan is not None
                     and plan.plan_id == self.committed_plan.plan_id) or (plan is None and reason
                                                                           and self.committed_reason)
@@ -242,11 +243,11 @@ class Negotiator:
         epoch = max([self.node.epoch, self._epoch_floor,
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = proposal_addresses(self.membership, ids, plan)
-        body = plan.to_json() if plan is not None else json.dumps({"infeasible": reason})
+        body = (features.plan_body(plan, features.plan_features(records, plan, mode)) if plan is not None
+                else json.dumps({"infeasible": reason}))
         previous = readdress(await self._serving_stages(), addresses)  # KV holders where they answer now
         if plan is not None and not (mode and mode.get("mode") in ("tensor", "hybrid")):
-            records = {i: self.membership.record_of(i) or {} for i in ids}
-            nodes, links = planner_inputs(build_graph(records))
+            nodes, links = planner_inputs(build_graph({i: r or {} for i, r in records.items()}))
             stages = [(s.node_id, s.start, s.end) for s in plan.stages]
             mark_rebuilds(previous, stages, self.model_spec, nodes, links, self.policy, set(ids),
                           self.membership.departed)
@@ -281,8 +282,7 @@ class Negotiator:
             self.said(logging.INFO, f"a proposal not accepted: {self.last_result}",
                       kind=f"received: {refused[0].reason.split(':')[0][:80]}")
             return True
-        commit = pb.CommitRequest(epoch=epoch, proposer_id=self.node.node_id,
-                                  plan_id=plan.plan_id if plan is not None else "")
+        commit = pb.CommitRequest(epoch=epoch, proposer_id=self.node.node_id, plan_id=plan.plan_id if plan else "")
 
         async def tell(member) -> pb.Vote:
             try:
@@ -433,7 +433,7 @@ class Negotiator:
                                        rebuild=r.rebuild, why=r.why, lost=r.lost) for r in p.previous)
             if not previous and self.node.plan is not None:  # a proposer that could not say
                 previous = self.node.plan.stages
-            serving = replace(serving, previous=previous)
+            serving = replace(serving, previous=previous, features=features.features_of(body))
             if not serving.is_tensor and (why := await unreachable(self.membership, self.node.node_id, serving)):
                 return self._refuse(why)
             if not serving.is_tensor and not serving.is_hybrid and (vote := self._no_room(serving)) is not None:

@@ -65,6 +65,7 @@ from ringlet.daemon.node.servicer import RingServicer
 from ringlet.daemon.node.signals import PlanChanged
 from ringlet.daemon.paths import machine_cache_dir
 from ringlet.daemon.probes import blas, colocated
+from ringlet.daemon.wire import versions
 from ringlet.daemon.wire.hop import HopLink
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan, StageSpec
@@ -420,6 +421,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                       "hop_address": s.hop_address or None}
                      for s in (self.plan.stages if self.plan else ())],
             "plan_detail": self.plan.detail if self.plan else None,
+            # the optional wire features the plan uses: those every node taking part speaks
+            "plan_features": sorted(f for f in versions.CAPABILITIES if self.plan.uses(f)) if self.plan else None,
             "requests_in_flight": len(self._generations),
             "prefilling": self.prefilling(),
             "kv_caches": self.engine.active_requests if self.engine else [],

@@ -266,9 +266,13 @@ class Head:
         """Whether this stage 0 drafts for a new request: drafts are on (``--spec-tokens``),
         this node holds stage 0 (its own layers, or a hybrid plan's tensor group), and every
         layer's KV cache can drop rejected positions exactly (mlx-lm's plain ``KVCache``, in
-        this process or in the group's ranks; not a rotating window or a recurrent state).
-        Counted in :attr:`spec_totals` when not."""
+        this process or in the group's ranks; not a rotating window or a recurrent state),
+        and every node of the committed plan speaks drafts (:attr:`ServingPlan.drafts`; a
+        request's ``prediction`` is then not used). Counted in :attr:`spec_totals` when not."""
         if self.config.spec_tokens <= 0:
+            return False
+        if self.plan is not None and not self.plan.drafts:  # a node taking part runs an older release
+            self.spec_totals.skip("versions")
             return False
         stage = self.engine.stage if self.engine is not None else None
         if stage is None:

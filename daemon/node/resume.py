@@ -249,9 +249,13 @@ class ResumingClient:
     def _group_spec(self, prediction: list[int] | None) -> dict | None:
         """Speculative decoding for a request rank 0 of this node's tensor group drives:
         ``{"k", "prediction", "measured"}``, or ``None`` when drafts are off (``--spec-tokens
-        0``); the group drops it where its KV caches cannot drop drafted positions exactly.
+        0``, or a rank of an older release: :attr:`ServingPlan.drafts`); the group drops it
+        where its KV caches cannot drop drafted positions exactly.
         The draft model (``--draft-model``) runs for pipeline stage 0s only."""
         if self.config.spec_tokens <= 0:
+            return None
+        if self.plan is not None and not self.plan.drafts:  # a rank runs an older release
+            self.spec_totals.skip("versions")
             return None
         return {"k": self.config.spec_tokens, "prediction": list(prediction or ()),
                 "measured": os.environ.get(SPEC_ALWAYS_ENV) != "1"}

@@ -17,7 +17,7 @@ import grpc
 from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb
 from ringlet.daemon.errors import GenerationError
 from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
-from ringlet.daemon.wire import codec
+from ringlet.daemon.wire import codec, versions
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.versions import PROTOCOL_VERSION
@@ -45,6 +45,17 @@ async def _produce(source, info: dict, events: asyncio.Queue) -> None:
     finally:
         await source.aclose()
         events.put_nowait(None)
+
+
+def _members_speak(node: Node, feature: str) -> bool:
+    """Whether every member of ``node``'s cluster (any of them may be the caller) speaks
+    ``feature`` (:mod:`ringlet.daemon.wire.versions`); with no cluster (a static plan),
+    this build's nodes are assumed."""
+    cluster = getattr(node, "cluster", None)
+    if cluster is None:
+        return True
+    membership = cluster.membership
+    return feature in versions.common(membership.record_of(i) for i in membership.alive_ids())
 
 
 class RingServicer(pb_grpc.RingServicer):
@@ -78,7 +89,8 @@ class RingServicer(pb_grpc.RingServicer):
             events.put_nowait(pb.GenerateEvent(progress=pb.PrefillProgress(processed=processed, total=total,
                                                                            cached=cached)))
 
-        info: dict = {"on_prefill": on_prefill}
+        # an API node of an older release reads an unknown event as a token: progress only when every member reads it
+        info: dict = {"on_prefill": on_prefill} if _members_speak(node, versions.PREFILL_PROGRESS) else {}
         source = node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt), request.max_tokens,
                                   sampling_from_pb(request.sampling), frozenset(request.stop_ids),
                                   request.cache_scope, info, list(request.prediction))

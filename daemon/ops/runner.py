@@ -154,6 +154,7 @@ def _make_fetcher(node: Node, membership, cache_dir: Path):
 async def _start_cluster(args, node: Node, context_tokens: int):
     """Identity, probes, membership, negotiation and discovery for a negotiated node."""
     from ringlet.daemon.cluster.discovery import Discovery
+    from ringlet.daemon.cluster.features import required_by
     from ringlet.daemon.cluster.identity import NodeIdentity, cluster_id
     from ringlet.daemon.cluster.membership import Membership
     from ringlet.daemon.cluster.negotiation import Negotiator
@@ -214,7 +215,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     membership.set_record(record)
     negotiator = Negotiator(node, membership, spec, node.config.model.ident, num_layers,
                             Policy(name=args.policy, prefill_share=args.prefill_share), settle_s=args.settle_s,
-                            initial_settle_s=args.initial_settle_s)
+                            initial_settle_s=args.initial_settle_s, requires=required_by(config))
 
     def on_change() -> None:
         negotiator.membership_changed()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringlet.daemon.wire import versions
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -59,6 +61,10 @@ class ServingPlan:
         previous: the stages of the plan this one replaces, as its proposer served it
             (empty: unknown, or the first plan): where a node that gains layers fetches
             their KV caches from.
+        features: the optional wire features (:mod:`.versions` capability names) every
+            node taking part speaks, which the plan may use (:meth:`uses`); computed once
+            by the proposer. ``None``: not negotiated (a static ``--plan``, whose nodes
+            are taken to run this build).
     """
 
     epoch: int
@@ -68,6 +74,20 @@ class ServingPlan:
     detail: dict | None = None
     tp: dict | None = None
     previous: tuple[StageSpec, ...] = ()
+    features: frozenset[str] | None = None
+
+    def uses(self, feature: str) -> bool:
+        """Whether this plan may use ``feature`` (a :mod:`.versions` capability name):
+        every node taking part speaks it."""
+        return feature in (self.features if self.features is not None else versions.CAPABILITIES)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether its head may draft (speculative decoding): every node taking part
+        verifies and trims drafted positions (:data:`.versions.DRAFTS`), and, in a tensor
+        or hybrid plan, has its group's ranks trim (:data:`.versions.TENSOR_TRIMS`)."""
+        return self.uses(versions.DRAFTS) and (not self.tp or self.tp.get("mode") not in ("tensor", "hybrid")
+                                               or self.uses(versions.TENSOR_TRIMS))
 
     @property
     def is_tensor(self) -> bool:
