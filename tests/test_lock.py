@@ -1,7 +1,8 @@
 """The lock and pyproject.toml agree (issue #42): every requirement pyproject.toml names, for
 every platform the lock covers, is pinned in requirements.lock to a version its range
 allows, with hashes; the lock pins nothing twice for one platform; the model package's
-lock pins the Makefile's MODEL_PKG; the installed environment is the locked one.
+lock pins the Makefile's MODEL_PKG; the installed environment is the locked one; the
+runtime lock is the lock's runtime part; the agent CLIs' npm lock pins what docs say.
 
 Expected values come from pyproject.toml and the Makefile, read here with ``packaging``
 (the same library pip uses), not from ringlet's code.
@@ -145,3 +146,42 @@ def test_installed_environment_is_the_locked_one():
         if installed != version:
             differ.append(f"{name}: installed {installed}, locked {version}")
     assert not differ, differ
+
+
+RUNTIME_LOCK = parse_lock(ROOT / "requirements-runtime.lock")
+
+
+@pytest.mark.parametrize("env", ENVIRONMENTS, ids=lambda e: f"{e['sys_platform']}-{e['platform_machine']}-"
+                                                          f"{e['python_version']}")
+def test_runtime_lock_is_the_locks_runtime_part(env):
+    """requirements-runtime.lock (what make wheel-check installs beside the built wheel) pins
+    every runtime requirement, with hashes, at the version requirements.lock pins it; it
+    pins nothing the test or dev extras alone need."""
+    assert all(hashes >= 1 for _, _, _, hashes in RUNTIME_LOCK)
+    runtime, full = pins_for(RUNTIME_LOCK, env), pins_for(LOCK, env)
+    differ = {name: (str(v), str(full.get(name))) for name, v in runtime.items() if full.get(name) != v}
+    assert not differ, f"run `make lock`: runtime pin vs requirements.lock: {differ}"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for req in map(Requirement, project["dependencies"]):
+        if req.marker is None or req.marker.evaluate(env):
+            assert canonicalize_name(req.name) in runtime, f"{req} is not in requirements-runtime.lock (`make lock`)"
+    assert not {"pytest", "ruff", "hypothesis", "grpcio-tools", "uv", "build"} & set(runtime), sorted(runtime)
+
+
+def test_agent_clis_are_pinned_exactly_in_the_committed_npm_lock():
+    """tests/agents/npm: package.json pins exact versions, its lock (made by npm) resolves
+    each to that version with an integrity hash, and docs/agents.md names the same ones."""
+    import json
+
+    npm = ROOT / "tests" / "agents" / "npm"
+    wanted = json.loads((npm / "package.json").read_text())["dependencies"]
+    lock = json.loads((npm / "package-lock.json").read_text())
+    assert lock["lockfileVersion"] >= 3 and lock["packages"][""]["dependencies"] == wanted
+    for name, version in wanted.items():
+        assert re.fullmatch(r"\d+\.\d+\.\d+", version), f"{name}: {version} is not an exact version"
+        entry = lock["packages"][f"node_modules/{name}"]
+        assert entry["version"] == version and entry["integrity"].startswith("sha512-"), name
+    assert all(p.get("integrity") for key, p in lock["packages"].items() if key), "a locked package without a hash"
+    docs = (ROOT / "docs" / "agents.md").read_text()
+    for name, version in wanted.items():
+        assert f"`{name}` {version}" in docs, f"docs/agents.md does not name {name} {version}"
