@@ -23,6 +23,16 @@ Usable-memory rule (:func:`usable_memory_bytes`), in order:
    leaving room for the OS, page cache and the daemon.
 Always capped at total RAM. ``available`` is deliberately not used: it drops as
 the daemon itself loads weights, so a plan based on it would shrink itself.
+
+Then the daemon's own memory cgroup (Linux, :mod:`.cgroup_memory`), when it binds lower
+(:func:`usable_with_cgroup`): 80 % of its lowest limit (the same margin as for the host's
+RAM), less what the limit holds besides the model: the daemon's own runtime (its anonymous
+memory at the first probe, before any weights: Python, MLX, gRPC, a few hundred MB that a
+small limit feels where 20 % of a host's RAM absorbs it) and what the cgroup's other
+processes hold without page cache (its use without page cache less this process's own
+anonymous memory now, so the daemon's own weights never shrink the figure). ``--memory-limit``
+(applied by the runner) can only lower the result. ``usable_source`` says, in words, which
+rule set the figure.
 """
 
 from __future__ import annotations
@@ -32,11 +42,12 @@ import logging
 import re
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psutil
 
+from .cgroup_memory import CgroupMemory, read_cgroup_memory
 from .common import ProbeParseError, excerpt, parse_int, require_text, run_probe
 
 log = logging.getLogger("ringlet.daemon.probes")
@@ -44,6 +55,8 @@ log = logging.getLogger("ringlet.daemon.probes")
 MIB = 1 << 20
 #: Fraction of total RAM considered usable when no GPU limit is known.
 DEFAULT_USABLE_FRACTION = 0.8
+#: Fraction of a cgroup's memory limit considered usable (the same margin).
+CGROUP_USABLE_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,11 @@ class MemoryInfo:
     """What the daemon advertises about memory (all bytes).
 
     ``usable_memory_bytes`` follows the rule in the module docstring;
-    ``usable_rule`` names the branch taken.
+    ``usable_rule`` names the branch taken, ``usable_source`` says it for people (with the
+    figures); ``cgroup_limit_bytes`` is the cgroup's lowest limit (``None``: none or not
+    Linux), ``cgroup_others_bytes`` what the cgroup's other processes hold and
+    ``runtime_bytes`` the daemon's own memory at the first probe, before any model (counted
+    against a cgroup's limit, which holds it too).
     """
 
     total_bytes: int
@@ -87,6 +104,10 @@ class MemoryInfo:
     device_memory_bytes: int | None = None
     device_name: str | None = None
     architecture: str | None = None
+    usable_source: str = ""
+    cgroup_limit_bytes: int | None = None
+    cgroup_others_bytes: int | None = None
+    runtime_bytes: int | None = None
 
 
 _INT_KEYS = ("max_recommended_working_set_size", "memory_size", "max_buffer_length", "resource_limit")
@@ -160,6 +181,61 @@ def usable_memory_bytes(
     return int(total_bytes * DEFAULT_USABLE_FRACTION), f"{DEFAULT_USABLE_FRACTION:.0%} of total"
 
 
+def gb(n: float) -> str:
+    """Bytes in decimal GB for messages: ``3.40 GB`` (``0.30 GB``)."""
+    return f"{n / 1e9:.2f} GB"
+
+
+def host_source(total_bytes: int, usable: int, rule: str) -> str:
+    """The host rule's figure in words, e.g. ``80% of total RAM (25.28 GB): 20.22 GB``."""
+    if rule == "iogpu.wired_limit_mb":
+        return f"iogpu.wired_limit_mb (GPU wired limit): {gb(usable)}"
+    if rule == "max_recommended_working_set_size":
+        return f"Metal's recommended working set: {gb(usable)}"
+    return f"{rule} RAM ({gb(total_bytes)}): {gb(usable)}"
+
+
+def usable_with_cgroup(host_usable: int, host_text: str, cgroup: CgroupMemory | None, own_bytes: int,
+                       runtime_bytes: int | None = None) -> tuple[int, str, int | None]:
+    """The lower of the host rule and the cgroup rule (module docstring).
+
+    Args:
+        host_usable: the host rule's bytes (:func:`usable_memory_bytes`).
+        host_text: the host rule in words (:func:`host_source`).
+        cgroup: this process's cgroup (:func:`~.cgroup_memory.read_cgroup_memory`), or ``None``.
+        own_bytes: this process's own anonymous memory now (RSS less file-backed and shared), bytes.
+        runtime_bytes: this process's own anonymous memory before it held any model (the
+            daemon's runtime, which the cgroup's limit also holds), bytes; ``None``: ``own_bytes``
+            (the first probe).
+
+    Returns:
+        ``(usable bytes, which rule set it in words, bytes the cgroup's other processes hold
+        or None)``.
+    """
+    if cgroup is None or cgroup.limit_bytes is None:
+        return host_usable, host_text, None
+    runtime = own_bytes if runtime_bytes is None else runtime_bytes
+    others = max(0, cgroup.used_bytes - own_bytes) if cgroup.used_bytes is not None else 0
+    usable = max(0, int(cgroup.limit_bytes * CGROUP_USABLE_FRACTION) - others - runtime)
+    if usable >= host_usable:
+        return host_usable, host_text, others
+    text = f"{cgroup.describe()}: {CGROUP_USABLE_FRACTION:.0%} of {gb(cgroup.limit_bytes)}"
+    if others + runtime >= MIB:
+        text += f" less {runtime / 1e6:.0f} MB the daemon's runtime"
+        text += f" and {others / 1e6:.0f} MB its other processes hold" if others >= MIB else ""
+    return usable, f"{text}: {gb(usable)}", others
+
+
+def own_anonymous_bytes() -> int:
+    """This process's resident memory that is not file-backed or shared (Linux: RSS less
+    ``shared``, i.e. RssAnon), bytes; 0 when psutil cannot tell."""
+    try:
+        info = psutil.Process().memory_info()
+    except psutil.Error:
+        return 0
+    return max(0, int(info.rss) - int(getattr(info, "shared", 0)))
+
+
 def mlx_device_info() -> DeviceInfo | None:
     """``mx.device_info()`` (older mlx: ``mx.metal.device_info()``); ``None`` + one log line."""
     try:
@@ -175,7 +251,8 @@ def mlx_device_info() -> DeviceInfo | None:
 
 
 def probe_memory(platform: str | None = None) -> MemoryInfo:
-    """Measure memory now. On macOS also the wired limit and Metal's working set."""
+    """Measure memory now. On macOS also the wired limit and Metal's working set; on Linux
+    also this process's cgroup (:func:`with_cgroup`)."""
     platform = platform or sys.platform
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
@@ -186,7 +263,7 @@ def probe_memory(platform: str | None = None) -> MemoryInfo:
     info = mlx_device_info()
     max_rec = info.max_recommended_working_set_size if info else None
     usable, rule = usable_memory_bytes(total, wired, max_rec)
-    return MemoryInfo(
+    host = MemoryInfo(
         total_bytes=total,
         available_bytes=available,
         usable_memory_bytes=usable,
@@ -196,4 +273,26 @@ def probe_memory(platform: str | None = None) -> MemoryInfo:
         device_memory_bytes=info.memory_size if info else None,
         device_name=info.device_name if info else None,
         architecture=info.architecture if info else None,
+        usable_source=host_source(total, usable, rule),
     )
+    return with_cgroup(host) if platform.startswith("linux") else host
+
+
+def with_cgroup(memory: MemoryInfo, cgroup_root: str = "/") -> MemoryInfo:
+    """``memory`` with the cgroup rule applied anew (the cgroup files are read now: a limit
+    may change while the daemon runs; cheap, a few small files). The host rule is recomputed
+    from ``memory``'s own figures, and the daemon's runtime is the one ``memory`` holds (the
+    first call measures it: this process's anonymous memory then), so calling this again on
+    its result is the same as on the first probe's. Never raises."""
+    usable, rule = usable_memory_bytes(memory.total_bytes, memory.wired_limit_bytes,
+                                       memory.max_recommended_working_set_bytes)
+    cgroup = read_cgroup_memory(cgroup_root)
+    own = own_anonymous_bytes() if cgroup is not None else 0
+    runtime = memory.runtime_bytes if memory.runtime_bytes is not None else (own if cgroup is not None else None)
+    usable, source, others = usable_with_cgroup(usable, host_source(memory.total_bytes, usable, rule), cgroup, own,
+                                                runtime)
+    if source.startswith("cgroup") and cgroup is not None:
+        rule = f"cgroup v{cgroup.version} {cgroup.limit_file}"
+    return replace(memory, usable_memory_bytes=usable, usable_rule=rule, usable_source=source,
+                   cgroup_limit_bytes=cgroup.limit_bytes if cgroup is not None else None, cgroup_others_bytes=others,
+                   runtime_bytes=runtime)
