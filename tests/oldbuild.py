@@ -12,13 +12,22 @@ checks which tree a process really imports.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+from conftest import REFERENCE
+from streaming import Streamed, completion_body, read_events
+
+from ringlet.daemon.node.config import SPEC_ALWAYS_ENV
+from ringlet.daemon.ops.demo import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,8 +95,53 @@ def patched_current(where: Path, name: str, edits: dict[str, tuple[str, str]]) -
 def imported_from(build: Build) -> str:
     """The directory ``ringlet.daemon`` is imported from in ``build``'s environment (the
     check that the build, not the editable install, runs)."""
-    import os
-
     out = subprocess.run([sys.executable, "-c", "import os, ringlet.daemon as d; print(os.path.realpath(d.__file__))"],
                          capture_output=True, text=True, env={**os.environ, **build.env}, check=True)
     return str(Path(out.stdout.strip()).parent)
+
+
+# --- rings of several builds, and what the tests ask them ------------------------------
+
+RAW = next(c for c in REFERENCE if "raw" in c)
+CHAT = next(c for c in REFERENCE if "messages" in c)
+TOKENS = 16  # of the reference's continuation (float32 on both sides: equal)
+
+
+def ring(log_dir: Path, builds: list[Build | None], ids: list[str]) -> LocalCluster:
+    """A dynamic ring (mDNS on loopback, negotiated plans) of one node per build (``None``:
+    the current one), float32, node i with the id ``ids[i]`` (its data dir's identity file:
+    the lowest id is stage 0), stage 0 drafting whenever it may (``RINGLET_TEST_SPEC_ALWAYS``,
+    so a draft that reached a node that cannot verify it would show)."""
+    for i, node_id in enumerate(ids):
+        data = log_dir / f"data{i}"
+        data.mkdir(parents=True, exist_ok=True)
+        (data / "node.json").write_text(json.dumps({"node_id": node_id, "created_at": time.time()}))
+    return LocalCluster(len(builds), dtype="float32", dynamic=True, log_dir=str(log_dir), env={SPEC_ALWAYS_ENV: "1"},
+                        per_node_env=[dict(b.env) if b is not None else {} for b in builds])
+
+
+def complete(url: str, stream: bool, timeout_s: float = 120) -> Streamed:
+    """The reference's raw prompt, greedy, :data:`TOKENS` tokens, streamed or not: the
+    token ids (with their arrival times when streamed). Fails the test on an error."""
+    body = {**completion_body(RAW["raw"], TOKENS), "stream": stream}
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+        assert r.status_code == 200, r.text
+        return Streamed(ids=r.json()["choices"][0]["token_ids"])
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as r:
+        assert r.status_code == 200, r.read()
+        got = read_events(r.iter_lines(), Streamed())
+    assert got.error is None, got.error
+    return got
+
+
+def chat(url: str, prediction: bool) -> dict:
+    """The reference's chat question, greedy (with its answer as the ``prediction``): the
+    response body. Fails the test on an error."""
+    body = {"messages": CHAT["messages"], "max_tokens": CHAT["max_tokens"], "temperature": 0,
+            "return_token_ids": True}
+    if prediction:
+        body["prediction"] = {"type": "content", "content": CHAT["completion_text"]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -42,6 +42,8 @@ def cluster_view(negotiator: Negotiator) -> dict:
         "members": members,
         "links": graph["links"],
         "routes": routes_report(records, negotiator.node.plan),  # every address a member could not reach
+        # nodes of another wire protocol version, kept out: {node_id, address, release, protocol_version, reason}
+        "incompatible": negotiator.membership.incompatible.info(),
         "negotiation": {"state": negotiator.state, **negotiator.agreement.info(negotiator.membership),
                         "membership_digest": negotiator.membership.digest(), "last_result": negotiator.last_result,
                         "refusals": dict(negotiator.said.totals)},

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeroconf import DNSQuestionType, IPVersion
@@ -78,6 +78,9 @@ class Discovery(AdvertiserMixin, BrowserMixin):
             node advertises *our* node id and this node is the newer one
             (:func:`~ringlet.daemon.cluster.identity.should_yield`): regenerate the id
             and call :meth:`set_node_id`. Without it, only a warning is logged.
+        on_incompatible: called with ``(node id, ["host:port", ...])`` for a peer whose
+            advert names another protocol version: it is not accepted, but its gRPC
+            handshake says why it is kept out (:mod:`ringlet.daemon.cluster.incompatible`).
         started_at_ms, incarnation: this process's start time (unix ms) and
             incarnation (``NodeIdentity.started_at_ms``/``.incarnation``);
             default now / random.
@@ -109,6 +112,7 @@ class Discovery(AdvertiserMixin, BrowserMixin):
         on_goodbye: GoodbyeCallback | None = None,
         *,
         on_conflict: PeerCallback | None = None,
+        on_incompatible: Callable[[tuple[str, list[str]]], Any] | None = None,
         started_at_ms: int | None = None,
         incarnation: str | None = None,
         address_poll_s: float = ADDRESS_POLL_S,
@@ -129,6 +133,7 @@ class Discovery(AdvertiserMixin, BrowserMixin):
         self._on_peer = on_peer
         self._on_goodbye = on_goodbye
         self._on_conflict = on_conflict
+        self._on_incompatible = on_incompatible
         self._started_at_ms = int(time.time() * 1000) if started_at_ms is None else int(started_at_ms)
         self._incarnation = new_incarnation() if incarnation is None else incarnation
         if not INCARNATION_RE.fullmatch(self._incarnation):

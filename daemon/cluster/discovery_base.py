@@ -48,6 +48,7 @@ class DiscoveryBase:
     _on_peer: PeerCallback | None
     _on_goodbye: GoodbyeCallback | None
     _on_conflict: PeerCallback | None
+    _on_incompatible: Callable[[tuple[str, list[str]]], Any] | None
     _started_at_ms: int
     _incarnation: str
     _address_poll_s: float

@@ -3,7 +3,8 @@
 An mDNS advert, a ``--peers`` address or a peer's heartbeat naming a node we do not know
 leads to a handshake (``GetNodeInfo``): the peer's id, protocol version, cluster id and its
 *record* (probe, usable memory, measured links, API URL). A successful handshake makes the
-peer a member, once it has a record (a daemon answers before its cluster starts: retried).
+peer a member, once it has a record (a daemon answers before its cluster starts: retried);
+one of another protocol version is kept out, with the reason (:mod:`.incompatible`).
 
 Liveness comes from heartbeats, never from mDNS (a killed node's mDNS records live ~19
 minutes in peers' caches). Every node sends ``Beat`` to every member every ``heartbeat_s``;
@@ -36,6 +37,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from ringlet.daemon.cluster.incompatible import Incompatible
 from ringlet.daemon.cluster.member import Member, membership_digest
 from ringlet.daemon.wire import versions
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
@@ -72,16 +74,13 @@ class Membership:
                  on_event: Callable[[str, str], None] | None = None,
                  epoch_fn: Callable[[], tuple[int, str]] | None = None):
         self.node_id, self.address, self.cluster_id, self.incarnation = node_id, address, cluster_id, incarnation
-        self.transport = transport
-        self.heartbeat_s = heartbeat_s
-        self.suspect_after_s = suspect_after_s
+        self.transport, self.heartbeat_s, self.suspect_after_s = transport, heartbeat_s, suspect_after_s
         self.remove_after_s = remove_after_s
-        self.on_change = on_change or (lambda: None)
-        self.on_event = on_event or (lambda kind, msg: None)
+        self.on_change, self.on_event = on_change or (lambda: None), on_event or (lambda kind, msg: None)
+        self.incompatible = Incompatible(self.on_event)  # nodes of another protocol version, kept out
         self.epoch_fn = epoch_fn or (lambda: (0, ""))
         self.members: dict[str, Member] = {}
-        self._record: dict = {}
-        self.record_version = 0
+        self._record, self.record_version = {}, 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[tuple[float, grpc.aio.Channel]] = []  # dropped channels, closed later
         self._pending: set[str] = set()  # addresses being handshaken
@@ -243,8 +242,9 @@ class Membership:
             return
         finally:
             self._pending.discard(address)
-        if info.protocol_version != versions.PROTOCOL_VERSION:
-            self._refuse(address, f"protocol version {info.protocol_version} (we speak {versions.PROTOCOL_VERSION})")
+        if info.protocol_version != versions.PROTOCOL_VERSION:  # kept out, with the reason
+            self._refuse(address, self.incompatible.seen(info.node_id, address, info.protocol_version,
+                                                         info.record_json))
             return
         if info.cluster_id != self.cluster_id:
             self._refuse(address, "another cluster")
@@ -270,6 +270,7 @@ class Membership:
         except ValueError:
             record = {}
         existing = self.members.get(info.node_id)
+        self.incompatible.admitted(info.node_id)
         if existing is not None:
             changed = existing.record != record
             if address != existing.address and (existing.failures or existing.state != "alive"):
@@ -497,4 +498,3 @@ class Membership:
                         "record_version": m.record_version, "record": m.record, **versions.member_versions(m.record),
                         "silent_s": round(now - m.last_ok, 3), "committed_epoch": m.committed_epoch})
         return out
-

@@ -38,7 +38,7 @@ from zeroconf import (
 )
 from zeroconf.asyncio import AsyncServiceInfo
 
-from ringlet.daemon.cluster.advert import SERVICE_TYPE, Advert, AdvertError, parse_txt
+from ringlet.daemon.cluster.advert import SERVICE_TYPE, Advert, AdvertError, IncompatibleVersion, parse_txt
 from ringlet.daemon.cluster.discovery_base import MAX_TRACKED, DiscoveryBase
 from ringlet.daemon.cluster.identity import should_yield
 
@@ -248,6 +248,8 @@ class BrowserMixin(DiscoveryBase):
                 raise AdvertError("no IPv4 address in the advert")
         except AdvertError as e:
             self._ignore(name, e)
+            if isinstance(e, IncompatibleVersion) and e.node_id and info.port:  # kept out by the handshake, with why
+                self._call(self._on_incompatible, (e.node_id, [f"{a}:{info.port}" for a in addresses]))
             return None
         return self._accept(name, advert, force=force)
 

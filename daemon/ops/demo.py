@@ -174,10 +174,13 @@ class LocalCluster:
             self._wait_healthy(i, time.monotonic() + timeout_s)
         return i
 
-    def restart(self, i: int, wait: bool = True, timeout_s: float = 120.0) -> None:
-        """Start node ``i`` again (same ports and data dir) after it stopped."""
+    def restart(self, i: int, wait: bool = True, timeout_s: float = 120.0, env: dict[str, str] | None = None) -> None:
+        """Start node ``i`` again (same ports and data dir) after it stopped; ``env``, when
+        given, replaces its extra environment (e.g. another build's ``PYTHONPATH``)."""
         if self.procs[i].poll() is None:
             raise RingletError(f"node {i} is still running")
+        if env is not None:
+            self._env[i] = dict(env)
         self._spawn(i)
         if wait:
             self._wait_healthy(i, time.monotonic() + timeout_s)

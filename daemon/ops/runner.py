@@ -264,9 +264,14 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         def on_goodbye(node_id: str) -> None:
             membership.suspect(node_id, "mDNS goodbye")
 
+        def on_incompatible(peer: tuple[str, list[str]]) -> None:  # its handshake keeps it out, saying why
+            for address in peer[1]:
+                membership.consider(address, peer[0])
+
         interfaces = args.interface or None
         discovery = Discovery.for_identity(identity, args.cluster, args.port, args.api_port, interfaces=interfaces,
                                            on_peer=on_peer, on_goodbye=on_goodbye, on_conflict=on_conflict,
+                                           on_incompatible=on_incompatible,
                                            secret=node.config.transport.secret)
         await discovery.start()
     for host, port in parse_peers(args.peers) if args.peers else []:

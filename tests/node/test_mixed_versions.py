@@ -10,63 +10,11 @@ node takes the request; stage 0 drafts only where every stage verifies and trims
 
 from __future__ import annotations
 
-import json
-import time
-
-import httpx
 import oldbuild
 import pytest
-from conftest import REFERENCE
-from streaming import Streamed, completion_body, read_events
+from oldbuild import CHAT, RAW, TOKENS, chat, complete, ring
 
-from ringlet.daemon.node.config import SPEC_ALWAYS_ENV
-from ringlet.daemon.ops.demo import LocalCluster
 from ringlet.daemon.wire import versions
-
-RAW = next(c for c in REFERENCE if "raw" in c)
-CHAT = next(c for c in REFERENCE if "messages" in c)
-TOKENS = 16  # of the reference's continuation (float32 on both sides: equal)
-
-
-def with_ids(log_dir, ids: list[str]) -> None:
-    """Give node i of a LocalCluster logging to ``log_dir`` the node id ``ids[i]`` (its
-    data dir's identity file), so the test picks which node is stage 0 (the lowest id)."""
-    for i, node_id in enumerate(ids):
-        data = log_dir / f"data{i}"
-        data.mkdir(parents=True, exist_ok=True)
-        (data / "node.json").write_text(json.dumps({"node_id": node_id, "created_at": time.time()}))
-
-
-def ring(tmp, builds: list[oldbuild.Build | None], ids: list[str]) -> LocalCluster:
-    """A dynamic ring of one node per build (``None``: the current one) with node ids ``ids``."""
-    with_ids(tmp, ids)
-    return LocalCluster(len(builds), dtype="float32", dynamic=True, log_dir=str(tmp), env={SPEC_ALWAYS_ENV: "1"},
-                        per_node_env=[dict(b.env) if b is not None else {} for b in builds])
-
-
-def complete(url: str, stream: bool) -> list[int]:
-    """The reference's raw prompt, greedy, streamed or not: the completion's token ids."""
-    body = {**completion_body(RAW["raw"], TOKENS), "stream": stream}
-    if not stream:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        got = read_events(r.iter_lines(), Streamed())
-    assert got.error is None, got.error
-    return got.ids
-
-
-def chat(url: str, prediction: bool) -> dict:
-    """The reference's chat question, greedy (with its answer as the ``prediction``)."""
-    body = {"messages": CHAT["messages"], "max_tokens": CHAT["max_tokens"], "temperature": 0,
-            "return_token_ids": True}
-    if prediction:
-        body["prediction"] = {"type": "content", "content": CHAT["completion_text"]}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +35,7 @@ def test_two_releases_in_one_ring(old, tmp_path, head):
         assert info["plan_features"] == [], info["plan_features"]  # the 0.1.0 node speaks the baseline alone
         for i in (0, 1):  # every node takes requests: as the head's API node and as a remote one
             for stream in (False, True):
-                assert complete(c.api_urls[i], stream) == RAW["completion_ids"][:TOKENS], (i, stream)
+                assert complete(c.api_urls[i], stream).ids == RAW["completion_ids"][:TOKENS], (i, stream)
             assert chat(c.api_urls[i], False)["choices"][0]["token_ids"] == CHAT["completion_ids"]
         answer = chat(c.api_urls[new], True)  # release 0.1.0 refuses the field itself (400): asked of the new node
         assert answer["choices"][0]["token_ids"] == CHAT["completion_ids"]

@@ -294,6 +294,8 @@ class Dashboard:
             rate = spec.get("acceptance")
             t.append_text(Text.assemble(" · drafts ", (f"{spec['tokens_per_trip']:.2f}", "bold"), " tok/trip ",
                                         (f"{'—' if rate is None else f'{rate:.0%}'}", "bold"), " accepted"))
+        if out := c.get("incompatible"):  # nodes of another wire protocol version (the events say why)
+            t.append_text(Text.assemble(" · ", (f"{len(out)} kept out: other wire protocol", "bold red")))
         t.no_wrap = True
         t.overflow = "ellipsis"
         return t
@@ -336,7 +338,7 @@ class Dashboard:
         t.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
         for e in shown:
             kind = str(e.get("kind") or "")
-            style = "red" if kind in ("error", "leave", "suspect", "lost") else "yellow" if kind in (
+            style = "red" if kind in ("error", "leave", "suspect", "lost", "incompatible") else "yellow" if kind in (
                 "warning", "replan", "re-plan") else "green" if kind in ("join", "back", "connected") else ""
             t.add_row(fmt_ts(e.get("ts")), Text(kind[:9], style=style), Text(str(e.get("message") or "")))
         yield t

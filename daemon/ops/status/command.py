@@ -92,6 +92,8 @@ def format_status(snap: dict) -> str:
         lines.append(spec_text(spec))
     if mixed := releases_line(snap["nodes"]):
         lines.append(mixed)
+    for x in c.get("incompatible") or []:  # another wire protocol version: never in the ring
+        lines.append(f"kept out: {x.get('reason') or x.get('node_id')}")
     negotiation = c.get("negotiation") if isinstance(c.get("negotiation"), dict) else {}
     for node_id, model in sorted((negotiation.get("kept_out") or {}).items()):
         lines.append(f"kept out of the plan: {node_id} serves {model}, not the cluster's model")

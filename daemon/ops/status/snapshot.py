@@ -15,6 +15,8 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                  "layers" [start, end), "backend", "state"}] in stage order, else []),
                  "negotiation", "routes" (every address a member could not reach: [{"from", "to",
                  "address", "error", "via" (the address used instead, or None), "in_plan", "fix"}]),
+                 "incompatible" (nodes kept out for another wire protocol version: [{"node_id",
+                 "address", "release", "protocol_version", "reason"}]),
                  "nodes", "nodes_ready", "requests_in_flight", "tokens_per_s",
                  "tokens_generated_total", "memory_total_bytes", "memory_usable_bytes",
                  "memory_used_bytes", "speculation" (speculative decoding over the nodes
@@ -288,6 +290,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         "groups": groups,
         "negotiation": base.get("negotiation"),
         "routes": dicts(base.get("routes")),
+        "incompatible": dicts(base.get("incompatible")),
         "nodes": len(in_plan),
         "nodes_ready": len(ready),
         "requests_in_flight": first(sum_known(in_flight), as_int(base.get("requests_in_flight"))),
