@@ -31,6 +31,7 @@ def cluster_view(negotiator: Negotiator) -> dict:
             "api_url": rec.get("api_url"), "name": rec.get("name"), "chip": rec.get("chip"),
             "memory_total_bytes": rec.get("memory_total_bytes"),
             "memory_usable_bytes": rec.get("usable_memory_bytes"),
+            "memory_usable_source": rec.get("usable_memory_source"),  # which rule set it, in words
             "silent_s": m.get("silent_s"), "record_version": m["record_version"],
             "release": m["release"], "protocol_version": m["protocol_version"], "capabilities": m["capabilities"],
         })

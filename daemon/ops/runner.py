@@ -31,6 +31,7 @@ from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
 from ringlet.daemon.ops.bootstrap import bootstrap_fetch
 from ringlet.daemon.ops.hub_run import hub_fetcher, resolve_run_model
+from ringlet.daemon.ops.memory_follow import MemoryFollower, configured_memory
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
@@ -70,7 +71,7 @@ def build_config(args) -> tuple[NodeConfig, int]:
                       prefix_cache_disk_bytes=parse_size(getattr(args, "prefix_cache_disk_bytes", "0"),
                                                          "--prefix-cache-disk-bytes", allow_zero=True) or 0,
                       prefix_cache_dir=prefix_cache_dir(getattr(args, "data_dir", None), address, plan is not None),
-                      usable_memory_bytes=parse_size(getattr(args, "memory_limit", None)),
+                      usable_memory_bytes=configured_memory(args),  # --memory-limit, or the cgroup's
                       node_id=getattr(args, "node_id", "") or "",
                       max_batch=getattr(args, "max_batch", DEFAULT_MAX_BATCH),
                       prefill_chunk=getattr(args, "prefill_chunk", None),
@@ -178,11 +179,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     # share a machine plan with the same figures instead of each its own noisy one.
     cache_dir = machine_cache_dir()
     probe = await loop.run_in_executor(None, lambda: probe_local(cache_dir))
-    memory = probe.memory
-    usable = memory.usable_memory_bytes
-    limit = parse_size(args.memory_limit)
-    if limit is not None:
-        usable = min(usable, limit)
+    memory = MemoryFollower(node, probe.memory, parse_size(args.memory_limit))  # lowest: probe, --memory-limit
     speed = probe.speed
     public = public_host(args.advertise_host, args.host, args.interface or None)
     if not args.interface:
@@ -190,9 +187,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
-        # what the planner may fill with weights and KV: the boundary activations' budget is kept off
-        "memory_total_bytes": memory.total_bytes, "usable_memory_bytes": max(0, usable - node.boundary_budget()),
-        "boundary_cache_bytes": node.boundary_budget(),
+        **memory.fields(),  # what the planner may fill with weights and KV, and which rule set it
         "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
         "flops": speed.matmul_flops if speed else None,
         "api_url": f"http://{api_host}:{args.api_port}", "links": {},
@@ -237,6 +232,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     def record_changed(member) -> None:
         tp.record_changed(member)  # another member's group gave up (hybrid plans)
         router.record_changed(member)  # its routes changed: the plan's addresses may move
+        memory.record_changed(member)  # its usable memory changed: re-plan
 
     membership.on_record_changed = record_changed
     if getattr(args, "fetched_location", None) is not None and getattr(args, "hub", None) is None:
@@ -245,7 +241,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
             node.event("fetch", message)
     await membership.start()
     await negotiator.start()
-    tasks = [asyncio.create_task(router.run(), name="links")]
+    tasks = [asyncio.create_task(router.run(), name="links"), memory.start(membership, negotiator)]
 
     discovery = None
     if not args.no_mdns:

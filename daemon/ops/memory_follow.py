@@ -1,0 +1,151 @@
+"""The memory a node offers the planner, and following it while the daemon runs.
+
+What a node offers is the lowest of the memory probe's figure (host RAM rule, macOS wired
+limit / Metal working set, the daemon's own cgroup: :mod:`ringlet.daemon.probes.memory`)
+and ``--memory-limit``; the boundary activations' budget is kept off it. Its record carries
+the figure (``usable_memory_bytes``) and, in words, the rule that set it
+(``usable_memory_source``), which ``/v1/cluster``, ``ringlet status`` and ``ringlet
+doctor`` show.
+
+A limit changed while the daemon runs (``systemctl set-property ... MemoryMax=``,
+``docker update --memory``, a write to ``memory.limit_in_bytes`` / ``memory.max``) is seen
+by a poll of the cgroup files every :data:`POLL_S` seconds (a few small files). A new
+limit, a new rule, or a figure that moved by :data:`CHANGE_FRACTION` or more is advertised
+(a new record version, which the peers fetch) and asks for a re-plan, here and on every
+peer that fetches the newer record (:meth:`MemoryFollower.record_changed`): the proposer
+plans with it, and a plan that no longer fits becomes a 503 with the reason. Smaller
+moves (the cgroup's other processes breathing) are not advertised, so the plan does not
+churn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from ringlet.daemon.ops.run_options import parse_size
+from ringlet.daemon.probes.memory import MemoryInfo, gb, probe_memory, with_cgroup
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CHANGE_FRACTION", "POLL_S", "MemoryFollower", "configured_memory", "offered_memory"]
+
+#: Seconds between two reads of the cgroup's limit.
+POLL_S = 2.0
+#: A usable figure that moved by less than this share (same limit, same rule) is not re-advertised.
+CHANGE_FRACTION = 0.05
+
+
+def offered_memory(memory: MemoryInfo, flag_bytes: int | None) -> tuple[int, str]:
+    """``(bytes, rule in words)``: the probe's usable memory, or ``--memory-limit``
+    (``flag_bytes``) where that is lower."""
+    if flag_bytes is not None and flag_bytes < memory.usable_memory_bytes:
+        return flag_bytes, f"--memory-limit: {gb(flag_bytes)}"
+    return memory.usable_memory_bytes, memory.usable_source or memory.usable_rule
+
+
+def _node_bytes(memory: MemoryInfo, flag_bytes: int | None) -> int | None:
+    """What the node sizes its own stores from (``NodeConfig.usable_memory_bytes``):
+    ``--memory-limit`` as always, or where the cgroup rule binds lower, that figure
+    (``None``: neither, the node shares the machine's RAM with its co-located daemons)."""
+    if memory.usable_rule.startswith("cgroup"):
+        return offered_memory(memory, flag_bytes)[0]
+    return flag_bytes
+
+
+def configured_memory(args) -> int | None:
+    """``NodeConfig.usable_memory_bytes`` for ``ringlet run``'s ``args``: ``--memory-limit``,
+    lowered to the cgroup's usable memory when one binds (probed now)."""
+    flag = parse_size(getattr(args, "memory_limit", None))
+    return _node_bytes(probe_memory(), flag)
+
+
+class MemoryFollower:
+    """This node's offered memory: its record fields, and a poll that follows the cgroup.
+
+    Args:
+        node: the :class:`~ringlet.daemon.node.Node` (its config, boundary budget, events).
+        memory: the memory probe at start.
+        flag_bytes: ``--memory-limit`` in bytes, or ``None``.
+        interval_s: seconds between two polls.
+        refresh: ``MemoryInfo -> MemoryInfo`` with the cgroup read anew
+            (:func:`~ringlet.daemon.probes.memory.with_cgroup`; tests give their own).
+    """
+
+    def __init__(self, node, memory: MemoryInfo, flag_bytes: int | None, *, interval_s: float = POLL_S,
+                 refresh: Callable[[MemoryInfo], MemoryInfo] = with_cgroup):
+        self.node = node
+        self.memory = memory
+        self.flag_bytes = flag_bytes
+        self.interval_s = interval_s
+        self.refresh = refresh
+        self.membership = None
+        self.negotiator = None
+        self._peers: dict[str, int | None] = {}  # member id -> the usable memory last seen in its record
+        self._task: asyncio.Task | None = None
+
+    def fields(self) -> dict:
+        """The record's memory fields: ``memory_total_bytes``, ``usable_memory_bytes`` (what
+        the planner may fill: the offered memory less the boundary activations' budget),
+        ``usable_memory_source`` (the rule in words, with the budget kept off) and
+        ``boundary_cache_bytes``."""
+        usable, source = offered_memory(self.memory, self.flag_bytes)
+        boundary = self.node.boundary_budget()
+        if boundary:
+            source += f"; {boundary / 1e6:.0f} MB of it kept for boundary activations"
+        return {"memory_total_bytes": self.memory.total_bytes, "usable_memory_bytes": max(0, usable - boundary),
+                "usable_memory_source": source, "boundary_cache_bytes": boundary}
+
+    def start(self, membership, negotiator) -> asyncio.Task:
+        """Poll every ``interval_s`` (an asyncio task the caller cancels); re-plans go to ``negotiator``."""
+        self.membership, self.negotiator = membership, negotiator
+        self._task = asyncio.create_task(self._run(), name="memory")
+        return self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                new = await loop.run_in_executor(None, self.refresh, self.memory)
+            except Exception as exc:  # noqa: BLE001 - a poll must never end the daemon
+                log.debug("memory poll failed: %s", exc)
+                continue
+            with contextlib.suppress(Exception):
+                self.update(new)
+
+    def update(self, new: MemoryInfo) -> bool:
+        """Take a fresh probe: when the limit or rule changed, or the figure moved by
+        :data:`CHANGE_FRACTION` or more, advertise it and ask for a re-plan. Returns whether
+        it was advertised."""
+        old = self.memory
+        before, after = offered_memory(old, self.flag_bytes)[0], offered_memory(new, self.flag_bytes)[0]
+        moved = abs(after - before) >= CHANGE_FRACTION * max(1, before)
+        if not moved and (old.cgroup_limit_bytes, old.usable_rule) == (new.cgroup_limit_bytes, new.usable_rule):
+            return False
+        self.memory = new
+        self.node.config.usable_memory_bytes = _node_bytes(new, self.flag_bytes)
+        boundaries = getattr(getattr(self.node, "engine", None), "boundaries", None)
+        if boundaries is not None and hasattr(boundaries, "budget_bytes"):
+            boundaries.budget_bytes = self.node.boundary_budget()  # the store follows the limit
+        fields = self.fields()
+        message = f"usable memory {gb(before)} -> {gb(after)}: {fields['usable_memory_source']}"
+        log.info("%s", message)
+        self.node.event("memory", message)
+        if self.membership is not None:
+            self.membership.set_record({**self.membership.own_record, **fields})
+        if self.negotiator is not None:
+            self.negotiator.membership_changed()  # plan with the new figure (the proposer acts)
+        return True
+
+    def record_changed(self, member) -> None:
+        """A peer's newer record: when its usable memory differs from the last one seen here
+        (or none was seen), re-plan (the proposer plans with it; the others' rounds, and a
+        round whose plan is the committed one, find nothing to do)."""
+        usable = (member.record or {}).get("usable_memory_bytes")
+        if self._peers.get(member.node_id, -1) != usable and self.negotiator is not None:
+            log.info("member %s offers %s usable: planning with it", member.node_id, gb(usable or 0))
+            self.negotiator.membership_changed()
+        self._peers[member.node_id] = usable

@@ -1,0 +1,111 @@
+"""The memory a node offers (probe, cgroup, ``--memory-limit``) and the follower that
+re-advertises it and asks for a re-plan when a limit changes (no daemon: fakes for the
+node, the membership and the negotiator)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+from ringlet.daemon.ops.memory_follow import MemoryFollower, offered_memory
+from ringlet.daemon.probes.memory import MemoryInfo
+
+GB = 1_000_000_000
+HOST = MemoryInfo(total_bytes=25 * GB, available_bytes=20 * GB, usable_memory_bytes=20 * GB,
+                  usable_rule="80% of total", usable_source="80% of total RAM (25.00 GB): 20.00 GB")
+CGROUP = replace(HOST, usable_memory_bytes=2 * GB, usable_rule="cgroup v1 memory.limit_in_bytes",
+                 usable_source="cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory/a): 80% of 2.60 GB: 2.00 GB",
+                 cgroup_limit_bytes=2_600_000_000, cgroup_others_bytes=0, runtime_bytes=80_000_000)
+
+
+class FakeNode:
+    """What the follower uses of a Node: its config, boundary budget (a sixteenth of the
+    usable memory, as Node.boundary_budget) and event log."""
+
+    def __init__(self, usable):
+        self.config = SimpleNamespace(usable_memory_bytes=usable)
+        self.engine = SimpleNamespace(boundaries=SimpleNamespace(budget_bytes=0))
+        self.events = []
+
+    def boundary_budget(self):
+        return (self.config.usable_memory_bytes or 0) // 16
+
+    def event(self, kind, message):
+        self.events.append((kind, message))
+
+
+class FakeMembership:
+    def __init__(self):
+        self.own_record = {"name": "a"}
+
+    def set_record(self, record):
+        self.own_record = record
+
+
+class FakeNegotiator:
+    def __init__(self):
+        self.changes = 0
+
+    def membership_changed(self):
+        self.changes += 1
+
+
+def follower(memory, flag=None):
+    node = FakeNode(offered_memory(memory, flag)[0] if memory.usable_rule.startswith("cgroup") else flag)
+    f = MemoryFollower(node, memory, flag)
+    f.membership, f.negotiator = FakeMembership(), FakeNegotiator()
+    return f
+
+
+def test_offered_memory_lowest_wins():
+    assert offered_memory(HOST, None) == (20 * GB, HOST.usable_source)
+    assert offered_memory(CGROUP, 3 * GB) == (2 * GB, CGROUP.usable_source)
+    assert offered_memory(CGROUP, GB) == (GB, "--memory-limit: 1.00 GB")
+
+
+def test_record_fields_keep_the_boundary_budget_off():
+    f = follower(CGROUP)
+    assert f.fields() == {"memory_total_bytes": 25 * GB, "usable_memory_bytes": 2 * GB - 125_000_000,
+                          "usable_memory_source": CGROUP.usable_source + "; 125 MB of it kept for boundary "
+                                                                         "activations",
+                          "boundary_cache_bytes": 125_000_000}
+
+
+def test_a_lowered_limit_is_advertised_and_replanned():
+    f = follower(CGROUP)
+    assert not f.update(replace(CGROUP, usable_memory_bytes=2 * GB - 50_000_000))  # 2.5 %: not worth a plan
+    assert f.negotiator.changes == 0 and f.membership.own_record == {"name": "a"}
+    lower = replace(CGROUP, usable_memory_bytes=GB, cgroup_limit_bytes=1_350_000_000,
+                    usable_source="cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory/a): 80% of 1.35 GB: 1.00 GB")
+    assert f.update(lower)
+    assert f.negotiator.changes == 1
+    assert f.node.config.usable_memory_bytes == GB  # the node's stores follow the limit
+    assert f.node.engine.boundaries.budget_bytes == GB // 16
+    assert f.membership.own_record["usable_memory_bytes"] == GB - GB // 16
+    assert f.membership.own_record["usable_memory_source"].startswith(lower.usable_source)
+    assert f.membership.own_record["name"] == "a"
+    assert f.node.events == [("memory", "usable memory 2.00 GB -> 1.00 GB: " + f.membership.own_record[
+        "usable_memory_source"])]
+    assert not f.update(lower)  # the same again: nothing
+
+
+def test_a_new_limit_of_the_same_size_still_counts_and_the_flag_caps():
+    f = follower(CGROUP, flag=GB)
+    assert f.node.config.usable_memory_bytes == GB
+    moved = replace(CGROUP, cgroup_limit_bytes=2_700_000_000)  # another limit, figure within 5 %
+    assert f.update(moved)
+    assert f.node.config.usable_memory_bytes == GB  # --memory-limit stays the cap
+    assert f.membership.own_record["usable_memory_source"].startswith("--memory-limit: 1.00 GB")
+
+
+def test_a_peers_usable_memory_change_replans():
+    f = follower(HOST)
+    member = SimpleNamespace(node_id="b", record={"usable_memory_bytes": 5 * GB, "links": {}})
+    f.record_changed(member)  # first sight: plan with it
+    assert f.negotiator.changes == 1
+    member.record = {"usable_memory_bytes": 5 * GB, "links": {"a": 1}}  # another field: no re-plan
+    f.record_changed(member)
+    assert f.negotiator.changes == 1
+    member.record = {"usable_memory_bytes": 3 * GB, "links": {"a": 1}}
+    f.record_changed(member)
+    assert f.negotiator.changes == 2
