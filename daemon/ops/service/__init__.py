@@ -1,4 +1,4 @@
-"""``ringlet service install | uninstall | status``: run ringlet as a login service.
+"""``ringlet service install | uninstall | status | upgrade``: run ringlet as a login service.
 
 - **macOS**: a launchd agent ``~/Library/LaunchAgents/io.ringlet.ringlet.plist``
   (``RunAtLoad``, ``KeepAlive``), loaded with ``launchctl bootstrap gui/<uid>``;
@@ -16,6 +16,10 @@ the configuration and the service file, and records what it created in
 ``service-manifest.json`` next to the configuration, so that ``uninstall``
 removes exactly that. ``--dry-run`` prints the files and commands instead.
 
+``upgrade`` moves the service to another release, one node at a time: fetch it, drain
+and stop the service (its members re-plan without it), install, start, wait until it
+serves again (:mod:`~ringlet.daemon.ops.service.upgrade`).
+
 Exit status of ``service status``: 0 running, 3 installed but not running, 4 not
 installed (as ``systemctl status``); 2 bad input everywhere.
 
@@ -25,6 +29,7 @@ Modules: :mod:`~ringlet.daemon.ops.service.config` (the configuration and the
 :mod:`~ringlet.daemon.ops.service.install_plan` (what ``install`` will do),
 :mod:`~ringlet.daemon.ops.service.manager` (launchctl / systemctl),
 :mod:`~ringlet.daemon.ops.service.install` (install, uninstall),
-:mod:`~ringlet.daemon.ops.service.status` and :mod:`~ringlet.daemon.ops.service.command`
+:mod:`~ringlet.daemon.ops.service.status`, :mod:`~ringlet.daemon.ops.service.upgrade` and
+:mod:`~ringlet.daemon.ops.service.command`
 (the parser).
 """

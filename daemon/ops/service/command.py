@@ -1,5 +1,5 @@
 """The ``ringlet service`` command line: its parser (``install``, ``uninstall``,
-``status`` and their options) and the dispatch to the action given."""
+``status``, ``upgrade`` and their options) and the dispatch to the action given."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from ringlet.daemon.errors import RingletError
 from ringlet.daemon.ops.service.install import install, uninstall
 from ringlet.daemon.ops.service.paths import CONFIG_NAME, TARGETS
 from ringlet.daemon.ops.service.status import status
+from ringlet.daemon.ops.service.upgrade import add_upgrade_parser, upgrade
 
 
 def add_service_parser(subparsers) -> None:
-    """Register ``ringlet service`` with its three actions."""
+    """Register ``ringlet service`` with its four actions."""
     service = subparsers.add_parser(
         "service", help="install ringlet as a login service (launchd agent / systemd user unit)",
-        description="Install, remove or inspect the ringlet service of this user.")
+        description="Install, remove, inspect or upgrade the ringlet service of this user.")
     actions = service.add_subparsers(dest="service_action", metavar="ACTION")
     inst = actions.add_parser("install", help="write the configuration and the service, then start it",
                               description="Options are merged into the existing configuration "
@@ -51,6 +52,7 @@ def add_service_parser(subparsers) -> None:
     un.add_argument("--dry-run", action="store_true", help="print what would be removed")
     un.add_argument("--target", choices=sorted(set(TARGETS)), help=argparse.SUPPRESS)
     actions.add_parser("status", help="is it installed, running, answering; where are the logs")
+    add_upgrade_parser(actions)
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -61,4 +63,6 @@ def run_service(args: argparse.Namespace) -> int:
         return uninstall(args)
     if action == "status":
         return status(args)
-    raise RingletError("ringlet service: give an action: install, uninstall or status")
+    if action == "upgrade":
+        return upgrade(args)
+    raise RingletError("ringlet service: give an action: install, uninstall, status or upgrade")
