@@ -85,6 +85,15 @@ class MemoryFollower:
         self.negotiator = None
         self._peers: dict[str, int | None] = {}  # member id -> the usable memory last seen in its record
         self._task: asyncio.Task | None = None
+        self._size_stores()
+
+    def _size_stores(self) -> None:
+        """The node sizes its own stores from this figure too (``NodeConfig.usable_memory_bytes``:
+        ``--memory-limit``, or the cgroup's where it binds), the boundary store at once."""
+        self.node.config.usable_memory_bytes = _node_bytes(self.memory, self.flag_bytes)
+        boundaries = getattr(getattr(self.node, "engine", None), "boundaries", None)
+        if boundaries is not None and hasattr(boundaries, "budget_bytes"):
+            boundaries.budget_bytes = self.node.boundary_budget()
 
     def fields(self) -> dict:
         """The record's memory fields: ``memory_total_bytes``, ``usable_memory_bytes`` (what
@@ -126,10 +135,7 @@ class MemoryFollower:
         if not moved and (old.cgroup_limit_bytes, old.usable_rule) == (new.cgroup_limit_bytes, new.usable_rule):
             return False
         self.memory = new
-        self.node.config.usable_memory_bytes = _node_bytes(new, self.flag_bytes)
-        boundaries = getattr(getattr(self.node, "engine", None), "boundaries", None)
-        if boundaries is not None and hasattr(boundaries, "budget_bytes"):
-            boundaries.budget_bytes = self.node.boundary_budget()  # the store follows the limit
+        self._size_stores()
         fields = self.fields()
         message = f"usable memory {gb(before)} -> {gb(after)}: {fields['usable_memory_source']}"
         log.info("%s", message)

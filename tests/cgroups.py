@@ -1,0 +1,134 @@
+"""Real memory cgroups for daemon tests (#43): this kernel's cgroup v1 memory controller
+is writable by root; each test cgroup is a child of the test process's own memory cgroup
+(so its daemons stay accounted where the test is) and is removed afterwards.
+
+A daemon joins its cgroup before it starts: ``sh -c 'echo $$ > cgroup.procs; exec ringlet run ...'``,
+so every byte it ever holds is charged there and its first memory probe sees the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from ringlet.daemon.ops.demo import LocalCluster
+
+PAGE = 4096
+
+
+def own_memory_cgroup() -> Path | None:
+    """The v1 memory cgroup directory of this process, or ``None`` (no v1 memory controller)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            d = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            return d if (d / "memory.limit_in_bytes").exists() else None
+    return None
+
+
+def require_cgroups() -> Path:
+    """The parent for test cgroups; skips the test where they cannot be made."""
+    parent = own_memory_cgroup()
+    if parent is None or os.geteuid() != 0 or not os.access(parent, os.W_OK):
+        pytest.skip("needs root and a writable cgroup v1 memory controller")
+    return parent
+
+
+class Cgroup:
+    """One memory cgroup: ``limit(bytes)`` writes ``memory.limit_in_bytes`` and returns the
+    value the kernel keeps (rounded down to a page); ``remove()`` once its processes ended."""
+
+    def __init__(self, parent: Path, name: str, limit: int | None = None):
+        self.path = parent / f"{name}-{os.getpid()}"
+        self.path.mkdir(exist_ok=True)
+        if limit is not None:
+            self.limit(limit)
+
+    def limit(self, nbytes: int) -> int:
+        (self.path / "memory.limit_in_bytes").write_text(str(nbytes))
+        kept = int((self.path / "memory.limit_in_bytes").read_text())
+        assert kept == nbytes // PAGE * PAGE, (nbytes, kept)
+        return kept
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def usage(self) -> int:
+        return int(self.read("memory.usage_in_bytes"))
+
+    def peak(self) -> int:
+        return int(self.read("memory.max_usage_in_bytes"))
+
+    def oom_kills(self) -> int:
+        m = re.search(r"^oom_kill (\d+)$", self.read("memory.oom_control"), re.M)
+        return int(m.group(1)) if m else 0
+
+    def remove(self) -> None:
+        """rmdir (its memory goes to the parent); retried while the last process exits."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.path.rmdir()
+
+
+@contextlib.contextmanager
+def cgroups(parent: Path, limits: dict[str, int | None]):
+    """``{name: Cgroup}`` made for the block, removed after it (even on a failure)."""
+    made: dict[str, Cgroup] = {}
+    try:
+        for name, limit in limits.items():
+            made[name] = Cgroup(parent, name, limit)
+        yield made
+    finally:
+        for cg in made.values():
+            with contextlib.suppress(OSError):
+                cg.remove()
+
+
+class CgroupCluster(LocalCluster):
+    """A :class:`LocalCluster` whose node ``i`` starts inside ``cgroups[i]`` (``None``: where
+    the test runs)."""
+
+    def __init__(self, *args, cgroups: list[Cgroup | None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cgroups = list(cgroups)
+
+    def _command(self, i: int) -> list[str]:
+        cmd = super()._command(i)
+        cg = self.cgroups[i] if i < len(self.cgroups) else None
+        if cg is None:
+            return cmd
+        return ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh", *cmd]
+
+
+def fix_node_ids(log_dir: Path, ids: list[str]) -> None:
+    """Give node ``i`` of a :class:`LocalCluster` on ``log_dir`` the id ``ids[i]`` (16 hex
+    chars): on loopback the planner orders equal nodes by id, so a test can say which node
+    is the first stage and which the last."""
+    import json
+
+    for i, node_id in enumerate(ids):
+        d = log_dir / f"data{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "node.json").write_text(json.dumps({"node_id": node_id, "created_at": time.time(), "history": []}))
+
+
+def expected_usable(limit: int, source: str) -> int:
+    """What a node in a cgroup of ``limit`` bytes offers the planner, by hand: 80 % of the
+    limit, less the daemon's runtime and the cgroup's other processes (as its
+    ``usable_memory_source`` names them, in MB), less the boundary budget (a sixteenth)."""
+    runtime = re.search(r"less (\d+) MB the daemon's runtime", source)
+    others = re.search(r"and (\d+) MB its other processes hold", source)
+    held = (int(runtime.group(1)) if runtime else 0) + (int(others.group(1)) if others else 0)
+    offered = int(limit * 0.8) - held * 1_000_000
+    return offered - offered // 16
