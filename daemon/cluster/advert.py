@@ -122,16 +122,17 @@ class OversizedAdvert(AdvertError):
 
 class IncompatibleVersion(AdvertError):
     """The peer speaks another protocol version; ``peer_version`` holds it (int), and
-    ``node_id`` the advert's node id when it has a valid one (else ``""``): the node is
+    ``node_id`` and ``cluster_id`` the advert's when valid (else ``""``): the node is
     not accepted, but the handshake that keeps it out with the reason may be dialled
     (:mod:`ringlet.daemon.cluster.incompatible`)."""
 
     reason = "incompatible_version"
 
-    def __init__(self, message: str, peer_version: int, node_id: str = "") -> None:
+    def __init__(self, message: str, peer_version: int, node_id: str = "", cluster_id: str = "") -> None:
         super().__init__(message)
         self.peer_version = peer_version
         self.node_id = node_id
+        self.cluster_id = cluster_id
 
 
 class OtherCluster(AdvertError):
@@ -346,10 +347,11 @@ def parse_txt(
 
     version = int(_field(txt, b"v", _RE_UINT, "a decimal protocol version"))
     if version != PROTOCOL_VERSION:
-        raw_id = txt.get(b"id") or b""
+        raw_id, raw_cluster = txt.get(b"id") or b"", txt.get(b"c") or b""
         raise IncompatibleVersion(
             f"incompatible protocol version {version} (this node speaks {PROTOCOL_VERSION})", version,
             raw_id.decode() if _RE_NODE_ID.fullmatch(raw_id) else "",
+            raw_cluster.decode() if _RE_HEX16.fullmatch(raw_cluster) else "",
         )
     node_id = _field(txt, b"id", _RE_NODE_ID, "a node id").decode()
     incarnation = _field(txt, b"in", _RE_INCARNATION, "an incarnation (8 hex chars)").decode()

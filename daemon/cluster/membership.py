@@ -242,12 +242,12 @@ class Membership:
             return
         finally:
             self._pending.discard(address)
+        if info.cluster_id != self.cluster_id:
+            self._refuse(address, "another cluster")
+            return
         if info.protocol_version != versions.PROTOCOL_VERSION:  # kept out, with the reason
             self._refuse(address, self.incompatible.seen(info.node_id, address, info.protocol_version,
                                                          info.record_json))
-            return
-        if info.cluster_id != self.cluster_id:
-            self._refuse(address, "another cluster")
             return
         if info.node_id == self.node_id or self.leaving:
             return

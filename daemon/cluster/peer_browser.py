@@ -248,7 +248,8 @@ class BrowserMixin(DiscoveryBase):
                 raise AdvertError("no IPv4 address in the advert")
         except AdvertError as e:
             self._ignore(name, e)
-            if isinstance(e, IncompatibleVersion) and e.node_id and info.port:  # kept out by the handshake, with why
+            if isinstance(e, IncompatibleVersion) and e.node_id and e.cluster_id == self._cluster_id and info.port:
+                # of this cluster: its handshake keeps it out, saying why
                 self._call(self._on_incompatible, (e.node_id, [f"{a}:{info.port}" for a in addresses]))
             return None
         return self._accept(name, advert, force=force)

@@ -49,6 +49,7 @@ from ringlet.daemon.engine.kv_pieces import (
 )
 from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.errors import one_line
+from ringlet.daemon.wire import versions
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
 from ringlet.daemon.wire.serving_plan import ServingPlan
@@ -287,12 +288,24 @@ class Migration:
         held = await self.engine.run(self.engine.kv_pieces)
         return [q for p in held if (q := p.within(start, end)) is not None]
 
+    def _peer_speaks(self, node_id: str, feature: str) -> bool:
+        """Whether the member ``node_id`` speaks ``feature`` (a :mod:`~ringlet.daemon.wire.versions`
+        capability) by its record; with no cluster (a static plan), this build's nodes are assumed."""
+        cluster = getattr(self, "cluster", None)
+        if cluster is None:
+            return True
+        return feature in versions.capabilities_of(cluster.membership.record_of(node_id) if node_id else None)
+
     async def serve_kv(self, request: pb.KVRequest) -> AsyncIterator[pb.KVChunk]:
         """``FetchKV``: the KV of layers ``[start, end)`` this node held before the caller's
         epoch. A member of that epoch answers once it has committed it (with what it
         parked then); a node outside it (leaving) answers with what it holds now; a
         snapshot is what it holds now, the old plan serving on. Of a sequence the caller
-        says it holds (``have``), only the tokens it lacks are sent."""
+        says it holds (``have``), only the tokens it lacks are sent. Whole states never go
+        (:func:`~ringlet.daemon.engine.kv_handoff.declined`), nor, to a caller without
+        :data:`~ringlet.daemon.wire.versions.KV_KINDS` (release 0.1.0, which refuses a
+        cacheless layer's 0-wide keys), sequences of other kinds than plain KV: the
+        request needing them prefills again there, counted as ``states_not_sent``."""
         if request.snapshot:  # the caller prepares request.epoch; this node serves the old plan on
             pieces = await self._held_within(request.start, request.end)
         else:
@@ -311,6 +324,8 @@ class Migration:
         pieces = [p for p in pieces if (p.start, p.end) == (request.start, request.end)]
         asked = len(pieces)
         pieces = kv_handoff.declined(pieces, request.start, request.end)  # whole states stay here
+        if not self._peer_speaks(request.node_id, versions.KV_KINDS):  # an older release: plain KV only
+            pieces = [p for p in pieces if all(k.size for k, _ in p.layers)]  # (not a cacheless layer's 0-wide keys)
         if not request.snapshot and asked > len(pieces):  # counted once, at the commit's fetch
             self.kv_migration["states_not_sent"] += asked - len(pieces)
             self.replan_figures(request.epoch)["states_not_sent"] += asked - len(pieces)

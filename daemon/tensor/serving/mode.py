@@ -12,6 +12,9 @@
 * **Hybrid**: the decision lists the groups (``groups``, each in rank order, its leader
   first) and each group's layer range (``layer_ranges``: an even split,
   :func:`hybrid_layer_ranges`).
+* **Releases**: members that run several releases (a rolling upgrade) keep the pipeline: a
+  group's ranks run lockstep collectives and a side channel whose protocol is their
+  release's, which no capability describes.
 
 See :mod:`ringlet.daemon.tensor.serving` for how a tensor plan is served.
 """
@@ -28,6 +31,7 @@ from ringlet.daemon.tensor.planning.decision import TPDecision, TPRefused, decid
 from ringlet.daemon.tensor.planning.inputs import TPLink, TPMember, TPModelSpec
 from ringlet.daemon.tensor.planning.links import links_from_thunderbolt
 from ringlet.daemon.tensor.serving.thunderbolt import record_ports
+from ringlet.daemon.wire import versions
 
 #: ``--mode`` values.
 REQUESTED_MODES = ("auto", "pipeline", "tensor", "hybrid")
@@ -120,6 +124,13 @@ def decide_mode(
     if partial and len(ids) > 1:
         why = (f"tensor mode refused: {', '.join(i[:16] for i in partial)} hold(s) only part of the model "
                "(--fetch-model); every rank needs all of it")
+        return pipeline_decision(requested, f"{why}; serving the pipeline",
+                                 refused=why if requested == "tensor" else None)
+    releases = {i: versions.release_of(records.get(i)) for i in ids}
+    if len(set(releases.values())) > 1:  # ranks run lockstep collectives over a protocol of their release
+        why = ("tensor mode refused: the members run several releases (" + ", ".join(
+            f"{i[:16]} {r}" for i, r in sorted(releases.items())) + "); a tensor group's ranks must run one: "
+               "finish the upgrade")
         return pipeline_decision(requested, f"{why}; serving the pipeline",
                                  refused=why if requested == "tensor" else None)
     members, links = cluster_inputs(ids, records, addresses)
