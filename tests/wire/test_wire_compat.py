@@ -167,3 +167,20 @@ def test_an_addition_fails_until_it_is_guarded(kind):
     reason = compat.INFORMATIONAL + "a hint for logs; an older node may ignore it"
     assert against_last(text, additions={**compat.ADDITIONS, path: reason}).ok
     assert against_last(text, protocol=LAST_PROTOCOL + 1).ok
+
+
+def test_cutting_a_release_keeps_the_current_descriptor_with_the_protocol_version(tmp_path, monkeypatch):
+    """``generate --release`` (docs/wire-compat.md, Cutting a release) writes what this test
+    reads: the current descriptor and pyproject.toml's version with PROTOCOL_VERSION."""
+    import tomllib
+
+    from ringlet.daemon.wire.rpc import generate
+
+    monkeypatch.setattr(generate, "RELEASED_DIR", tmp_path)
+    assert generate.main(["--release"]) == 0
+    version = tomllib.loads((PROTO_DIR.parent / "pyproject.toml").read_text())["project"]["version"]
+    ((release, path, protocol),) = compat.released(tmp_path)
+    assert (release, path.name, protocol) == (version, f"{version}.binpb", versions.PROTOCOL_VERSION)
+    assert path.read_bytes() == descriptor_set()
+    assert compat.check(compat.load_set(path.read_bytes()), compat.load_set(descriptor_set()), release=release,
+                        release_protocol=protocol).changes == []
