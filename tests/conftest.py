@@ -70,7 +70,7 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
 #: beside the tensor files, which is otherwise done ~70 s before them, instead of in the
 #: parallel phase, whose two workers keep both cores busy.
 WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "ops/test_service.py",
-           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py")
+           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py", "cluster/test_incompatible_version.py")
 
 
 #: The parallel phase's longest files (30-80 s each on this 2-core machine), longest
@@ -78,9 +78,10 @@ WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "
 #: running these first leaves short files, not a long one, for the end, where the other
 #: worker would otherwise wait idle for the last file.
 SLOW_FIRST = ("node/test_node_loss.py", "agents/test_agents.py", "engine/test_prefix_cache.py",
-              "node/test_resharding.py", "engine/test_speculation.py", "engine/test_concurrency.py",
-              "engine/test_zoo.py", "node/test_cache_kinds_cluster.py", "node/test_hub_cluster.py",
-              "api/test_openai_agents.py", "cluster/test_heal_netns.py", "node/test_cluster.py")
+              "node/test_resharding.py", "node/test_rolling_upgrade.py", "engine/test_speculation.py",
+              "engine/test_concurrency.py", "engine/test_zoo.py", "node/test_cache_kinds_cluster.py",
+              "node/test_hub_cluster.py", "api/test_openai_agents.py", "cluster/test_heal_netns.py",
+              "node/test_cluster.py", "node/test_mixed_versions.py")
 
 
 def pytest_collection_modifyitems(config, items):

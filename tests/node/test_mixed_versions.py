@@ -36,7 +36,6 @@ def test_two_releases_in_one_ring(old, tmp_path, head):
         for i in (0, 1):  # every node takes requests: as the head's API node and as a remote one
             for stream in (False, True):
                 assert complete(c.api_urls[i], stream).ids == RAW["completion_ids"][:TOKENS], (i, stream)
-            assert chat(c.api_urls[i], False)["choices"][0]["token_ids"] == CHAT["completion_ids"]
         answer = chat(c.api_urls[new], True)  # release 0.1.0 refuses the field itself (400): asked of the new node
         assert answer["choices"][0]["token_ids"] == CHAT["completion_ids"]
         assert answer["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0  # answered without it

@@ -69,7 +69,9 @@ def test_rolling_upgrade_from_0_1_0_serves_throughout(tmp_path):
             c.kill(i, signal.SIGTERM)  # drains, leaves
             c.restart(i, env={})  # the current build, same data dir and ports
             c.wait_plan(stages=3, timeout_s=60)
-        time.sleep(2.0)  # a few answers from the upgraded ring
+        done = [client.answers for client in clients]
+        while any(client.answers < n + 1 for client, n in zip(clients, done, strict=True)):
+            time.sleep(0.1)  # an answer of each from the upgraded ring
         for client in clients:
             client.stop()
         took = time.monotonic() - t0
