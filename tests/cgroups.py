@@ -126,9 +126,12 @@ def fix_node_ids(log_dir: Path, ids: list[str]) -> None:
 def expected_usable(limit: int, source: str) -> int:
     """What a node in a cgroup of ``limit`` bytes offers the planner, by hand: 80 % of the
     limit, less the daemon's runtime and the cgroup's other processes (as its
-    ``usable_memory_source`` names them, in MB), less the boundary budget (a sixteenth)."""
-    runtime = re.search(r"less (\d+) MB the daemon's runtime", source)
-    others = re.search(r"and (\d+) MB its other processes hold", source)
-    held = (int(runtime.group(1)) if runtime else 0) + (int(others.group(1)) if others else 0)
-    offered = int(limit * 0.8) - held * 1_000_000
+    ``usable_memory_source`` names them, rounded: 85.3 MiB, 195 MiB), less the boundary
+    budget (a sixteenth)."""
+    held = 0.0
+    for pattern in (r"less ([\d.]+) ([KMG]iB) the daemon's runtime",
+                    r"and ([\d.]+) ([KMG]iB) its other processes hold"):
+        if m := re.search(pattern, source):
+            held += float(m.group(1)) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]
+    offered = int(limit * 0.8 - held)
     return offered - offered // 16

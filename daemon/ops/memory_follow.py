@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 
 from ringlet.daemon.ops.run_options import parse_size
-from ringlet.daemon.probes.memory import MemoryInfo, gb, probe_memory, with_cgroup
+from ringlet.daemon.probes.memory import MemoryInfo, probe_memory, size_text, with_cgroup
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def offered_memory(memory: MemoryInfo, flag_bytes: int | None) -> tuple[int, str
     """``(bytes, rule in words)``: the probe's usable memory, or ``--memory-limit``
     (``flag_bytes``) where that is lower."""
     if flag_bytes is not None and flag_bytes < memory.usable_memory_bytes:
-        return flag_bytes, f"--memory-limit: {gb(flag_bytes)}"
+        return flag_bytes, f"--memory-limit: {size_text(flag_bytes)}"
     return memory.usable_memory_bytes, memory.usable_source or memory.usable_rule
 
 
@@ -103,7 +103,7 @@ class MemoryFollower:
         usable, source = offered_memory(self.memory, self.flag_bytes)
         boundary = self.node.boundary_budget()
         if boundary:
-            source += f"; {boundary / 1e6:.0f} MB of it kept for boundary activations"
+            source += f"; {size_text(boundary)} of it kept for boundary activations"
         return {"memory_total_bytes": self.memory.total_bytes, "usable_memory_bytes": max(0, usable - boundary),
                 "usable_memory_source": source, "boundary_cache_bytes": boundary}
 
@@ -137,7 +137,7 @@ class MemoryFollower:
         self.memory = new
         self._size_stores()
         fields = self.fields()
-        message = f"usable memory {gb(before)} -> {gb(after)}: {fields['usable_memory_source']}"
+        message = f"usable memory {size_text(before)} -> {size_text(after)}: {fields['usable_memory_source']}"
         log.info("%s", message)
         self.node.event("memory", message)
         if self.membership is not None:
@@ -152,6 +152,6 @@ class MemoryFollower:
         round whose plan is the committed one, find nothing to do)."""
         usable = (member.record or {}).get("usable_memory_bytes")
         if self._peers.get(member.node_id, -1) != usable and self.negotiator is not None:
-            log.info("member %s offers %s usable: planning with it", member.node_id, gb(usable or 0))
+            log.info("member %s offers %s usable: planning with it", member.node_id, size_text(usable or 0))
             self.negotiator.membership_changed()
         self._peers[member.node_id] = usable

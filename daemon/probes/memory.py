@@ -181,18 +181,23 @@ def usable_memory_bytes(
     return int(total_bytes * DEFAULT_USABLE_FRACTION), f"{DEFAULT_USABLE_FRACTION:.0%} of total"
 
 
-def gb(n: float) -> str:
-    """Bytes in decimal GB for messages: ``3.40 GB`` (``0.30 GB``)."""
-    return f"{n / 1e9:.2f} GB"
+def size_text(n: float) -> str:
+    """Bytes in binary units, as ``ringlet status`` and ``doctor`` print them (``ops.format.fmt_bytes``):
+    ``3.2 GiB``, ``85.3 MiB``, ``287 MiB``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def host_source(total_bytes: int, usable: int, rule: str) -> str:
     """The host rule's figure in words, e.g. ``80% of total RAM (25.28 GB): 20.22 GB``."""
     if rule == "iogpu.wired_limit_mb":
-        return f"iogpu.wired_limit_mb (GPU wired limit): {gb(usable)}"
+        return f"iogpu.wired_limit_mb (GPU wired limit): {size_text(usable)}"
     if rule == "max_recommended_working_set_size":
-        return f"Metal's recommended working set: {gb(usable)}"
-    return f"{rule} RAM ({gb(total_bytes)}): {gb(usable)}"
+        return f"Metal's recommended working set: {size_text(usable)}"
+    return f"{rule} RAM ({size_text(total_bytes)}): {size_text(usable)}"
 
 
 def usable_with_cgroup(host_usable: int, host_text: str, cgroup: CgroupMemory | None, own_bytes: int,
@@ -219,11 +224,11 @@ def usable_with_cgroup(host_usable: int, host_text: str, cgroup: CgroupMemory | 
     usable = max(0, int(cgroup.limit_bytes * CGROUP_USABLE_FRACTION) - others - runtime)
     if usable >= host_usable:
         return host_usable, host_text, others
-    text = f"{cgroup.describe()}: {CGROUP_USABLE_FRACTION:.0%} of {gb(cgroup.limit_bytes)}"
+    text = f"{cgroup.describe()}: {CGROUP_USABLE_FRACTION:.0%} of {size_text(cgroup.limit_bytes)}"
     if others + runtime >= MIB:
-        text += f" less {runtime / 1e6:.0f} MB the daemon's runtime"
-        text += f" and {others / 1e6:.0f} MB its other processes hold" if others >= MIB else ""
-    return usable, f"{text}: {gb(usable)}", others
+        text += f" less {size_text(runtime)} the daemon's runtime"
+        text += f" and {size_text(others)} its other processes hold" if others >= MIB else ""
+    return usable, f"{text}: {size_text(usable)}", others
 
 
 def own_anonymous_bytes() -> int:

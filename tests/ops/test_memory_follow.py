@@ -12,9 +12,9 @@ from ringlet.daemon.probes.memory import MemoryInfo
 
 GB = 1_000_000_000
 HOST = MemoryInfo(total_bytes=25 * GB, available_bytes=20 * GB, usable_memory_bytes=20 * GB,
-                  usable_rule="80% of total", usable_source="80% of total RAM (25.00 GB): 20.00 GB")
+                  usable_rule="80% of total", usable_source="80% of total RAM (23.3 GiB): 18.6 GiB")
 CGROUP = replace(HOST, usable_memory_bytes=2 * GB, usable_rule="cgroup v1 memory.limit_in_bytes",
-                 usable_source="cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory/a): 80% of 2.60 GB: 2.00 GB",
+                 usable_source="cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory/a): 80% of 2.4 GiB: 1.9 GiB",
                  cgroup_limit_bytes=2_600_000_000, cgroup_others_bytes=0, runtime_bytes=80_000_000)
 
 
@@ -60,13 +60,13 @@ def follower(memory, flag=None):
 def test_offered_memory_lowest_wins():
     assert offered_memory(HOST, None) == (20 * GB, HOST.usable_source)
     assert offered_memory(CGROUP, 3 * GB) == (2 * GB, CGROUP.usable_source)
-    assert offered_memory(CGROUP, GB) == (GB, "--memory-limit: 1.00 GB")
+    assert offered_memory(CGROUP, GB) == (GB, "--memory-limit: 954 MiB")
 
 
 def test_record_fields_keep_the_boundary_budget_off():
     f = follower(CGROUP)
     assert f.fields() == {"memory_total_bytes": 25 * GB, "usable_memory_bytes": 2 * GB - 125_000_000,
-                          "usable_memory_source": CGROUP.usable_source + "; 125 MB of it kept for boundary "
+                          "usable_memory_source": CGROUP.usable_source + "; 119 MiB of it kept for boundary "
                                                                          "activations",
                           "boundary_cache_bytes": 125_000_000}
 
@@ -76,7 +76,7 @@ def test_a_lowered_limit_is_advertised_and_replanned():
     assert not f.update(replace(CGROUP, usable_memory_bytes=2 * GB - 50_000_000))  # 2.5 %: not worth a plan
     assert f.negotiator.changes == 0 and f.membership.own_record == {"name": "a"}
     lower = replace(CGROUP, usable_memory_bytes=GB, cgroup_limit_bytes=1_350_000_000,
-                    usable_source="cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory/a): 80% of 1.35 GB: 1.00 GB")
+                    usable_source="cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory/a): 80% of 1.3 GiB: 954 MiB")
     assert f.update(lower)
     assert f.negotiator.changes == 1
     assert f.node.config.usable_memory_bytes == GB  # the node's stores follow the limit
@@ -84,7 +84,7 @@ def test_a_lowered_limit_is_advertised_and_replanned():
     assert f.membership.own_record["usable_memory_bytes"] == GB - GB // 16
     assert f.membership.own_record["usable_memory_source"].startswith(lower.usable_source)
     assert f.membership.own_record["name"] == "a"
-    assert f.node.events == [("memory", "usable memory 2.00 GB -> 1.00 GB: " + f.membership.own_record[
+    assert f.node.events == [("memory", "usable memory 1.9 GiB -> 954 MiB: " + f.membership.own_record[
         "usable_memory_source"])]
     assert not f.update(lower)  # the same again: nothing
 
@@ -95,7 +95,7 @@ def test_a_new_limit_of_the_same_size_still_counts_and_the_flag_caps():
     moved = replace(CGROUP, cgroup_limit_bytes=2_700_000_000)  # another limit, figure within 5 %
     assert f.update(moved)
     assert f.node.config.usable_memory_bytes == GB  # --memory-limit stays the cap
-    assert f.membership.own_record["usable_memory_source"].startswith("--memory-limit: 1.00 GB")
+    assert f.membership.own_record["usable_memory_source"].startswith("--memory-limit: 954 MiB")
 
 
 def test_a_peers_usable_memory_change_replans():

@@ -43,7 +43,7 @@ def test_usable_memory_follows_the_cgroup_and_a_lowered_limit_replans(tmp_path):
             a_id = c.cluster_info(0)["node_id"]
             record = members(view)[a_id]
             source = record["memory_usable_source"]
-            assert source.startswith(f"cgroup v1 memory.limit_in_bytes ({a.path}): 80% of 1.50 GB less "), source
+            assert source.startswith(f"cgroup v1 memory.limit_in_bytes ({a.path}): 80% of 1.4 GiB less "), source
             assert abs(record["memory_usable_bytes"] - expected_usable(1_499_996_160, source)) <= 1.1 * MB, record
             other = [m for i, m in members(view).items() if i != a_id][0]
             assert other["memory_usable_source"].startswith("80% of total RAM"), other
@@ -64,7 +64,7 @@ def test_usable_memory_follows_the_cgroup_and_a_lowered_limit_replans(tmp_path):
             assert new_stage["memory_bytes"] <= record["memory_usable_bytes"], (new_stage, record)
             assert new_stage["end"] - new_stage["start"] < stage["end"] - stage["start"]
             events = [e["message"] for e in c.cluster_info(0)["events"] if e["kind"] == "memory"]
-            assert any("usable memory 1.11 GB -> " in e for e in events), events
+            assert any(e.startswith("usable memory 1.0 GiB -> ") for e in events), events
 
             again = complete(c.api_urls[1])
             assert again.status_code == 200, again.text

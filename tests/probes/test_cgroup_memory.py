@@ -223,7 +223,7 @@ def test_this_machine():
 
 
 HOST = 20_220_955_852  # 80 % of this machine's 25276194816 bytes
-HOST_TEXT = "80% of total RAM (25.28 GB): 20.22 GB"
+HOST_TEXT = "80% of total RAM (23.5 GiB): 18.8 GiB"
 
 
 def test_cgroup_rule_lowest_wins_less_the_runtime_and_the_others():
@@ -232,8 +232,8 @@ def test_cgroup_rule_lowest_wins_less_the_runtime_and_the_others():
     usable, source, others = usable_with_cgroup(HOST, HOST_TEXT, cg, own)
     assert others == 208_252_928 - own == 3_375_104
     assert usable == int(3_399_999_488 * 0.8) - 3_375_104 - own == 2_511_746_662
-    assert source == (f"cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory{JOB}/ringlet-a): 80% of 3.40 GB "
-                      "less 205 MB the daemon's runtime and 3 MB its other processes hold: 2.51 GB")
+    assert source == (f"cgroup v1 memory.limit_in_bytes (/sys/fs/cgroup/memory{JOB}/ringlet-a): 80% of 3.2 GiB "
+                      "less 195 MiB the daemon's runtime and 3.2 MiB its other processes hold: 2.3 GiB")
     # later, 500 MB of weights loaded: the same figure (its own weights never shrink it)
     loaded = CgroupMemory(**{**cg.__dict__, "used_bytes": cg.used_bytes + 500_000_000})
     assert usable_with_cgroup(HOST, HOST_TEXT, loaded, own + 500_000_000, own)[0] == 2_511_746_662
@@ -246,7 +246,7 @@ def test_cgroup_rule_own_memory_is_not_the_others():
     cg = read_cgroup_memory(FIX / "v2_docker")
     usable, source, others = usable_with_cgroup(HOST, HOST_TEXT, cg, 500_000_000, 300_000_000)
     assert (usable, others) == (int(1_073_741_824 * 0.8) - 300_000_000, 0)  # it holds more than the cgroup's use
-    assert source == "cgroup v2 memory.max (/sys/fs/cgroup): 80% of 1.07 GB less 300 MB the daemon's runtime: 0.56 GB"
+    assert source == "cgroup v2 memory.max (/sys/fs/cgroup): 80% of 1.0 GiB less 286 MiB the daemon's runtime: 533 MiB"
     usable, _, others = usable_with_cgroup(HOST, HOST_TEXT, cg, 0)  # a peer process holds it all
     assert (usable, others) == (int(1_073_741_824 * 0.8) - 421_527_552, 421_527_552)
 

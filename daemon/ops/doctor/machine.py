@@ -86,15 +86,33 @@ def check_model(ctx: Context) -> Check:
 
 
 def check_memory(ctx: Context) -> Check:
+    from ringlet.daemon.ops.doctor.network import _ringlet_on, read_cluster
     from ringlet.daemon.probes.memory import probe_memory
 
-    mem = probe_memory(ctx.platform)
+    cluster = read_cluster(ctx.api_port) if _ringlet_on(ctx.api_port) is not None else None
+    return memory_verdict(probe_memory(ctx.platform), ctx.model_bytes, cluster)
+
+
+def memory_verdict(mem, model_bytes: int | None, cluster: dict | str | None) -> Check:
+    """The memory check (pure): this machine's usable memory and the rule that set it (host
+    RAM, GPU wired limit / Metal working set, this process's cgroup), and, when a daemon runs
+    (``cluster``: its ``/v1/cluster``), what it offers the planner and why: the daemon may run
+    in another cgroup than ``ringlet doctor`` (a systemd service, a container), and only its
+    own figure is what the plans use. ``mem``: a :class:`~ringlet.daemon.probes.memory.MemoryInfo`."""
     summary = (f"total {_fmt(mem.total_bytes)}, usable {_fmt(mem.usable_memory_bytes)} "
-               f"({mem.usable_rule}), available now {_fmt(mem.available_bytes)}")
-    details = {"total_bytes": mem.total_bytes, "usable_bytes": mem.usable_memory_bytes}
-    if ctx.model_bytes and ctx.model_bytes > mem.usable_memory_bytes:
-        need = -(-ctx.model_bytes // max(1, mem.usable_memory_bytes))
-        return Check("memory", OK, f"{summary}; the model ({_fmt(ctx.model_bytes)}) needs about {need} nodes "
+               f"({mem.usable_source or mem.usable_rule}), available now {_fmt(mem.available_bytes)}")
+    details = {"total_bytes": mem.total_bytes, "usable_bytes": mem.usable_memory_bytes,
+               "usable_source": mem.usable_source or mem.usable_rule}
+    own = next((m for m in (cluster.get("members") or []) if isinstance(m, dict) and m.get("state") == "self"),
+               None) if isinstance(cluster, dict) else None
+    if own is not None and own.get("memory_usable_bytes") is not None:
+        summary += (f"; the running daemon offers the planner {_fmt(own['memory_usable_bytes'])}"
+                    + (f" ({own['memory_usable_source']})" if own.get("memory_usable_source") else ""))
+        details["daemon_usable_bytes"] = own["memory_usable_bytes"]
+        details["daemon_usable_source"] = own.get("memory_usable_source")
+    if model_bytes and model_bytes > mem.usable_memory_bytes:
+        need = -(-model_bytes // max(1, mem.usable_memory_bytes))
+        return Check("memory", OK, f"{summary}; the model ({_fmt(model_bytes)}) needs about {need} nodes "
                      "like this one (the cluster splits it)", details=details)
     return Check("memory", OK, summary, details=details)
 

@@ -110,6 +110,10 @@ def format_status(snap: dict) -> str:
     for n in snap["nodes"]:
         if n.get("compute_fix"):
             lines.append(f"slow path on {n['name']}: {n['compute_fix']}")
+    for n in snap["nodes"]:  # which rule set each node's usable memory (#43)
+        if n.get("memory_usable_source"):
+            lines.append(f"memory of {n['name']}: {fmt_bytes(n['memory_usable_bytes'])} for the planner · "
+                         f"{n['memory_usable_source']}")
     if snap["error"]:
         lines.append(f"not reached: {snap['error']}")
     return "\n".join(lines) + "\n"

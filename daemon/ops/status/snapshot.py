@@ -29,6 +29,8 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                 {"bytes_done", "bytes_total", "fraction", "rate_bytes_per_s", "eta_s", "file"},
                 else None), "layer_range" [start, end), "epoch",
                 "memory_total_bytes", "memory_usable_bytes", "memory_used_bytes",
+                "memory_usable_source" (which rule set the usable figure, in words: the cgroup's
+                limit, the host's RAM, the GPU wired limit, --memory-limit),
                 "weights_bytes", "tokens_per_s", "tokens_generated_total",
                 "requests_in_flight", "hop_latency_median_s", "api_url",
                 "batch_mean" (mean decode batch over the node's last 10 s; None: idle or not
@@ -182,6 +184,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "epoch": as_int(info.get("epoch")),
             "memory_total_bytes": first(as_int(m.get("memory_total_bytes")), as_int(mem.get("total_bytes"))),
             "memory_usable_bytes": first(as_int(m.get("memory_usable_bytes")), as_int(mem.get("usable_bytes"))),
+            "memory_usable_source": as_str(m.get("memory_usable_source")),
             "memory_used_bytes": first(as_int(m.get("memory_used_bytes")), as_int(mem.get("used_bytes")),
                                        as_int(mem.get("rss_bytes"))),
             "weights_bytes": as_int(mem.get("weights_bytes")),
