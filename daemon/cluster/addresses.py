@@ -21,8 +21,8 @@ from ringlet.daemon.errors import RingletError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VIRTUAL_PREFIXES", "dial_addresses", "interface_addresses", "is_ipv4", "log_skipped_interfaces",
-           "public_host", "skipped_interfaces", "virtual_kind"]
+__all__ = ["VIRTUAL_PREFIXES", "advertised_host", "dial_addresses", "interface_addresses", "is_ipv4", "is_wildcard",
+           "log_skipped_interfaces", "no_address_reason", "public_host", "skipped_interfaces", "virtual_kind"]
 
 #: Interface name prefixes skipped without ``--interface``, and what they are: container
 #: and VM bridges and their ports (Docker, Podman, CNI, flannel, libvirt), VPN tunnels
@@ -127,22 +127,78 @@ def is_ipv4(s: str) -> bool:
     return True
 
 
-def public_host(advertise_host: str | None, host: str, interfaces: Sequence[str] | None) -> str:
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` (a ``--host``) binds every interface."""
+    return host in ("0.0.0.0", "")  # noqa: S104 - comparison only
+
+
+def advertised_host(advertise_host: str | None, host: str, interfaces: Sequence[str] | None,
+                    prefer: str | None = None) -> str | None:
     """The address peers dial: ``--advertise-host``, else ``--host`` unless it is a
-    wildcard, else the first non-loopback IPv4 address of the mDNS ``interfaces``
-    (:func:`interface_addresses`: container and VM bridges skipped when none are named).
+    wildcard, else a non-loopback IPv4 address of the mDNS ``interfaces``
+    (:func:`interface_addresses`: container and VM bridges skipped when none are named):
+    ``prefer`` (the one advertised so far) while it is still there, else the first.
+    ``None`` when there is none yet (a daemon started before its network: it waits)."""
+    if advertise_host:
+        return advertise_host
+    if not is_wildcard(host):
+        return host
+    addresses = [a for a in interface_addresses(interfaces) if not a.startswith("127.")]
+    if prefer in addresses:
+        return prefer
+    return addresses[0] if addresses else None
+
+
+def public_host(advertise_host: str | None, host: str, interfaces: Sequence[str] | None) -> str:
+    """:func:`advertised_host`, required now.
 
     Raises:
         RingletError: a wildcard ``--host`` and no usable address to advertise.
     """
-    if advertise_host:
-        return advertise_host
-    if host not in ("0.0.0.0", ""):  # noqa: S104 - comparison only
-        return host
-    addresses = [a for a in interface_addresses(interfaces) if not a.startswith("127.")]
-    if not addresses:
+    public = advertised_host(advertise_host, host, interfaces)
+    if public is None:
         raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
-    return addresses[0]
+    return public
+
+
+def no_address_reason(
+    interfaces: Sequence[str] | None,
+    *,
+    if_addrs: Mapping[str, Sequence[Any]] | None = None,
+    if_stats: Mapping[str, Any] | None = None,
+) -> str:
+    """Why :func:`advertised_host` finds no address, in one line naming each interface it
+    looked at: ``"eth0: down"``, ``"eth0: up, no carrier yet"`` (Linux sets a link
+    *running* about a second after ``ip link set up``), ``"eth0: no IPv4 address"``,
+    ``"docker0: skipped (a Docker bridge)"``; ``if_addrs``/``if_stats`` as for
+    :func:`interface_addresses` (tests)."""
+    addrs = psutil.net_if_addrs() if if_addrs is None else if_addrs
+    stats = psutil.net_if_stats() if if_stats is None else if_stats
+    names = [s for s in interfaces if not is_ipv4(s)] if interfaces is not None else list(
+        dict.fromkeys([*stats, *addrs]))
+    states = []
+    for name in names:
+        st = stats.get(name)
+        flags = set(filter(None, str(getattr(st, "flags", "") or "").split(",")))
+        ipv4 = [e.address for e in addrs.get(name, ()) if e.family == socket.AF_INET]
+        if "loopback" in flags or (st is None and name not in addrs and interfaces is None):
+            continue
+        if st is None and name not in addrs:
+            states.append(f"{name}: no such interface")
+        elif interfaces is None and (kind := virtual_kind(name)):
+            states.append(f"{name}: skipped ({kind})")
+        elif st is not None and flags and "up" not in flags:
+            states.append(f"{name}: down")
+        elif st is not None and not st.isup:
+            states.append(f"{name}: up, no carrier yet")
+        elif not ipv4:
+            states.append(f"{name}: no IPv4 address")
+        elif interfaces is None and flags and "multicast" not in flags:
+            states.append(f"{name}: not multicast-capable")
+        else:
+            states.append(f"{name}: loopback address only")
+    where = "the interfaces given (--interface)" if interfaces is not None else "any interface that is up"
+    return f"no non-loopback IPv4 address on {where} ({'; '.join(states) or 'none but loopback'})"
 
 
 def dial_addresses(public: str, host: str, interfaces: Sequence[str] | None, port: int) -> list[str]:
@@ -151,7 +207,7 @@ def dial_addresses(public: str, host: str, interfaces: Sequence[str] | None, por
     addresses of the mDNS ``interfaces`` (:func:`interface_addresses`; loopback ones only
     when ``public`` is loopback). A node bound to one address has only that one."""
     out = [f"{public}:{port}"]
-    if host in ("0.0.0.0", ""):  # noqa: S104 - comparison only
+    if is_wildcard(host):
         loop = public.startswith("127.")
         out += [f"{a}:{port}" for a in interface_addresses(interfaces) if loop or not a.startswith("127.")]
     return list(dict.fromkeys(out))

@@ -45,6 +45,8 @@ def cluster_view(negotiator: Negotiator) -> dict:
         "routes": routes_report(records, negotiator.node.plan),  # every address a member could not reach
         # nodes of another wire protocol version, kept out: {node_id, address, release, protocol_version, reason}
         "incompatible": negotiator.membership.incompatible.info(),
+        # this node's own addresses (cluster/netwatch.py, set by the runner): what it advertises, or why none
+        "network": network.info() if (network := getattr(negotiator, "network", None)) is not None else None,
         "negotiation": {"state": negotiator.state, **negotiator.agreement.info(negotiator.membership),
                         "membership_digest": negotiator.membership.digest(), "last_result": negotiator.last_result,
                         "refusals": dict(negotiator.said.totals)},

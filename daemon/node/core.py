@@ -213,6 +213,19 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             self.engine.close()
         self.state = "stopped"
 
+    async def reconnect(self) -> None:
+        """An address of this machine went away (renumbered, unplugged): a connection opened
+        from it hangs, no reset comes. Close the hop link and the cached channels; the next
+        message or call connects afresh, from an address that works (messages lost on the
+        old ones end as a lost stage's do: their requests resume)."""
+        link, channels, self._channels = self._next, list(self._channels.values()), {}
+        for old in [link, *channels]:  # closed first: a new channel must not share their connection
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.close()
+        if link is not None and self._next is link:
+            self._next = HopLink(link.address, self.config.transport)
+
     # --- plans: prepare, commit ----------------------------------------------------------
 
     async def prepare(self, plan: ServingPlan) -> int:

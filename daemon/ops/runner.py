@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ringlet.daemon.api.tokenizer import LazyTokenizer
-from ringlet.daemon.cluster.addresses import dial_addresses, log_skipped_interfaces, public_host
+from ringlet.daemon.cluster.addresses import log_skipped_interfaces
 from ringlet.daemon.cluster.static_plan import parse_plan, validate
 from ringlet.daemon.engine.defaults import DEFAULT_MAX_BATCH
 from ringlet.daemon.engine.drafting import DEFAULT_SPEC_TOKENS
@@ -159,6 +159,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from ringlet.daemon.cluster.identity import NodeIdentity, cluster_id
     from ringlet.daemon.cluster.membership import Membership
     from ringlet.daemon.cluster.negotiation import Negotiator
+    from ringlet.daemon.cluster.netwatch import AddressWatcher, NetworkFollower
     from ringlet.daemon.cluster.router import LINK_REFRESH_S, Router
     from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.engine.modelspec import model_spec_from_model
@@ -181,10 +182,13 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     probe = await loop.run_in_executor(None, lambda: probe_local(cache_dir))
     memory = MemoryFollower(node, probe.memory, parse_size(args.memory_limit))  # lowest: probe, --memory-limit
     speed = probe.speed
-    public = public_host(args.advertise_host, args.host, args.interface or None)
+    watcher = AddressWatcher(args.advertise_host, args.host, args.interface or None, args.port)
+    if watcher.static:  # only addresses given, none usable: no interface can bring one
+        raise RingletError("--host 0.0.0.0 needs --advertise-host (no non-loopback IPv4 address found)")
+    public = watcher.current.public  # None: started before its network; waited for below (cluster/netwatch.py)
     if not args.interface:
         log_skipped_interfaces()
-    api_host = public if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison only
+    api_host = (public or "127.0.0.1") if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
         **memory.fields(),  # what the planner may fill with weights and KV, and which rule set it
@@ -202,7 +206,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     num_layers = len(spec.layer_bytes)
     tp_spec = await loop.run_in_executor(None, model_tp_spec, node.config.model, node.config.dtype)
 
-    advertise = f"{public}:{args.port}"
+    advertise = f"{public or '0.0.0.0'}:{args.port}"  # noqa: S104 - not advertised until it has an address
     membership = Membership(
         identity.node_id, advertise, node.cluster_id, identity.incarnation, node.config.transport,
         heartbeat_s=args.heartbeat_s, suspect_after_s=2 * args.heartbeat_s, remove_after_s=args.remove_after_s,
@@ -219,11 +223,20 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     membership.on_change = on_change
     # which of each member's addresses to dial; a route that breaks or speeds up: re-plan
     tb = frozenset(i for p in getattr(probe, "thunderbolt", ()) if (i := getattr(p, "interface", None)))
-    router = Router(membership, dial_addresses(public, args.host, args.interface or None, args.port),
+    router = Router(membership, watcher.current.dial,
                     on_change=negotiator.membership_changed, thunderbolt=tb,
                     refresh_s=getattr(args, "link_refresh_s", LINK_REFRESH_S),
                     api_port=args.api_port if args.api_host in ("0.0.0.0", "") else None)  # noqa: S104 - comparison
     router.publish()
+
+    def waiting(why: str | None) -> None:  # the node's state says it until it has an address
+        node.state = "no-address" if why else "discovering" if node.state == "no-address" else node.state
+
+    # this node's own addresses: waited for at start, followed while it runs (re-advertised, re-dialled)
+    follower = NetworkFollower(watcher, membership, router, on_change=negotiator.membership_changed,
+                               on_event=node.event, on_waiting=waiting, reconnect=node.reconnect,
+                               peers=[f"{h}:{p}" for h, p in parse_peers(args.peers)] if args.peers else [])
+    negotiator.network = follower  # /v1/cluster's "network"
     node.cluster = negotiator
     node.tp = tp = TPServing(node, membership, args.mode, tp_spec, str(node.config.model.path), node.config.dtype)
     negotiator.tp = tp
@@ -240,7 +253,6 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         for message in getattr(args, "fetch_events", []):
             node.event("fetch", message)
     await membership.start()
-    await negotiator.start()
     tasks = [asyncio.create_task(router.run(), name="links"), memory.start(membership, negotiator)]
 
     discovery = None
@@ -269,9 +281,10 @@ async def _start_cluster(args, node: Node, context_tokens: int):
                                            on_peer=on_peer, on_goodbye=on_goodbye, on_conflict=on_conflict,
                                            on_incompatible=on_incompatible,
                                            secret=node.config.transport.secret)
-        await discovery.start()
+        follower.discovery = discovery  # started once this node has an address
     for host, port in parse_peers(args.peers) if args.peers else []:
         membership.consider(f"{host}:{port}")
+    tasks.append(asyncio.create_task(follower.run(negotiator.start), name="network"))
 
     async def redial() -> None:
         """Re-dial --peers and members lost in the last minutes, and re-query mDNS while a

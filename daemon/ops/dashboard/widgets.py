@@ -13,7 +13,7 @@ STATE_STYLES = {
     "serving": "bold green", "ready": "green", "loading": "yellow", "fetching": "yellow", "starting": "yellow",
     "discovering": "cyan", "negotiating": "cyan", "suspect": "bold red", "unreachable": "bold red",
     "left": "red", "gone": "red", "stopped": "dim", "leaving": "yellow", "unplanned": "yellow",
-    "standby": "cyan", "alive": "green",
+    "standby": "cyan", "alive": "green", "no-address": "yellow",
 }
 LINK_SHORT = {"thunderbolt": "TB", "ethernet": "eth", "loopback": "lo", "wifi": "wifi"}
 

@@ -103,6 +103,9 @@ def format_status(snap: dict) -> str:
             lines.append(f"downloading on {n['name']}: {d['file'] or 'files'} · {fmt_bytes(d['bytes_done'])} of "
                          f"{fmt_bytes(d['bytes_total'])} · {fmt_bandwidth(d['rate_bytes_per_s'])} · ETA "
                          f"{fmt_seconds(d['eta_s'])}")
+    for n in snap["nodes"]:
+        if n.get("network_waiting"):
+            lines.append(f"waiting for a network address on {n['name']}: {n['network_waiting']}")
     for p in snap.get("prefilling") or []:
         lines.append(f"prefilling {str(p.get('request_id', ''))[:8]}: {v(p.get('processed_tokens'))} of "
                      f"{v(p.get('prompt_tokens'))} prompt tokens ({v(p.get('cached_tokens'))} cached) · ETA "

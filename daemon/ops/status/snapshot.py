@@ -179,6 +179,9 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "loading_progress": first(as_progress(m.get("loading_progress")),
                                       as_progress(info.get("loading_progress"))),
             "download": as_download(info.get("download")),
+            # why it has no network address yet (/v1/cluster's network.waiting; None: it has one)
+            "network_waiting": as_str(info["network"].get("waiting")) if isinstance(info.get("network"), dict)
+            else None,
             "layer_range": first(as_range(info.get("layer_range")), as_range(m.get("layer_range")),
                                  plan_range.get(addr)),
             "epoch": as_int(info.get("epoch")),
