@@ -16,7 +16,9 @@ every difference:
   ``"informational: ..."``, why an older node may ignore it.
 
 When :data:`~ringlet.daemon.wire.versions.PROTOCOL_VERSION` is above the release's,
-nodes of the two never share a ring and every difference is allowed (the report says so).
+nodes of the two never share a ring and every difference is allowed (the report says so),
+except to the handshake (:data:`HANDSHAKE`): a node learns a peer's protocol version
+through it, so it must read the same in every protocol version.
 ``tests/wire/test_wire_compat.py`` runs the check.
 """
 
@@ -56,6 +58,17 @@ ADDITIONS: dict[str, str] = {
     "ringlet.v1.Vote.members": versions.RECONCILE,
 }
 
+#: What the handshake reads, which every protocol version must read the same: a node of
+#: another protocol version is told apart and kept out through it (``GetNodeInfo``: its
+#: id, cluster, protocol version and record). A difference here fails whatever the
+#: protocol version.
+HANDSHAKE: frozenset[str] = frozenset({
+    "ringlet.v1.Ring", "ringlet.v1.Ring.GetNodeInfo", "ringlet.v1.NodeInfoRequest", "ringlet.v1.NodeInfo",
+    "ringlet.v1.NodeInfoRequest.caller_id", "ringlet.v1.NodeInfoRequest.caller_address",
+    "ringlet.v1.NodeInfo.node_id", "ringlet.v1.NodeInfo.protocol_version", "ringlet.v1.NodeInfo.cluster_id",
+    "ringlet.v1.NodeInfo.record_json",
+})
+
 _TYPES = {v: k.removeprefix("TYPE_").lower() for k, v in descriptor_pb2.FieldDescriptorProto.Type.items()}
 _LABELS = {v: k.removeprefix("LABEL_").lower() for k, v in descriptor_pb2.FieldDescriptorProto.Label.items()}
 
@@ -94,13 +107,18 @@ class Report:
         return [c for c in self.changes if not c.breaking and not c.guarded]
 
     @property
+    def handshake(self) -> list[Change]:
+        """Breaking changes to what every protocol version must read (:data:`HANDSHAKE`)."""
+        return [c for c in self.breaking if c.path in HANDSHAKE]
+
+    @property
     def raised(self) -> bool:
         """This build's protocol version is above the release's: nothing is shared."""
         return self.protocol > self.release_protocol
 
     @property
     def ok(self) -> bool:
-        return self.raised or not (self.breaking or self.unguarded)
+        return not self.handshake and (self.raised or not (self.breaking or self.unguarded))
 
     def message(self) -> str:
         """The verdict and every difference, one per line."""
@@ -109,11 +127,15 @@ class Report:
         lines = [head]
         if self.raised:
             lines.append(f"protocol {self.protocol} > {self.release_protocol}: nodes of the two are kept apart, "
-                         f"so all {len(self.changes)} differences are allowed")
-        if self.breaking:
+                         "so the differences are allowed, except to the handshake")
+        if self.handshake:
+            lines.append("changes the handshake, which every protocol version must read the same (HANDSHAKE in "
+                         "daemon/wire/compat.py): nodes could no longer tell each other's versions; undo it:")
+            lines += [f"  {c.path}: {c.what}" for c in self.handshake]
+        if [c for c in self.breaking if c.path not in HANDSHAKE]:
             lines.append("needs a new protocol version (raise PROTOCOL_VERSION in daemon/wire/versions.py) "
                          "or undo it:" if not self.raised else "incompatible with the release:")
-            lines += [f"  {c.path}: {c.what}" for c in self.breaking]
+            lines += [f"  {c.path}: {c.what}" for c in self.breaking if c.path not in HANDSHAKE]
         if self.unguarded:
             lines.append("added without a guard: an older node ignores it or refuses it; list it in ADDITIONS "
                          "(daemon/wire/compat.py) with the capability a node checks its peers for before "

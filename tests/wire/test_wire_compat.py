@@ -184,3 +184,30 @@ def test_cutting_a_release_keeps_the_current_descriptor_with_the_protocol_versio
     assert path.read_bytes() == descriptor_set()
     assert compat.check(compat.load_set(path.read_bytes()), compat.load_set(descriptor_set()), release=release,
                         release_protocol=protocol).changes == []
+
+
+@pytest.mark.parametrize("old, new, path", [
+    ("uint32 protocol_version = 2;", "uint64 protocol_version = 2;", "ringlet.v1.NodeInfo.protocol_version"),
+    ("string record_json = 13;", "string record_json = 17;", "ringlet.v1.NodeInfo.record_json"),
+    ("rpc GetNodeInfo(NodeInfoRequest) returns (NodeInfo);", "rpc GetNodeInfo(NodeInfoRequest) returns (Ping);",
+     "ringlet.v1.Ring.GetNodeInfo"),
+])
+def test_the_handshake_reads_the_same_in_every_protocol_version(old, new, path):
+    """A node tells a peer of another protocol version through GetNodeInfo: changing what it
+    reads fails even with the protocol version raised."""
+    text = edited(old, new)
+    for protocol in (LAST_PROTOCOL, LAST_PROTOCOL + 1):
+        report = against_last(text, protocol=protocol)
+        print(f"\n--- handshake, protocol {protocol} ---\n{report.message()}")
+        assert not report.ok and [c.path for c in report.handshake] == [path]
+        assert "changes the handshake" in report.message()
+
+
+def test_every_handshake_name_is_in_the_current_proto():
+    current = compat.load_set(descriptor_set())
+    (f,) = current.file
+    names = {f"{f.package}.{m.name}" for m in f.message_type}
+    names |= {f"{f.package}.{m.name}.{x.name}" for m in f.message_type for x in m.field}
+    names |= {f"{f.package}.{s.name}" for s in f.service}
+    names |= {f"{f.package}.{s.name}.{m.name}" for s in f.service for m in s.method}
+    assert compat.HANDSHAKE <= names, compat.HANDSHAKE - names
