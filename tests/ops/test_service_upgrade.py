@@ -214,6 +214,7 @@ def test_upgrade_drains_installs_restarts_and_serves_the_new_release(home, tmp_p
                  ("fetch", "drain and stop", "install", "start")]
         assert order == ["fetch", "drain and stop", "install", "start"]
         assert f"runs ringlet {new} (wire protocol" in r.stdout
+        assert f"cluster: 1 member, 1 on {new}" in r.stdout
         h = healthz(api)
         assert h["release"] == new and h["state"] in ("ready", "serving")
         assert (home / "ringlet.pid").read_text().strip() != first_pid

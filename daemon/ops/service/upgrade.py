@@ -72,6 +72,7 @@ class UpgradePlan:
     api: str               #: this node's API, for /healthz
     fetch_dir: str
     steps: list[Step] = field(default_factory=list)
+    api_key_file: str | None = None  #: the service's API keys (/v1/cluster is behind them)
 
 
 def service_python(program: list[str]) -> str:
@@ -152,7 +153,7 @@ def plan_upgrade(args: argparse.Namespace, dry_run: bool = False) -> UpgradePlan
     extra = list(args.pip_arg or [])
     pip = [python, "-m", "pip"]
     stop, start = manager_commands(target)
-    plan = UpgradePlan(target, python, spec, version, api, fetch_dir)
+    plan = UpgradePlan(target, python, spec, version, api, fetch_dir, api_key_file=cfg.api_key_file if cfg else None)
     plan.steps = [
         Step("fetch", [*pip, "download", "--disable-pip-version-check", "--dest", fetch_dir, *extra, spec],
              "the new release and its dependencies, while this node still serves", timeout=900),
@@ -197,6 +198,32 @@ def wait_serving(api: str, version: str | None, timeout: float, out=print) -> di
     seen = (f"it answers ringlet {last.get('release')}, state {last.get('state')}" if last
             else "it does not answer")
     raise RingletError(f"the service did not come back serving within {timeout:.0f} s ({seen}); {_logs_hint()}")
+
+
+def cluster_lines(api: str, api_key_file: str | None = None) -> list[str]:
+    """What the upgraded node sees of its cluster (``/v1/cluster``): its members' releases,
+    and the nodes it keeps out for another wire protocol version; nothing when it cannot
+    be read."""
+    try:
+        import httpx
+
+        from ringlet.daemon.wire.auth import client_api_key
+
+        key = client_api_key(api_key_file)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        body = httpx.get(f"{api}/v1/cluster", headers=headers, timeout=5, trust_env=False).json()
+    except Exception:  # a summary only: the upgrade itself is done
+        return []
+    members = [m for m in body.get("members") or [] if isinstance(m, dict)]
+    releases: dict[str, int] = {}
+    for m in members:
+        release = str(m.get("release") or "?")
+        releases[release] = releases.get(release, 0) + 1
+    on = ", ".join(f"{n} on {r}" for r, n in sorted(releases.items()))
+    lines = [f"cluster: {len(members)} member{'' if len(members) == 1 else 's'}, {on}"]
+    lines += [f"warning: kept out: {x.get('reason') or x.get('node_id')}"
+              for x in body.get("incompatible") or [] if isinstance(x, dict)]
+    return lines
 
 
 def _logs_hint() -> str:
@@ -264,6 +291,8 @@ def _upgrade(plan: UpgradePlan, args: argparse.Namespace, out) -> int:
     out(f"  installed ringlet {installed_release(plan.python)} in {Path(plan.python).parent.parent}")
     _run(start, out)
     h = wait_serving(plan.api, plan.version, args.timeout, out)
+    for line in cluster_lines(plan.api, plan.api_key_file):
+        out(line)
     out(f"done in {time.monotonic() - started:.0f} s: node {h.get('node_id', '?')} runs ringlet "
         f"{h.get('release')} (wire protocol {h.get('protocol_version', '?')}), state {h.get('state')}. "
         "Check `ringlet status` shows it in the cluster before upgrading the next node.")
