@@ -27,6 +27,7 @@ import httpx
 import pytest
 from conftest import REFERENCE
 from netns import GRPC_PORT, SUBNET, NetnsLab, cleanup_stale, in_namespace, sh, skip_reason, summarise
+from streaming import Stream
 
 _reason = skip_reason()
 pytestmark = [pytest.mark.skipif(_reason is not None, reason=_reason or ""), pytest.mark.timeout(150)]
@@ -36,6 +37,7 @@ ARGS = ["--mode", "pipeline", "--dtype", "float32"]
 JOIN_S = 15.0  # address up -> in a committed 2-stage plan (measured: see the test's output)
 FOLLOW_S = 15.0  # address replaced -> the plan names the new one
 NEW_IP = f"{SUBNET}.12"
+STREAMED = 80  # tokens of the request in flight while the address is replaced
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,8 @@ def local_view(d, timeout_s: float = 2.0) -> dict | str:
             return repr(exc)
 
 
-def complete(lab: NetnsLab, d) -> list[int]:
-    resp = lab.post(d, "/v1/completions", {"prompt": RAW["raw"], "max_tokens": 12, "temperature": 0,
+def complete(lab: NetnsLab, d, tokens: int = 12) -> list[int]:
+    resp = lab.post(d, "/v1/completions", {"prompt": RAW["raw"], "max_tokens": tokens, "temperature": 0,
                                             "return_token_ids": True}, timeout=60)
     assert resp.status_code == 200, (d.index, resp.text)
     return resp.json()["choices"][0]["token_ids"]
@@ -131,6 +133,9 @@ def test_an_address_replaced_under_a_running_member_is_followed(lab: NetnsLab):
     views = lab.wait_converged([first, moved], stages=2, timeout_s=30)
     ids = {d.index: views[d.index]["node_id"] for d in (first, moved)}
     old, new = moved.grpc_address, f"{NEW_IP}:{GRPC_PORT}"
+    undisturbed = complete(lab, first, STREAMED)
+    stream = Stream(first.api_url, RAW["raw"], STREAMED, timeout_s=90, context=lambda: in_namespace(lab.hub))
+    stream.wait_tokens(5, timeout_s=30)
     wall = time.time()
     sh("ip", "-n", moved.ns, "addr", "del", f"{moved.ip}/24", "dev", "eth0")
     sh("ip", "-n", moved.ns, "addr", "add", f"{NEW_IP}/24", "dev", "eth0")
@@ -149,8 +154,11 @@ def test_an_address_replaced_under_a_running_member_is_followed(lab: NetnsLab):
     # followed, not dropped and found again: node 0 never removed it
     left = [e for e in views[first.index]["events"] if e["kind"] == "leave" and e["ts"] >= wall]
     assert not left, left
+    stream.join(60)
+    print(f"\n{old} replaced by {new} mid-stream: the plan stands on it {took:.1f} s later (epoch "
+          f"{views[0]['epoch']}); the stream's longest gap {stream.max_gap_s:.1f} s")
+    assert stream.error is None and stream.ids == undisturbed, (stream.error, stream.ids, undisturbed)
     answers = [complete(lab, d) for d in (first, moved)]
-    print(f"\n{old} replaced by {new}: the plan stands on it {took:.1f} s later (epoch {views[0]['epoch']})")
     assert answers[0] == answers[1] == RAW["completion_ids"][:12], answers
     with contextlib.suppress(OSError):
         assert "addresses changed" in moved.log_path.read_text()
