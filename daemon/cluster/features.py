@@ -18,7 +18,7 @@ Some models need a feature to be run at all (a hop's second residual stream, RWK
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ringlet.daemon.engine.streams import STREAMS
 from ringlet.daemon.wire import versions
@@ -75,6 +75,17 @@ def required_by(config: Mapping | None) -> frozenset[str]:
     carry one (:data:`ringlet.daemon.engine.streams.STREAMS`)."""
     model_type = (config or {}).get("model_type")
     return frozenset({versions.SECOND_STREAM}) if model_type in STREAMS else frozenset()
+
+
+def split_refusal(record_of: Callable[[str], Mapping | None], stage_ids: list[str], required: frozenset[str],
+                  model: str) -> str | None:
+    """Why a member refuses a plan that splits ``model`` (more than one stage) over a node
+    lacking one of ``required`` (an older proposer does not know the rule); ``None``: it
+    may serve it. ``record_of`` gives a member's record by node id."""
+    if len(stage_ids) < 2 or not required:
+        return None
+    out = unable({i: record_of(i) for i in stage_ids}, required, model)
+    return "; ".join(out[i] for i in sorted(out)) or None
 
 
 def unable(records: Mapping[str, Mapping | None], required: frozenset[str], model: str) -> dict[str, str]:

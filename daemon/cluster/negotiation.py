@@ -127,9 +127,7 @@ class Negotiator:
         self.node, self.membership, self.model_spec, self.model_name = node, membership, model_spec, model_name
         self.num_layers = num_layers
         self.policy = policy or Policy()
-        self.settle_s = settle_s
-        self.initial_settle_s = initial_settle_s
-        self.prepare_timeout_s = prepare_timeout_s
+        self.settle_s, self.initial_settle_s, self.prepare_timeout_s = settle_s, initial_settle_s, prepare_timeout_s
         self.tp, self.requires = tp, requires
         self.state = "idle"
         self.committed_plan: Plan | None = None
@@ -431,9 +429,11 @@ class Negotiator:
             reason = None
             previous = tuple(StageSpec(address=r.grpc_address, start=r.start, end=r.end, node_id=r.node_id,
                                        rebuild=r.rebuild, why=r.why, lost=r.lost) for r in p.previous)
-            if not previous and self.node.plan is not None:  # a proposer that could not say
-                previous = self.node.plan.stages
+            previous = previous or (self.node.plan.stages if self.node.plan is not None else ())  # unsaid
             serving = replace(serving, previous=previous, features=features.features_of(body))
+            if why := features.split_refusal(self.membership.record_of, [s.node_id for s in serving.stages],
+                                             self.requires, self.model_name):  # never run a split wrong
+                return self._refuse(why)
             if not serving.is_tensor and (why := await unreachable(self.membership, self.node.node_id, serving)):
                 return self._refuse(why)
             if not serving.is_tensor and not serving.is_hybrid and (vote := self._no_room(serving)) is not None:

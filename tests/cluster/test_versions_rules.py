@@ -71,6 +71,10 @@ def test_a_model_with_a_second_stream_is_planned_only_on_nodes_that_carry_it():
     out = features.unable({"a": NEW, "b": OLD}, need, "rwkv7-x")
     assert list(out) == ["b"]
     assert "b runs ringlet 0.1.0" in out["b"] and f"upgrade b to ringlet {versions.RELEASE}" in out["b"]
+    records = {"a": NEW, "b": OLD}
+    assert features.split_refusal(records.get, ["a", "b"], need, "rwkv7-x") == out["b"]  # an 0.1.0 proposer's split
+    assert features.split_refusal(records.get, ["b"], need, "rwkv7-x") is None  # whole on one node: no hop
+    assert features.split_refusal(records.get, ["a", "b"], frozenset(), "llama-x") is None
 
 
 def test_members_of_several_releases_form_no_tensor_group():
