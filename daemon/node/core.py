@@ -420,6 +420,9 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         stage = self.engine.stage if self.engine else None
         info = {
             "node_id": self.node_id,
+            "release": versions.RELEASE,
+            "protocol_version": versions.PROTOCOL_VERSION,
+            "capabilities": sorted(versions.CAPABILITIES),
             "address": self.config.address,
             "state": self.state,
             "epoch": self.epoch,
