@@ -240,6 +240,14 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         """
         key = (plan.epoch, plan.plan_id)
         index = plan.index_of(self.node_id, self.config.address)
+        if stale := [k for k in self._prepared if k[0] <= plan.epoch]:
+            # superseded (the negotiation never prepares an older proposal after a newer one;
+            # an abandoned one may come back with the same key): their stages go before this
+            # one loads, or a node in a tight cgroup held two stages at once and the kernel
+            # killed it (#43: seen on a restart whose first proposal was refused)
+            for k in stale:
+                self._prepared.pop(k, None)
+            await self.engine.run(mlx_active_bytes)  # frees MLX's buffer cache (mx.clear_cache)
         if plan.infeasible or index is None or plan.is_tensor:  # tensor: the rank processes load
             self._prepared[key] = None
             return 0

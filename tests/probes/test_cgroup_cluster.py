@@ -1,0 +1,112 @@
+"""Three daemons in memory cgroups of unequal limits and a random llama bigger than any one
+of them (#43): the plan gives no node more than its cgroup allows, the greedy answer is
+mlx-lm's whole model's; a limit lowered while the ring serves re-plans and it keeps
+answering; one node killed: the other two cannot hold the model and answer 503 with the
+reason, and nobody is OOM-killed; restarted, the ring serves the same answer again.
+
+Sizes: 10 layers of 48 MiB (float32: hidden 1024, MLP 3072, 8 query and 2 key/value heads)
+and a 98-token vocabulary, 483 MB in all. A node offers the planner 80 % of its limit less
+its runtime (~85 MiB) less the boundary budget (a sixteenth): ~250 MB (5 layers) at 450 MB,
+~180 MB (3 layers) at 350 MB. The cgroups are children of this test's own
+(tests/cgroups.py), removed afterwards. Node ids are fixed so the ring is a, b, c in that
+order (the loopback planner orders equal nodes by id): c, the last stage, is the one whose
+limit is lowered, and it shrinks from the front, keeping layers it holds (a node that moved
+to a range it does not hold would hold both while it prepares: #43 must-have 2).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from cgroups import CgroupCluster, cgroups, expected_usable, fix_node_ids, require_cgroups
+from tiny_models import make_chat_model, whole_model_greedy
+
+CONFIG = {
+    "model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 10, "intermediate_size": 3072,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 98,
+    "max_position_embeddings": 1024, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+PROMPT = [5, 17, 42, 90, 8, 50, 3, 77]
+TOKENS = 8
+MB = 1_000_000
+LIMITS = {"a": 450_000_000, "b": 450_000_000, "c": 350_000_000}
+IDS = {"a": "a000000000000000", "b": "b000000000000000", "c": "c000000000000000"}
+
+
+def complete(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
+
+
+def token_ids(resp: httpx.Response) -> list[int]:
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def check_plan(view: dict, limits: dict[str, int]) -> dict[str, dict]:
+    """Each member's usable memory is its limit's by hand, and no stage is planned more than
+    it; returns the stages by node name."""
+    name_of = {v: k for k, v in IDS.items()}
+    for m in view["members"]:
+        name = name_of[m["node_id"]]
+        want = expected_usable(limits[name] // 4096 * 4096, m["memory_usable_source"])
+        assert m["memory_usable_source"].startswith("cgroup v1 memory.limit_in_bytes ("), m
+        assert abs(m["memory_usable_bytes"] - want) <= 1.1 * MB, (name, m, want)
+    stages = {name_of[s["node_id"]]: s for s in view["plan_detail"]["stages"]}
+    for name, s in stages.items():
+        assert s["memory_bytes"] <= s["capacity_bytes"], (name, s)
+    return stages
+
+
+def test_three_limits_a_lowered_one_a_loss_and_a_return(tmp_path):
+    parent = require_cgroups()
+    model = make_chat_model("llama", tmp_path / "model", CONFIG)
+    want = whole_model_greedy(model, PROMPT, TOKENS)
+    fix_node_ids(tmp_path / "run", list(IDS.values()))
+    with cgroups(parent, LIMITS) as cg:
+        groups = [cg[k] for k in IDS]
+        with CgroupCluster(3, model=str(model), dynamic=True, cgroups=groups, log_dir=str(tmp_path / "run"),
+                           extra_args=["--context", "256"]) as c:
+            view = c.wait_plan(stages=3)
+            limits = dict(LIMITS)
+            stages = check_plan(view, limits)
+            assert token_ids(complete(c.api_urls[0])) == want
+
+            # c's limit lowered a little above what it holds: its stage no longer fits
+            limits["c"] = cg["c"].limit((cg["c"].usage() + 24 * MB) // 4096 * 4096)
+            lowered = time.monotonic()
+            after = c.wait_plan(stages=3, min_epoch=view["epoch"] + 1, timeout_s=60)
+            replan_s = time.monotonic() - lowered
+            shrunk = check_plan(after, limits)
+            old, new = stages["c"], shrunk["c"]  # fewer layers, all of them held already
+            assert old["start"] <= new["start"] < new["end"] <= old["end"], (stages, shrunk)
+            assert new["end"] - new["start"] < old["end"] - old["start"], (stages, shrunk)
+            assert token_ids(complete(c.api_urls[0])) == want
+
+            c.kill(0)  # a: b and c together hold too little
+            deadline = time.monotonic() + 30
+            while (resp := complete(c.api_urls[1])).status_code != 503:
+                assert resp.status_code == 200 and time.monotonic() < deadline, resp.text
+                time.sleep(0.3)
+            reason = resp.json()["error"]["message"]
+            assert "model needs" in reason and "cluster has" in reason and "add a node or memory" in reason, reason
+            assert complete(c.api_urls[2]).json()["error"]["message"] == reason  # every member says the same
+            assert c.alive() == [1, 2]
+
+            c.restart(0)
+            back = c.wait_plan(stages=3, min_epoch=after["epoch"] + 2, timeout_s=90)
+            check_plan(back, limits)
+            assert token_ids(complete(c.api_urls[0])) == want
+            assert token_ids(complete(c.api_urls[2])) == want
+            kills = {k: g.oom_kills() for k, g in cg.items()}
+            assert kills == {"a": 0, "b": 0, "c": 0}, kills
+            print("\nusable (MB): " + ", ".join(f"{k} {m['memory_usable_bytes'] / MB:.0f}" for k, m in zip(
+                IDS, sorted(view["members"], key=lambda m: m["node_id"]), strict=True))
+                  + "; stages: " + ", ".join(f"{k} [{s['start']},{s['end']}) {s['memory_bytes'] / MB:.0f} MB"
+                                             for k, s in stages.items())
+                  + f"; c lowered to {limits['c'] / MB:.0f} MB: re-planned in {replan_s:.1f} s to "
+                  + ", ".join(f"{k} [{s['start']},{s['end']})" for k, s in shrunk.items())
+                  + f"; 503: {reason}; peaks (MB): "
+                  + ", ".join(f"{k} {g.peak() / MB:.0f}/{int(g.read('memory.limit_in_bytes')) / MB:.0f} "
+                              f"(failcnt {g.read('memory.failcnt').strip()})" for k, g in cg.items()))
