@@ -212,5 +212,7 @@ def test_probe_memory_real_linux():
     assert m.total_bytes > 0 and 0 < m.available_bytes <= m.total_bytes
     assert 0 < m.usable_memory_bytes <= m.total_bytes
     if sys.platform.startswith("linux"):
-        assert m.usable_rule == "80% of total" and m.wired_limit_bytes is None
+        # the host's rule, or this process's cgroup where its limit binds lower (a container, a service)
+        assert m.usable_rule == "80% of total" or m.usable_rule.startswith("cgroup v"), m
+        assert m.wired_limit_bytes is None
         assert m.architecture  # the CPU MLX build reports architecture and device_name only
