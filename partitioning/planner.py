@@ -9,7 +9,9 @@ on the order the inputs arrive in):
    nodes than layers, the policy's split leaves the surplus out, also with a reason);
 3. ring order candidates from the links (:mod:`.ring`); with a reusable previous
    plan, the old ring with the new nodes inserted (:mod:`.stability`), kept unless
-   re-choosing the ring beats it by more than the tolerance;
+   re-choosing the ring beats it by more than the tolerance -- and kept anyway when the
+   re-chosen ring would have a node hold its previous stage and the bytes it loads beyond
+   its memory while it prepares (a node whose memory limit was lowered shrinks in place);
 4. the policy picks an order and a split (:mod:`.policies`);
 5. predictions: per-stage time, memory, bytes to load; hops; latency; throughput.
 
@@ -188,12 +190,31 @@ def _choose_with_previous(ctx: Context, previous: Plan, top_orders, notes: list[
     if kept is None:
         return top
     if top is not None and ctx.policy.name != "memory" and top.best * (1.0 + ctx.policy.tolerance) < kept.best:
+        if _overfills_while_preparing(ctx, top) and not _overfills_while_preparing(ctx, kept):
+            notes.append("the previous order was kept: in the best plan a node would load layers it does not "
+                         "hold beside the ones it serves until the commit, beyond its memory")
+            return kept
         notes.append(
             f"the ring was re-chosen: the best plan keeping the previous order is "
             f"{kept.best / top.best - 1:.1%} worse than the best plan (tolerance {ctx.policy.tolerance:.1%})"
         )
         return top
     return kept
+
+
+def _overfills_while_preparing(ctx: Context, choice: Choice) -> bool:
+    """Whether a node of ``choice`` would load bytes beyond its memory: a node keeps serving
+    its previous stage while it loads the new one, so for that time it holds the previous
+    stage and what it loads. (A node whose memory shrank below its previous stage holds no
+    more than before when its new range is inside the old one: it loads nothing.)"""
+    for node_id, (s, e) in zip(choice.order, choice.split, strict=True):
+        h = ctx.holding(node_id)
+        if s == e or h.layers is None:
+            continue
+        load = ctx.cost.stage_load(h.layers, h.embedding, h.head, s, e)
+        if load and ctx.cost.stage_memory(*h.layers) + load > ctx.nodes[node_id].memory_bytes:
+            return True
+    return False
 
 
 def _build_plan(ctx: Context, model: ModelSpec, choice: Choice, excluded: dict, notes: list[str]) -> Plan:
