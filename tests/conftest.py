@@ -82,7 +82,7 @@ SLOW_FIRST = ("node/test_node_loss.py", "agents/test_agents.py", "engine/test_pr
               "node/test_resharding.py", "node/test_rolling_upgrade.py", "engine/test_speculation.py",
               "engine/test_concurrency.py", "engine/test_zoo.py", "node/test_cache_kinds_cluster.py",
               "node/test_hub_cluster.py", "api/test_openai_agents.py", "cluster/test_heal_netns.py",
-              "node/test_cluster.py", "node/test_mixed_versions.py")
+              "node/test_cluster.py", "node/test_mixed_versions.py", "probes/test_cgroup_cluster.py")
 
 
 def pytest_collection_modifyitems(config, items):
