@@ -1,7 +1,8 @@
 """The wire format is checked, not remembered (issue #42, docs/wire-compat.md).
 
 The current ``proto/ringlet.proto``, compiled as releases are kept, is compared with the
-newest descriptor in ``proto/released/``: a change an older node would misread, or an
+descriptor of every release in ``proto/released/`` of its protocol version (the releases a
+node of this build may meet in one ring): a change an older node would misread, or an
 addition it would silently ignore while the sender relies on it, fails unless the
 protocol version is raised or ``ADDITIONS`` (daemon/wire/compat.py) names the capability
 that guards it. Synthetic changes to a copy of the proto show that the check catches each
@@ -38,12 +39,22 @@ def edited(old: str, new: str, text: str = PROTO) -> str:
     return text.replace(old, new)
 
 
-def test_the_current_wire_against_the_last_release():
-    report = against_last()
+#: Every release a node of this build may still share a ring with: those of its protocol
+#: version (a node of an older one is kept out), and the last release whatever its version.
+PEERS = [r for r in RELEASES if r[2] == versions.PROTOCOL_VERSION] or [RELEASES[-1]]
+
+
+@pytest.mark.parametrize("release", PEERS, ids=[r[0] for r in PEERS])
+def test_the_current_wire_against_every_release_it_may_meet(release):
+    """Not only the last release: a node of 0.1.0 still joins a ring of this build when
+    both speak the same protocol version, so what it lacks must be guarded too."""
+    name, path, protocol = release
+    report = compat.check(compat.load_set(path.read_bytes()), compat.load_set(descriptor_set()),
+                          release=name, release_protocol=protocol, protocol=versions.PROTOCOL_VERSION)
     print(report.message())
     assert report.ok, report.message()
     if report.raised:
-        warnings.warn(f"wire protocol {versions.PROTOCOL_VERSION} > release {LAST}'s {LAST_PROTOCOL}: every "
+        warnings.warn(f"wire protocol {versions.PROTOCOL_VERSION} > release {name}'s {protocol}: every "
                       "difference passes (nodes of the two are kept apart)", stacklevel=1)
 
 
