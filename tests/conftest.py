@@ -70,8 +70,7 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
 #: beside the tensor files, which is otherwise done ~70 s before them, instead of in the
 #: parallel phase, whose two workers keep both cores busy.
 WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "ops/test_service.py",
-           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py", "cluster/test_incompatible_version.py",
-           "cluster/test_boot_netns.py")
+           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py", "cluster/test_boot_netns.py")
 
 
 #: The parallel phase's longest files (30-80 s each on this 2-core machine), longest
