@@ -23,8 +23,14 @@ pays it. So the result is kept:
   package reinstalled, a checkout deleted) are removed at once, rather than waiting
   for the budget to push them out.
 
-A file that cannot be read, or that lacks a tensor asked for, is ignored and written
-again. Failing to write is never an error: the weights are in memory.
+A file that cannot be read, is shorter than its header says, or lacks a tensor asked
+for, is ignored and written again. Failing to write is never an error: the weights are
+in memory. A write refused for want of space (ENOSPC, EDQUOT) turns the cache off for
+writing in this process (:func:`off_reason` says why, naming the path, the bytes needed
+and free; :func:`state` is what ``/v1/cluster`` shows as ``weights_cache``; the
+:data:`on_off` callbacks are told once, so the node logs an event); files are written
+through a Python file object, so a full disk is an ``OSError`` with its ``errno`` (MLX's
+own writer only says "Unable to write").
 """
 
 from __future__ import annotations
@@ -34,10 +40,13 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import mlx.core as mx
+
+from ringlet.daemon.errors import disk_full
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +61,39 @@ SOURCE = "source.json"
 #: Folder names of the float dtypes (the inverse of :data:`ringlet.daemon.engine.stage.DTYPES`,
 #: which this module, imported by the GGUF reader that ``stage`` imports, cannot import).
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+#: Why this process stopped writing the cache (a full disk's message), or ``None``.
+_off: str | None = None
+_off_lock = threading.Lock()
+#: Called once, with the reason, when the cache turns itself off (the node's event log).
+on_off: list[Callable[[str], None]] = []
+
+
+def off_reason() -> str | None:
+    """Why this process no longer writes the cache, or ``None`` while it does."""
+    return _off
+
+
+def state() -> dict:
+    """``/v1/cluster``'s ``weights_cache``: ``state`` (``"on"``, ``"off (<why>)"``, or
+    ``"disabled"`` with a budget of 0), ``off`` (the reason or ``None``), ``budget_bytes``."""
+    budget = budget_bytes()
+    text = "disabled" if budget <= 0 else "on" if _off is None else f"off ({_off})"
+    return {"state": text, "off": _off, "budget_bytes": budget}
+
+
+def turn_off(reason: str) -> None:
+    """Stop writing the cache in this process (reads go on), log ``reason`` and tell the
+    :data:`on_off` callbacks; only the first call counts."""
+    global _off
+    with _off_lock:
+        if _off is not None:
+            return
+        _off = reason
+    log.warning("dequantized-weights cache off: %s", reason)
+    for callback in list(on_off):
+        callback(reason)
 
 
 def configure(budget_bytes: int | None) -> None:
@@ -115,6 +157,8 @@ class DequantCache:
         """The arrays of ``names`` (GGUF tensor names) from the group's file, or ``None``
         when it is not cached, cannot be read, or lacks one of them."""
         path = self._file(group)
+        if not whole_safetensors(path):  # missing, or cut short: dequantize again
+            return None
         try:
             arrays = mx.load(str(path))
         except Exception:  # missing, cut short or corrupt: dequantize again
@@ -131,6 +175,8 @@ class DequantCache:
         budget. Never raises: a cache that cannot be written is only slower."""
         from ringlet.daemon.paths import write_atomically
 
+        if _off is not None:
+            return
         size = sum(a.nbytes for a in arrays.values())
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -141,14 +187,23 @@ class DequantCache:
             return
 
         def write(tmp: str) -> None:
-            mx.save_safetensors(tmp, arrays, metadata={"format": str(FORMAT)})
-            # mx.save_safetensors appends the suffix when it is missing
-            if not tmp.endswith(".safetensors") and os.path.exists(tmp + ".safetensors"):
-                os.replace(tmp + ".safetensors", tmp)
+            # through a file object: a full disk raises OSError(ENOSPC), where MLX's own
+            # writer raises a RuntimeError without the errno
+            with open(tmp, "wb") as f:
+                mx.save_safetensors(f, arrays, metadata={"format": str(FORMAT)})
+            if not whole_safetensors(Path(tmp)):
+                raise OSError(f"{tmp}: shorter than its safetensors header says")
 
-        error = write_atomically(self._file(group), write)
+        try:
+            error = write_atomically(self._file(group), write)
+        except Exception as exc:  # MLX's own errors: the weights are in memory, only not cached
+            error = exc
         if error is not None:
-            log.debug("cannot cache dequantized weights %s: %s", group, error)
+            full = disk_full(error, self._file(group), size, "the dequantized-weights cache")
+            if full is not None:
+                turn_off(str(full))
+            else:
+                log.debug("cannot cache dequantized weights %s: %s", group, error)
             return
         if not (self.entry / SOURCE).is_file():
             self._record_source()
@@ -202,3 +257,19 @@ class DequantCache:
             with contextlib.suppress(OSError):
                 path.unlink()
                 total -= size
+
+
+def whole_safetensors(path: Path) -> bool:
+    """Whether ``path`` is as long as its safetensors header says (8-byte header length,
+    the JSON header, then every tensor's bytes): a file cut short by a full disk or a
+    crash is never read as whole. Reads only the header."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > 100 * 2**20:
+                return False
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            return os.fstat(f.fileno()).st_size >= 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False

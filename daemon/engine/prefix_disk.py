@@ -16,6 +16,13 @@ is rebuilt from the files' headers, which carry everything but the tensors.
   files and the dtype loaded: :func:`model_key`); a file whose header names another
   key or format is ignored, and deleted. A file for an older plan's layer range is
   served only when its range covers this stage's; it ages out by LRU otherwise.
+* **A full disk.** A write refused for want of space (ENOSPC, EDQUOT) turns the tier
+  off for writing (:attr:`PrefixDisk.off` says why, naming the path, the bytes needed and
+  free; ``info()["state"]`` is ``"off (…)"``, and :attr:`PrefixDisk.on_off` is told once,
+  so the node logs an event); the files already written keep serving, and a request
+  never fails for it: an entry that cannot be spilled is simply dropped. Nothing half
+  written is ever indexed: a file is renamed into place only once whole, and a file
+  whose safetensors header promises more bytes than it holds is ignored on a scan.
 * **Threads.** All methods run on the engine's MLX worker thread, as the store's do.
 """
 
@@ -26,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +42,7 @@ import mlx.core as mx
 from safetensors import safe_open
 
 from ringlet.daemon.engine.token_index import TokenIndex
+from ringlet.daemon.errors import disk_full
 from ringlet.daemon.paths import write_atomically
 
 log = logging.getLogger(__name__)
@@ -87,6 +96,10 @@ class PrefixDisk(TokenIndex):
         self.key = key
         super().__init__(budget_bytes)
         self.hits = self.writes = self.evictions = self.ignored = 0
+        #: why the tier stopped writing (a full disk's message), or ``None`` while it writes
+        self.off: str | None = None
+        #: called once, with :attr:`off`, when the tier turns itself off (the node's event log)
+        self.on_off: Callable[[str], None] | None = None
         self._scan()
 
     # --- index ---------------------------------------------------------------------------
@@ -155,7 +168,7 @@ class PrefixDisk(TokenIndex):
         Returns whether it was kept (not when it alone is over the budget, or on a
         write error, which is logged)."""
         nbytes = sum(a.nbytes for a in arrays.values())
-        if self.budget_bytes <= 0 or nbytes > self.budget_bytes:
+        if self.off is not None or self.budget_bytes <= 0 or nbytes > self.budget_bytes:
             return False
         tokens = [int(t) for t in arrays["tokens"].tolist()]
         scope = meta.get("scope", "")
@@ -175,12 +188,25 @@ class PrefixDisk(TokenIndex):
             error = write_atomically(path, save)
         except Exception as exc:  # MLX's own errors: the entry is simply not kept
             error = exc
-        if error is not None:  # a full or read-only disk, too
-            log.warning("prefix cache: cannot write %s (%s)", path.name, error)
+        if error is not None:  # a read-only disk, MLX's own errors; a full disk turns the tier off
+            full = disk_full(error, path, nbytes, "the prefix cache's disk tier")
+            if full is not None:
+                self.turn_off(str(full))
+            else:
+                log.warning("prefix cache: cannot write %s (%s)", path.name, error)
             return False
         self._add(DiskEntry(ident, path, scope, tokens, int(meta["start"]), int(meta["end"]), path.stat().st_size))
         self.writes += 1
         return True
+
+    def turn_off(self, reason: str) -> None:
+        """Stop writing (the files held keep serving), log ``reason`` and tell :attr:`on_off`."""
+        if self.off is not None:
+            return
+        self.off = reason
+        log.warning("prefix cache: disk tier off: %s", reason)
+        if self.on_off is not None:
+            self.on_off(reason)
 
     def _drop_covered(self, scope: str, tokens: list[int], start: int, end: int) -> None:
         """Delete files whose tokens are a prefix of ``tokens`` over the same or fewer
@@ -191,8 +217,10 @@ class PrefixDisk(TokenIndex):
                 self._forget(entry)
 
     def info(self) -> dict[str, Any]:
-        """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache.disk``."""
-        return {"budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
+        """JSON-safe figures for ``/v1/cluster``'s ``prefix_cache.disk``; ``state`` is
+        ``"on"``, or ``"off (<why>)"`` once a full disk turned the tier off."""
+        return {"state": "on" if self.off is None else f"off ({self.off})", "off": self.off,
+                "budget_bytes": self.budget_bytes, "bytes": self.nbytes, "entries": len(self._entries),
                 "hits": self.hits, "writes": self.writes, "evictions": self.evictions,
                 "ignored_files": self.ignored, "directory": str(self.dir)}
 

@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 import psutil
 
+from ringlet.daemon.engine import dequant_cache
 from ringlet.daemon.engine.boundary import BoundaryStore
 from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
 from ringlet.daemon.engine.draft_length import TripMeter
@@ -146,11 +147,17 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
             log.debug("event %s in full: %s", kind, message)
         self.events.append({"ts": time.time(), "kind": kind, "message": line})
 
+    def _disk_off(self, reason: str) -> None:
+        """A cache tier turned itself off (a full disk; from any thread): an event."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is stopping
+            self._loop.call_soon_threadsafe(self.event, "disk", f"cache tier off: {reason}")
+
     # --- lifecycle --------------------------------------------------------------------
 
     async def start(self, serve_grpc: bool = True) -> None:
         """Start the gRPC server and the MLX worker; with a static plan, load and serve it."""
         self.state = "starting"
+        self._loop = asyncio.get_running_loop()
         if serve_grpc:
             self._server = make_server(self.config.transport, self.config.address)
             pb_grpc.add_RingServicer_to_server(RingServicer(self), self._server)
@@ -162,6 +169,9 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         self.memory["rss_before_load_bytes"] = psutil.Process().memory_info().rss
         reset_peak_rss()  # the first load's peak, not that of reading the model's metadata before it
         disk = await asyncio.get_running_loop().run_in_executor(executor, self._prefix_disk)
+        if disk is not None:  # a full disk turns a cache tier off: said in the event log
+            disk.on_off = self._disk_off
+        dequant_cache.on_off.append(self._disk_off)
         self.engine = StageEngine(None, executor, max_tensor_bytes=self.config.transport.max_message_bytes,
                                   max_batch=self.config.max_batch, prefix=PrefixStore(0, disk=disk),
                                   boundaries=BoundaryStore(self.boundary_budget()))
@@ -211,6 +221,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                 saved = await self.engine.run(self.engine.prefix.save_to_disk)
                 log.info("prefix cache: saved %d entries to the disk tier", saved)
             self.engine.close()
+        with contextlib.suppress(ValueError):
+            dequant_cache.on_off.remove(self._disk_off)
         self.state = "stopped"
 
     async def reconnect(self) -> None:
@@ -455,6 +467,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
                              or (self.engine.prefix.info() if self.engine else None)),
             "kv_migration": self.kv_migration,
             "boundary_cache": self.engine.boundaries.figures() if self.engine else None,
+            "weights_cache": dequant_cache.state(),  # dequantized GGUF weights (off after a full disk)
             "batching": {**self.engine.batch_stats(),
                          "prefill_chunk": self.prefill_chunk,
                          "head_tokens_per_s": self.tokens_per_s()} if self.engine else None,
