@@ -9,6 +9,7 @@ import os
 import threading
 from pathlib import Path
 
+from ringlet.daemon.errors import disk_full
 from ringlet.daemon.shards.layout import DEFAULT_CHUNK_BYTES, ShardError
 
 
@@ -37,7 +38,17 @@ def sha256_range(path: Path, offset: int, size: int) -> bytes:
 
 def atomic_write_json(path: Path, data: dict) -> None:
     """Write ``data`` as compact JSON to ``path`` atomically (temporary file beside it +
-    rename): a reader sees the old content or the new, never part of it."""
+    rename): a reader sees the old content or the new, never part of it.
+
+    Raises:
+        DiskFull: no space for it (the old file is left as it was).
+        OSError: another write error.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, separators=(",", ":")))
-    os.replace(tmp, path)
+    text = json.dumps(data, separators=(",", ":"))
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk: the old state stays; no half-written temporary is left
+        tmp.unlink(missing_ok=True)
+        raise (disk_full(exc, path, len(text), "a shard's state") or exc) from None

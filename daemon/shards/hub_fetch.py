@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from ringlet.daemon.engine.hub import RINGLET_DIR, HubModel, SilentBar
 from ringlet.daemon.engine.stage_tensors import stage_files
-from ringlet.daemon.errors import RingletError
+from ringlet.daemon.errors import RingletError, disk_full, human_bytes
 from ringlet.daemon.shards.layout import ShardError
 
 log = logging.getLogger(__name__)
@@ -130,16 +130,6 @@ def total_bytes(hub: HubModel, names: list[str]) -> int:
     return sum(hub.files[n].size or 0 for n in names if not hub.cached(n) and n in hub.files)
 
 
-def human_bytes(n: int) -> str:
-    """``n`` bytes in decimal units: ``"512 bytes"``, ``"1.5 kB"``, ``"3.2 MB"``, ``"1.25 GB"``."""
-    if n < 1000:
-        return f"{n} bytes"
-    for unit, scale, digits in (("kB", 1e3, 1), ("MB", 1e6, 1), ("GB", 1e9, 2)):
-        if n < scale * 1000 or unit == "GB":
-            return f"{n / scale:.{digits}f} {unit}"
-    raise AssertionError("unreachable")
-
-
 def check_disk(hub: HubModel, names: list[str], what: str) -> None:
     """Check the cache's disk can take what is missing of ``names``.
 
@@ -195,8 +185,22 @@ def _verify(path: Path, etag: str, size: int | None, name: str) -> None:
         raise ShardError(f"{name}: the download does not match the Hub ({problem}); it was deleted, run again")
 
 
+def _left(partial: Path, size: int | None) -> int:
+    """Bytes of a ``size``-byte file still to write into ``partial`` (0 when unknown)."""
+    try:
+        return max(0, (size or 0) - partial.stat().st_size)
+    except OSError:
+        return size or 0
+
+
 def _download_one(hub: HubModel, name: str, progress: DownloadProgress) -> int:
-    """Download one file into the cache (see the module docstring); returns bytes received."""
+    """Download one file into the cache (see the module docstring); returns bytes received.
+
+    Raises:
+        DiskFull: the disk filled up while the file was written (the bytes received stay
+            in the partial file, never in the cache, and the next run resumes from them).
+        ShardError: the file does not match the Hub's ETag (deleted).
+    """
     from huggingface_hub import hf_hub_download
     from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
     from huggingface_hub.utils import build_hf_headers
@@ -225,10 +229,16 @@ def _download_one(hub: HubModel, name: str, progress: DownloadProgress) -> int:
                 if urlsplit(meta.location).netloc != urlsplit(url).netloc:
                     headers.pop("authorization", None)  # a CDN: the token stays with the Hub
                 before = progress.done_bytes
-                with open(partial, "ab") as fh:
-                    if size is None or have < size:
-                        http_get(meta.location, fh, resume_size=have, headers=headers, expected_size=size,
-                                 displayed_filename=name, tqdm_class=progress.bar_class())
+                try:
+                    with open(partial, "ab") as fh:
+                        if size is None or have < size:
+                            http_get(meta.location, fh, resume_size=have, headers=headers, expected_size=size,
+                                     displayed_filename=name, tqdm_class=progress.bar_class())
+                except OSError as exc:  # a full disk: what arrived stays in the partial file, to resume
+                    full = disk_full(exc, partial, _left(partial, size), f"downloading {hub.repo}/{name}")
+                    if full is None:
+                        raise
+                    raise full from None
                 received = progress.done_bytes - before
                 _verify(partial, etag, size, f"{hub.repo}/{name}")
                 blob.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +257,8 @@ def download(hub: HubModel, names: list[str], progress: DownloadProgress | None 
     Returns the bytes received. ``cancel`` set: stop before the next file.
 
     Raises:
-        RingletError: not enough disk space (checked first).
+        RingletError: not enough disk space (checked first); :class:`DiskFull` when it ran
+            out during the download (another program took the space).
         ShardError: a download failed its check.
         huggingface_hub / OSError errors: the Hub cannot be reached (the caller decides).
     """

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from ringlet.daemon.errors import disk_full
 from ringlet.daemon.shards.fileio import sha256_range
 from ringlet.daemon.shards.layout import Region, ShardError
 from ringlet.daemon.shards.local import LocalShard, overlap
@@ -178,7 +179,13 @@ class Receiver:
 
     def absorb(self, chunks) -> None:
         """Write and account a batch of ``(offset, data, sha256)`` chunks; save the state
-        now and then."""
+        now and then.
+
+        Raises:
+            DiskFull: the disk is full (names the file, the bytes still to receive, and the
+                space free); the chunks written before are kept, the rest fetched next time.
+            ShardError: a chunk nobody asked for, or a region the peer keeps getting wrong.
+        """
         for offset, data, sha in chunks:
             self._absorb(offset, data, sha)
         if self._unsynced >= SYNC_BYTES or time.monotonic() - self._saved_at > CHECKPOINT_S:
@@ -187,6 +194,10 @@ class Receiver:
                 self.syncer.submit(self.shard.snapshot())
             self._saved_at = time.monotonic()
             self._unsynced = 0
+
+    def left(self) -> int:
+        """Bytes of this transfer's regions not on disk yet."""
+        return sum(max(0, r.size - self.present[r.name]) for r in self.regions)
 
     def _overlapping(self, start: int, end: int):
         k = max(0, bisect.bisect_right(self.starts, start) - 1)
@@ -204,8 +215,12 @@ class Receiver:
             raise ShardError(f"{self.shard.rel}: the peer sent {n} bytes at {offset}, which were not asked for")
         view = memoryview(data)
         done = 0
-        while done < n:
-            done += os.pwrite(self.fd, view[done:], offset + done)
+        try:
+            while done < n:
+                done += os.pwrite(self.fd, view[done:], offset + done)
+        except OSError as exc:  # a full disk: the chunk is not recorded, so it is fetched again
+            full = disk_full(exc, self.shard.path, self.left(), f"a shard from a peer, {self.shard.rel}")
+            raise (full or exc) from None
         self.shard.chunks.append([offset, n, sha.hex()])
         complete = []
         for r in self._overlapping(offset, end):
