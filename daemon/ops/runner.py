@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import socket
 import sys
 import time
@@ -331,6 +332,18 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     return stop
 
 
+def _foreground_terminal() -> bool:
+    """Whether stdout is a terminal this process has in the foreground: a daemon started
+    with ``&`` in a shell shares the terminal with the commands typed after it, and a bar or
+    dashboard redrawn there erases their output; it logs plainly instead."""
+    if not sys.stdout.isatty():
+        return False
+    try:
+        return os.tcgetpgrp(sys.stdout.fileno()) == os.getpgrp()
+    except OSError:
+        return False
+
+
 async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
     """A rich progress bar while this node loads a stage (plain runs in a terminal)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -405,7 +418,8 @@ async def serve(args) -> int:
     started = time.monotonic()
     dashboard = None
     stop_dashboard = asyncio.Event()
-    if sys.stdout.isatty() and not getattr(args, "no_dashboard", False):
+    terminal = _foreground_terminal()
+    if terminal and not getattr(args, "no_dashboard", False):
         from ringlet.daemon.ops.dashboard.live import live_dashboard
         from ringlet.daemon.wire.auth import client_api_key
 
@@ -413,7 +427,7 @@ async def serve(args) -> int:
         key_file = getattr(args, "api_key_file", None)
         key = client_api_key(key_file) if key_file else None  # its own /v1/cluster is behind the same keys
         dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard, key))
-    elif sys.stdout.isatty():
+    elif terminal:
         dashboard = asyncio.create_task(_loading_bar(node, stop_dashboard))
     try:
         await server.serve()
