@@ -384,6 +384,7 @@ def test_nothing_answers():
     assert not snap["reachable"] and "connection refused" in snap["error"]
     assert exit_status(snap) == EXIT_UNREACHABLE
     assert format_status(snap).startswith("unreachable:")
+    assert "start one (ringlet run), wait a few seconds if it is starting" in format_status(snap)
 
 
 @pytest.mark.parametrize("garbage", [

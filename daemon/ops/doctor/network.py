@@ -144,9 +144,12 @@ def check_ports(ctx: Context) -> Check:
         return Check("ports", OK, f"gRPC {ctx.port} and API {ctx.api_port} are free")
     running = _ringlet_on(ctx.api_port)
     if running is not None:
-        return Check("ports", WARN, f"in use by a running ringlet daemon (node {running.get('node_id', '?')}, "
-                     f"state {running.get('state', '?')}): " + ", ".join(f"{k} {p}" for k, (p, _) in busy.items()),
-                     "a second daemon on this machine needs its own --port, --api-port and --data-dir")
+        # the daemon these options describe holds them: what doctor then checks (below), not
+        # a problem; a second daemon on this machine would need others
+        return Check("ports", OK, f"held by the running ringlet daemon these options describe (node "
+                     f"{running.get('node_id', '?')}, state {running.get('state', '?')}): "
+                     + ", ".join(f"{k} {p}" for k, (p, _) in busy.items())
+                     + "; a second daemon on this machine needs its own --port, --api-port and --data-dir")
     parts = [f"{k} {p}: {e}{_owner(p)}" for k, (p, e) in busy.items()]
     return Check("ports", FAIL, "; ".join(parts),
                  "stop the program holding the port, or choose others with --port / --api-port")

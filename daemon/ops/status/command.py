@@ -39,7 +39,9 @@ def format_status(snap: dict) -> str:
     )
 
     if not snap["reachable"]:
-        return f"unreachable: {snap['error']}\n"
+        hint = ("\nno daemon answers there: start one (ringlet run), wait a few seconds if it is starting, "
+                "or name another node with --api URL") if "connection refused" in str(snap["error"]) else ""
+        return f"unreachable: {snap['error']}{hint}\n"
     c = snap["cluster"]
 
     def v(x) -> str:
