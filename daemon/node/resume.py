@@ -58,12 +58,22 @@ class ResumingClient:
             if remaining <= 0:
                 if plan is not None and plan.infeasible:
                     raise NoPlanError(plan.infeasible)
-                raise NoPlanError("the cluster has no serving plan yet (still forming or re-planning)")
+                raise NoPlanError(self._no_plan_yet())
             waiter = self._plan_changed
             try:
                 await asyncio.wait_for(waiter.wait(), timeout=remaining)
             except TimeoutError:
                 pass
+
+    def _no_plan_yet(self) -> str:
+        """Why no plan serves yet: forming or re-planning, and the reason the last proposal
+        this node made was not taken (a member that cannot load its stage: a full disk, a
+        failed download), when there is one."""
+        text = "the cluster has no serving plan yet (still forming or re-planning)"
+        last = getattr(self.cluster, "last_result", "") or ""
+        if last and not last.endswith(" committed"):
+            text += f"; the last proposal was not taken: {last}"
+        return text
 
     async def _await_replan(self, plan: ServingPlan, exc: GenerationError, timeout_s: float | None) -> None:
         """Wait for a plan newer than ``plan`` after ``exc`` ended a try on it.

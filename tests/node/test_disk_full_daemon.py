@@ -10,12 +10,17 @@ request evicts the first's entry to the disk tier, which cannot write it.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import types
 
 import httpx
+import pytest
 from conftest import REFERENCE
 from tinyfs import fill, tiny_fs
 
+from ringlet.daemon.errors import NoPlanError
+from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.ops.demo import LocalCluster
 
 RAW = next(c for c in REFERENCE if "raw" in c)
@@ -54,3 +59,25 @@ def test_a_full_data_dir_turns_the_disk_tier_off_and_answers_stay_the_reference(
         # the node keeps serving, equal to the reference (cold: its entry is gone)
         assert complete(url, RAW["raw"], 24) == first
         assert c.procs[0].poll() is None
+
+
+def test_a_request_with_no_plan_says_why_the_last_proposal_was_not_taken():
+    """A member that cannot load its stage (its Hub cache's disk is full) refuses every
+    proposal; a request answers 503 with that reason, not only "no plan yet". (In this
+    process: the wait for a plan of a node whose negotiator recorded the refusal.)"""
+    why = ("n1: cannot load its stage: disk full: cannot write /hf/models--o--m/.ringlet/partial/ab12 "
+           "(downloading o/m/model.safetensors): needs 1.2 MB, 0 bytes free there; free some space or "
+           "point it at a larger disk")
+
+    class Waiting(ResumingClient):
+        def __init__(self, last_result: str):
+            self.config = types.SimpleNamespace(plan_wait_s=0.0)
+            self.cluster = types.SimpleNamespace(last_result=last_result, agreement=None)
+            self.plan = None
+            self._plan_changed = asyncio.Event()
+
+    for last, said in ((why, f"the last proposal was not taken: {why}"), ("epoch 3 committed", None)):
+        with pytest.raises(NoPlanError) as err:
+            asyncio.run(Waiting(last)._wait_plan())
+        assert str(err.value).startswith("the cluster has no serving plan yet (still forming or re-planning)")
+        assert (said in str(err.value)) if said else ";" not in str(err.value)
