@@ -443,7 +443,7 @@ class Negotiator:
         try:
             loaded = await self.node.prepare(serving)
         except Exception as exc:  # loading failed: refuse, keep serving the old plan
-            log.exception("preparing epoch %d failed", p.epoch)
+            log.log(refusals.load_failure_level(exc), "preparing epoch %d failed", p.epoch, exc_info=True)
             self.state = "idle"
             return self._refuse(f"cannot load its stage: {exc}")
         self.bytes_loaded_last = loaded

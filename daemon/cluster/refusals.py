@@ -27,13 +27,23 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from ringlet.daemon.errors import RingletError
+
 __all__ = ["LOG_EVERY_S", "MEMBERSHIP_DIFFERS", "NON_MEMBER", "RECONCILE_MAX_S", "RECONCILE_MIN_S", "Backoff",
-           "CountedLog", "views_differ", "wait_to_propose"]
+           "CountedLog", "load_failure_level", "views_differ", "wait_to_propose"]
 
 #: The refusal reason for a proposal made from another view of the membership.
 MEMBERSHIP_DIFFERS = "membership differs from this node's view"
 #: How the refusal of a proposal whose proposer this node has not admitted begins.
 NON_MEMBER = "proposal from a non-member"
+
+
+def load_failure_level(exc: BaseException) -> int:
+    """The log level of the traceback of a stage that failed to load: ``DEBUG`` for a
+    :class:`~ringlet.daemon.errors.RingletError` (a full disk, a short one, a missing file:
+    its message says it all, and the refusal logs it once with a count, while a proposer
+    retries several times a second), ``ERROR`` for anything else (a bug)."""
+    return logging.DEBUG if isinstance(exc, RingletError) else logging.ERROR
 
 
 def views_differ(reason: str) -> bool:
