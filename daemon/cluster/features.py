@@ -54,6 +54,18 @@ def plan_features(records: Mapping[str, Mapping | None], plan: Plan | None,
     return versions.common(records.get(i) for i in ids)
 
 
+def members_speak(cluster, feature: str, node_ids: Iterable[str] | None = None) -> bool:
+    """Whether the members ``node_ids`` (default: every alive member) of ``cluster`` (a
+    :class:`.negotiation.Negotiator`) speak ``feature`` by their records; an empty id is a
+    caller that did not say (the baseline). With no cluster (a static ``--plan``), this
+    build's nodes are assumed: ``True``."""
+    if cluster is None:
+        return True
+    membership = cluster.membership
+    ids = membership.alive_ids() if node_ids is None else node_ids
+    return feature in versions.common(membership.record_of(i) if i else None for i in ids)
+
+
 def plan_body(plan: Plan, features: Iterable[str]) -> str:
     """The proposal's plan JSON: ``plan.to_dict()`` with the features it uses."""
     return json.dumps({**plan.to_dict(), FEATURES_KEY: sorted(features)}, sort_keys=True)

@@ -241,8 +241,7 @@ class Negotiator:
         epoch = max([self.node.epoch, self._epoch_floor,
                      *(m.committed_epoch for m in self.membership.members.values())]) + 1
         addresses = proposal_addresses(self.membership, ids, plan)
-        body = (features.plan_body(plan, features.plan_features(records, plan, mode)) if plan is not None
-                else json.dumps({"infeasible": reason}))
+        body = features.plan_body(plan, uses) if plan is not None else json.dumps({"infeasible": reason})
         previous = readdress(await self._serving_stages(), addresses)  # KV holders where they answer now
         if plan is not None and not (mode and mode.get("mode") in ("tensor", "hybrid")):
             nodes, links = planner_inputs(build_graph({i: r or {} for i, r in records.items()}))

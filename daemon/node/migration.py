@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 
 import mlx.core as mx
 
+from ringlet.daemon.cluster import features
 from ringlet.daemon.engine import kv_handoff
 from ringlet.daemon.engine.kv_pieces import (
     KVPieceError,
@@ -288,14 +289,6 @@ class Migration:
         held = await self.engine.run(self.engine.kv_pieces)
         return [q for p in held if (q := p.within(start, end)) is not None]
 
-    def _peer_speaks(self, node_id: str, feature: str) -> bool:
-        """Whether the member ``node_id`` speaks ``feature`` (a :mod:`~ringlet.daemon.wire.versions`
-        capability) by its record; with no cluster (a static plan), this build's nodes are assumed."""
-        cluster = getattr(self, "cluster", None)
-        if cluster is None:
-            return True
-        return feature in versions.capabilities_of(cluster.membership.record_of(node_id) if node_id else None)
-
     async def serve_kv(self, request: pb.KVRequest) -> AsyncIterator[pb.KVChunk]:
         """``FetchKV``: the KV of layers ``[start, end)`` this node held before the caller's
         epoch. A member of that epoch answers once it has committed it (with what it
@@ -324,7 +317,8 @@ class Migration:
         pieces = [p for p in pieces if (p.start, p.end) == (request.start, request.end)]
         asked = len(pieces)
         pieces = kv_handoff.declined(pieces, request.start, request.end)  # whole states stay here
-        if not self._peer_speaks(request.node_id, versions.KV_KINDS):  # an older release: plain KV only
+        cluster = getattr(self, "cluster", None)
+        if not features.members_speak(cluster, versions.KV_KINDS, [request.node_id]):  # an older release: plain KV only
             pieces = [p for p in pieces if all(k.size for k, _ in p.layers)]  # (not a cacheless layer's 0-wide keys)
         if not request.snapshot and asked > len(pieces):  # counted once, at the commit's fetch
             self.kv_migration["states_not_sent"] += asked - len(pieces)

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from ringlet.daemon.cluster import features
 from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb
 from ringlet.daemon.errors import GenerationError
 from ringlet.daemon.node.signals import EpochSkew, PlanChanged, RetryOnPlan
 from ringlet.daemon.wire import codec, versions
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
-from ringlet.daemon.wire.versions import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from ringlet.daemon.node.core import Node
@@ -45,17 +45,6 @@ async def _produce(source, info: dict, events: asyncio.Queue) -> None:
     finally:
         await source.aclose()
         events.put_nowait(None)
-
-
-def _members_speak(node: Node, feature: str) -> bool:
-    """Whether every member of ``node``'s cluster (any of them may be the caller) speaks
-    ``feature`` (:mod:`ringlet.daemon.wire.versions`); with no cluster (a static plan),
-    this build's nodes are assumed."""
-    cluster = getattr(node, "cluster", None)
-    if cluster is None:
-        return True
-    membership = cluster.membership
-    return feature in versions.common(membership.record_of(i) for i in membership.alive_ids())
 
 
 class RingServicer(pb_grpc.RingServicer):
@@ -90,7 +79,8 @@ class RingServicer(pb_grpc.RingServicer):
                                                                            cached=cached)))
 
         # an API node of an older release reads an unknown event as a token: progress only when every member reads it
-        info: dict = {"on_prefill": on_prefill} if _members_speak(node, versions.PREFILL_PROGRESS) else {}
+        speak = features.members_speak(node.cluster, versions.PREFILL_PROGRESS)
+        info: dict = {"on_prefill": on_prefill} if speak else {}
         source = node.head_source(request.request_id or uuid.uuid4().hex, list(request.prompt), request.max_tokens,
                                   sampling_from_pb(request.sampling), frozenset(request.stop_ids),
                                   request.cache_scope, info, list(request.prediction))
@@ -109,7 +99,7 @@ class RingServicer(pb_grpc.RingServicer):
             cluster.membership.consider(request.caller_address, request.caller_id or None)
         stage = node.engine.stage if node.engine else None
         return pb.NodeInfo(
-            node_id=node.node_id, protocol_version=PROTOCOL_VERSION, cluster_id=node.cluster_id,
+            node_id=node.node_id, protocol_version=versions.PROTOCOL_VERSION, cluster_id=node.cluster_id,
             grpc_port=node.config.port, model=node.config.model.name,
             num_layers=stage.num_layers if stage else 0,
             plan=[pb.LayerRange(node_id=s.node_id, start=s.start, end=s.end, grpc_address=s.address)
