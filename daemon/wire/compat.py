@@ -170,7 +170,7 @@ def released(directory: Path) -> list[tuple[str, Path, int]]:
     for meta in directory.glob("*.json"):
         info = json.loads(meta.read_text())
         found.append((info["release"], meta.with_suffix(".binpb"), int(info["protocol_version"])))
-    return sorted(found, key=lambda r: tuple(int(p) for p in r[0].split(".")))
+    return sorted(found, key=lambda r: versions.release_key(r[0]))
 
 
 @dataclass

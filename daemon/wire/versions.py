@@ -57,6 +57,16 @@ def _release() -> str:
 RELEASE: str = _release()
 
 
+def release_key(release: str) -> tuple[int, ...]:
+    """A sortable key of a release string: its leading numbers (``0.10.0`` after ``0.9.1``;
+    a part without digits sorts first)."""
+    numbers = []
+    for part in release.split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        numbers.append(int(digits) if digits else -1)
+    return tuple(numbers)
+
+
 def record_fields() -> dict:
     """The version fields of this node's member record (JSON-safe): release, protocol
     version, capabilities (sorted list of names)."""

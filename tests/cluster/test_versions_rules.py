@@ -112,3 +112,11 @@ def test_an_advert_of_another_protocol_still_names_its_node():
     with pytest.raises(IncompatibleVersion) as e:
         parse_txt({b"v": b"7", b"id": b"NOT A VALID ID"}, secret=None)
     assert e.value.node_id == ""
+
+
+def test_releases_sort_by_their_numbers_not_as_text():
+    """One key orders releases for the wire check's descriptors and doctor's newest release:
+    0.10.0 after 0.9.1 (as text it would sort before)."""
+    key = versions.release_key
+    assert sorted(["0.10.0", "0.2.0", "0.9.1", "0.1.0"], key=key) == ["0.1.0", "0.2.0", "0.9.1", "0.10.0"]
+    assert key("1.0.0") > key("0.99.0")

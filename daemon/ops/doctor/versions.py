@@ -46,18 +46,10 @@ def versions_verdict(cluster: dict | str | None, installed: str = versions.RELEA
         return Check("versions", WARN, "; ".join(parts),
                      f"restart the daemon to run the installed {installed} (ringlet service restart)")
     if len(by_release) > 1:
-        newest = max(by_release, key=_release_key)
+        newest = max(by_release, key=versions.release_key)
         behind = sorted(n for r, names in by_release.items() if r != newest for n in names)
         return Check("versions", WARN, "; ".join(parts) + " (a rolling upgrade under way: each plan uses only "
                      "what every node taking part speaks)",
                      f"upgrade {', '.join(behind)} to {newest}, one node at a time (ringlet service upgrade)")
     return Check("versions", OK, "; ".join(parts))
 
-
-def _release_key(release: str) -> tuple:
-    """A sortable key of a release string: its leading numbers (``0.10.0`` after ``0.9.1``)."""
-    numbers = []
-    for part in release.split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        numbers.append(int(digits) if digits else -1)
-    return tuple(numbers)
