@@ -107,9 +107,13 @@ agents: $(STAMP)
 # The parallel phase runs 2 pytest workers: each worker's processes (daemons, in-process
 # MLX) get BLAS threads for half the cores (RINGLET_THREADS), as `--threads` would; left to
 # count the ringlet processes, a lone daemon of one worker would take every core.
+# --no-loadscope-reorder: files are handed out in tests/conftest.py's order (the longest
+# first); xdist's default hands out the files with the most tests first, which left the
+# long one-test files (rolling upgrade, cgroups, versions) for the end, one worker idle.
 HALF_CORES := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 3 ? n / 2 : 1 )))
 test: install system-deps agents lint
-	RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q --durations=20 -n 2 --dist loadfile -m "not serial" tests
+	RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q --durations=20 -n 2 --dist loadfile --no-loadscope-reorder \
+	  -m "not serial" tests
 	@# the serial files: the tensor ones in one process, the others beside it (their log follows)
 	@log=$$(mktemp); $(PY) -m pytest -q -p no:cacheprovider --durations=20 -m serial --ignore=tests/tensor tests \
 	  >$$log 2>&1 & other=$$!; \

@@ -73,22 +73,34 @@ WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "
            "cluster/test_reconcile.py", "cluster/test_lookup_retry.py", "cluster/test_boot_netns.py")
 
 
-#: The parallel phase's longest files (30-80 s each on this 2-core machine), longest
+#: The parallel phase's longest files (25-100 s each on this 2-core machine), longest
 #: first: pytest-xdist hands each worker the next whole file in collection order, so
 #: running these first leaves short files, not a long one, for the end, where the other
 #: worker would otherwise wait idle for the last file.
-SLOW_FIRST = ("node/test_node_loss.py", "agents/test_agents.py", "engine/test_prefix_cache.py",
-              "node/test_resharding.py", "node/test_rolling_upgrade.py", "engine/test_speculation.py",
-              "engine/test_concurrency.py", "engine/test_zoo.py", "node/test_cache_kinds_cluster.py",
-              "node/test_hub_cluster.py", "api/test_openai_agents.py", "cluster/test_heal_netns.py",
-              "node/test_cluster.py", "node/test_mixed_versions.py", "probes/test_cgroup_cluster.py")
+SLOW_FIRST = ("node/test_resharding.py", "agents/test_agents.py", "engine/test_prefix_cache.py",
+              "engine/test_speculation.py", "engine/test_concurrency.py", "engine/test_zoo.py",
+              "node/test_hub_cluster.py", "node/test_node_loss.py", "node/test_rolling_upgrade.py",
+              "node/test_cache_kinds_cluster.py", "api/test_openai_agents.py", "api/test_long_prefill.py",
+              "ops/test_service_upgrade.py", "node/test_cluster.py", "cluster/test_heal_netns.py",
+              "api/test_tool_streaming.py", "cluster/test_incompatible_version.py", "probes/test_cgroup_cluster.py")
+
+
+#: Serial files that measure links or time work (shaped veths, the speed probe's matmuls, the
+#: dashboard's tokens per second): last in their lane, so they run once the tensor lane
+#: beside them, whose ranks busy-wait in collectives, is done or nearly so. Beside it they
+#: were CPU-starved: test_netns.py took 135 s there against ~75 s alone (its shaped-link
+#: test waited out a whole 30 s link refresh for an unstarved measurement).
+SERIAL_LAST = ("cluster/test_netns.py", "ops/test_dashboard_cluster.py", "probes/test_probe_speed_local.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the files in :data:`SERIAL` and :data:`WAITING` ``serial``, and put the files of
-    :data:`SLOW_FIRST` first (in its order; the others keep theirs). ``make test`` runs
-    the unmarked files on 2 pytest-xdist workers (``-n 2 --dist loadfile``: each file whole
-    on one worker, so its module fixtures start once and its tests run in order), then the
+    """Mark the files in :data:`SERIAL` and :data:`WAITING` ``serial``, put the files of
+    :data:`SLOW_FIRST` first (in its order) and those of :data:`SERIAL_LAST` last (the
+    others keep their order). ``make test`` runs the unmarked files on 2 pytest-xdist
+    workers (``-n 2 --dist loadfile --no-loadscope-reorder``: each file whole on one worker,
+    so its module fixtures start once and its tests run in order; files handed out in this
+    order, where xdist would by default hand out the files with the most tests first and
+    leave the long one-test files for the end), then the
     ``serial`` ones in two pytest processes side by side: the tensor files one after the
     other in one, the rest (which mostly wait on links, heartbeats and tmux) in the other."""
     def rel(item) -> str:
@@ -98,4 +110,5 @@ def pytest_collection_modifyitems(config, items):
         if rel(item).startswith(SERIAL + WAITING):
             item.add_marker(pytest.mark.serial)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(rel(item), len(rank)))  # stable: a file's tests keep their order
+    rank.update({name: len(SLOW_FIRST) + 1 + i for i, name in enumerate(SERIAL_LAST)})
+    items.sort(key=lambda item: rank.get(rel(item), len(SLOW_FIRST)))  # stable: a file's tests keep their order
