@@ -64,6 +64,11 @@ class Cgroup:
     def peak(self) -> int:
         return int(self.read("memory.max_usage_in_bytes"))
 
+    def reset_peak(self) -> None:
+        """Start the peak anew from what the cgroup holds now (v1: writing 0 to
+        ``memory.max_usage_in_bytes``)."""
+        (self.path / "memory.max_usage_in_bytes").write_text("0")
+
     def oom_kills(self) -> int:
         m = re.search(r"^oom_kill (\d+)$", self.read("memory.oom_control"), re.M)
         return int(m.group(1)) if m else 0
@@ -127,11 +132,17 @@ def expected_usable(limit: int, source: str) -> int:
     """What a node in a cgroup of ``limit`` bytes offers the planner, by hand: 80 % of the
     limit, less the daemon's runtime and the cgroup's other processes (as its
     ``usable_memory_source`` names them, rounded: 85.3 MiB, 195 MiB), less the boundary
-    budget (a sixteenth)."""
+    budget (a sixteenth) and the work space the source names (one step's activations:
+    tests/engine/test_work_space.py checks that figure by hand)."""
     held = 0.0
     for pattern in (r"less ([\d.]+) ([KMG]iB) the daemon's runtime",
                     r"and ([\d.]+) ([KMG]iB) its other processes hold"):
         if m := re.search(pattern, source):
-            held += float(m.group(1)) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]
+            held += _size(m)
     offered = int(limit * 0.8 - held)
-    return offered - offered // 16
+    work = _size(m) if (m := re.search(r"and ([\d.]+) ([KMG]iB) for one step's activations", source)) else 0
+    return int(offered - offered // 16 - work)
+
+
+def _size(m: re.Match) -> float:
+    return float(m.group(1)) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m.group(2)]

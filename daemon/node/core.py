@@ -41,7 +41,6 @@ import psutil
 
 from ringlet.daemon.engine import dequant_cache
 from ringlet.daemon.engine.boundary import BoundaryStore
-from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
 from ringlet.daemon.engine.draft_length import TripMeter
 from ringlet.daemon.engine.drafting import SpecTotals
 from ringlet.daemon.engine.prefix_disk import PrefixDisk, model_key
@@ -49,11 +48,11 @@ from ringlet.daemon.engine.prefix_store import PrefixStore
 from ringlet.daemon.engine.scheduler import StageEngine
 from ringlet.daemon.engine.stage import Stage, load_stage
 from ringlet.daemon.errors import GenerationError, first_line
-from ringlet.daemon.node.config import COMMIT_WAIT_S, PREFIX_CACHE_FRACTION, NodeConfig
+from ringlet.daemon.node.config import COMMIT_WAIT_S, NodeConfig
+from ringlet.daemon.node.footprint import MemoryAccounting
 from ringlet.daemon.node.head import Generation, Head
 from ringlet.daemon.node.memory import (
     mlx_active_bytes,
-    mlx_memory_bytes,
     peak_rss_bytes,
     reset_peak_rss,
     warm_up_mlx,
@@ -64,8 +63,7 @@ from ringlet.daemon.node.relay import Relay
 from ringlet.daemon.node.resume import ResumingClient
 from ringlet.daemon.node.servicer import RingServicer
 from ringlet.daemon.node.signals import PlanChanged
-from ringlet.daemon.paths import machine_cache_dir
-from ringlet.daemon.probes import blas, colocated
+from ringlet.daemon.probes import blas
 from ringlet.daemon.wire import versions
 from ringlet.daemon.wire.hop import HopLink
 from ringlet.daemon.wire.rpc import ringlet_pb2_grpc as pb_grpc
@@ -75,7 +73,7 @@ from ringlet.daemon.wire.transport import make_server
 log = logging.getLogger("ringlet.daemon.node")
 
 
-class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
+class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting):
     """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api.app`).
 
     ``cluster`` (set by the runner in negotiated mode) handles membership and
@@ -365,59 +363,6 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding):
         """Tokens in the KV caches of the requests in flight on this node's stage (each stage
         of a pipeline holds them all; they move with the layers at a re-plan)."""
         return self.engine.tokens_in_flight() if self.engine is not None else 0
-
-    def prefix_budget(self, stage) -> int:
-        """Bytes this node's prefix store may hold under ``stage``: ``--prefix-cache-bytes``,
-        else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION` of the usable memory
-        (``--memory-limit``, else this machine's share per ringlet process) the stage's weights
-        leave free (0 for a stage of another kind, e.g. a tensor group's)."""
-        own = getattr(stage, "prefix_store", None)  # a tensor group's stage: its budget is set
-        if own is not None:
-            return own.budget_bytes
-        if not isinstance(stage, Stage):
-            return 0
-        return self.prefix_budget_for(stage.nbytes())
-
-    def _usable_memory(self) -> int:
-        """``--memory-limit``, else the machine's memory shared by the ringlet processes on it, bytes."""
-        if self.config.usable_memory_bytes is not None:
-            return self.config.usable_memory_bytes
-        return psutil.virtual_memory().total // colocated.count(machine_cache_dir() / colocated.DIR_NAME)
-
-    def boundary_budget(self) -> int:
-        """Bytes of boundary activations this node keeps: ``--boundary-cache-bytes``, else a
-        sixteenth of its usable memory, at most
-        :data:`~ringlet.daemon.engine.defaults.DEFAULT_BOUNDARY_CACHE_BYTES`. The planner
-        is offered the memory without it."""
-        if self.config.boundary_cache_bytes is not None:
-            return max(0, self.config.boundary_cache_bytes)
-        return min(DEFAULT_BOUNDARY_CACHE_BYTES, self._usable_memory() // 16)
-
-    def prefix_budget_for(self, weights_bytes: int) -> int:
-        """Bytes of prefix cache this node may hold next to ``weights_bytes`` of weights:
-        ``--prefix-cache-bytes``, else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION`
-        of the usable memory they leave free."""
-        if self.config.prefix_cache_bytes is not None:
-            return max(0, self.config.prefix_cache_bytes)
-        return int(PREFIX_CACHE_FRACTION * max(0, self._usable_memory() - weights_bytes - self.boundary_budget()))
-
-    def memory_info(self, stage) -> dict:
-        """What this node holds now, bytes (``/v1/cluster``'s ``memory``): the weights of
-        its current layer range (``weights_bytes``), the KV caches of the requests in
-        flight and the prefix store, MLX's active and peak memory, the process's RSS and
-        peak RSS; ``first_load`` keeps the figures of the first stage load (the RSS of
-        the empty daemon before it, MLX's active memory and the peak RSS right after)."""
-        engine = self.engine
-        active, peak = mlx_memory_bytes()
-        return {
-            "weights_bytes": stage.nbytes() if stage else 0,
-            "kv_cache_bytes": engine.kv_cache_bytes() if engine else 0,
-            "prefix_cache_bytes": engine.prefix.nbytes if engine else 0,
-            "boundary_cache_bytes": engine.boundaries.nbytes + engine.boundaries.inflight_bytes if engine else 0,
-            "mlx_active_bytes": active, "mlx_peak_bytes": peak,
-            "rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak_rss_bytes(),
-            "first_load": self.memory.get("first_load"),
-        }
 
     def plan_json(self) -> str:
         """The committed plan as JSON (for peers' handshakes)."""

@@ -58,3 +58,13 @@ def mlx_memory_bytes() -> tuple[int, int]:
     import mlx.core as mx
 
     return int(mx.get_active_memory()), int(mx.get_peak_memory())
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Let MLX keep at most ``nbytes`` of freed buffers for reuse (``mx.set_cache_limit``);
+    beyond that a freed buffer goes back to the system, so the process's memory follows
+    what it holds. 0 or less: left as MLX sets it. Run it on the MLX worker thread."""
+    if nbytes > 0:
+        import mlx.core as mx
+
+        mx.set_cache_limit(int(nbytes))

@@ -85,26 +85,40 @@ class MemoryFollower:
         self.negotiator = None
         self._peers: dict[str, int | None] = {}  # member id -> the usable memory last seen in its record
         self._task: asyncio.Task | None = None
+        self._sizing: asyncio.Task | None = None  # the prefix store's new budget, set on the MLX thread
         self._size_stores()
 
     def _size_stores(self) -> None:
         """The node sizes its own stores from this figure too (``NodeConfig.usable_memory_bytes``:
-        ``--memory-limit``, or the cgroup's where it binds), the boundary store at once."""
+        ``--memory-limit``, or the cgroup's where it binds): the boundary store at once, the
+        prefix store on the MLX thread (it evicts down to its new budget)."""
         self.node.config.usable_memory_bytes = _node_bytes(self.memory, self.flag_bytes)
-        boundaries = getattr(getattr(self.node, "engine", None), "boundaries", None)
+        if self.memory.runtime_bytes is not None:
+            self.node.runtime_bytes = self.memory.runtime_bytes
+        engine = getattr(self.node, "engine", None)
+        boundaries = getattr(engine, "boundaries", None)
         if boundaries is not None and hasattr(boundaries, "budget_bytes"):
             boundaries.budget_bytes = self.node.boundary_budget()
+        prefix = getattr(engine, "prefix", None)
+        if prefix is None or not hasattr(engine, "run"):
+            return
+        budget = self.node.prefix_budget(engine.stage)
+        with contextlib.suppress(RuntimeError):  # no running loop: sized at the next commit
+            self._sizing = asyncio.get_running_loop().create_task(engine.run(prefix.set_budget, budget))
 
     def fields(self) -> dict:
         """The record's memory fields: ``memory_total_bytes``, ``usable_memory_bytes`` (what
         the planner may fill: the offered memory less the boundary activations' budget),
-        ``usable_memory_source`` (the rule in words, with the budget kept off) and
-        ``boundary_cache_bytes``."""
+        ``usable_memory_source`` (the rule in words, with what is kept off) and
+        ``boundary_cache_bytes``. Kept off: the boundary activations' budget and one step's
+        activations (the node's ``work_space_bytes``)."""
         usable, source = offered_memory(self.memory, self.flag_bytes)
-        boundary = self.node.boundary_budget()
-        if boundary:
-            source += f"; {size_text(boundary)} of it kept for boundary activations"
-        return {"memory_total_bytes": self.memory.total_bytes, "usable_memory_bytes": max(0, usable - boundary),
+        boundary, work = self.node.boundary_budget(), getattr(self.node, "work_space_bytes", 0)
+        kept = [f"{size_text(boundary)} for boundary activations"] if boundary else []
+        kept += [f"{size_text(work)} for one step's activations"] if work else []
+        if kept:
+            source += f"; {kept[0].replace(' for ', ' of it kept for ', 1)}" + "".join(f" and {k}" for k in kept[1:])
+        return {"memory_total_bytes": self.memory.total_bytes, "usable_memory_bytes": max(0, usable - boundary - work),
                 "usable_memory_source": source, "boundary_cache_bytes": boundary}
 
     def start(self, membership, negotiator) -> asyncio.Task:

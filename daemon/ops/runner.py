@@ -165,6 +165,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.engine.modelspec import model_spec_from_model
     from ringlet.daemon.engine.stage import build_lazy_model
+    from ringlet.daemon.engine.work_space import work_space_bytes
+    from ringlet.daemon.node.memory import set_cache_limit
     from ringlet.daemon.probes import probe_local
     from ringlet.daemon.tensor.group import model_tp_spec
     from ringlet.daemon.tensor.serving.core import TPServing
@@ -190,6 +192,12 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     if not args.interface:
         log_skipped_interfaces()
     api_host = (public or "127.0.0.1") if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104
+    model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
+    spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
+                                 name=node.config.model.name, config=config)
+    # one step's activations at the widest chunk: kept off the offer, and MLX's cache limit
+    node.work_space_bytes = work_space_bytes(config, node.config.chunk_for(1), spec.context_tokens)
+    await node.engine.run(set_cache_limit, node.work_space_bytes)
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
         **memory.fields(),  # what the planner may fill with weights and KV, and which rule set it
@@ -201,9 +209,6 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         "model": node.config.model.ident,  # a Hub model: its commit, which the members agree on
         **versions.record_fields(),  # release, protocol version, capabilities (what a plan may use)
     }
-    model, config = await loop.run_in_executor(None, build_lazy_model, node.config.model, node.config.dtype)
-    spec = model_spec_from_model(model, context_tokens=args.context or min(context_tokens, 4096),
-                                 name=node.config.model.name, config=config)
     num_layers = len(spec.layer_bytes)
     tp_spec = await loop.run_in_executor(None, model_tp_spec, node.config.model, node.config.dtype)
 

@@ -313,3 +313,21 @@ def read_cgroup_memory(root: Path | str = "/", pid: str = "self") -> CgroupMemor
         log.warning("cgroup: cannot read this process's cgroup: %s", exc)
         return None
     return memory_of(location, root) if location is not None else None
+
+
+def cgroup_peak_bytes(root: Path | str = "/") -> int | None:
+    """The most this process's own cgroup has held since it was made (or its peak was
+    reset), bytes, page cache included: v1 ``memory.max_usage_in_bytes``, v2
+    ``memory.peak`` (Linux 5.19 and later; the root cgroup has none). ``None`` outside a
+    memory cgroup, at v1's root (whose figure is the whole machine's), or where the kernel
+    keeps no peak. Never raises."""
+    root = Path(root)
+    try:
+        location = locate((root / "proc/self/cgroup").read_text(), (root / "proc/self/mountinfo").read_text())
+    except (OSError, ProbeParseError):
+        return None
+    if location is None or (location.version == 1 and location.path in ("", "/")):
+        return None
+    name = "memory.peak" if location.version == 2 else "memory.max_usage_in_bytes"
+    text = _read(location.directories[0], name, root)
+    return int(text) if text is not None and text.strip().isdigit() else None

@@ -28,7 +28,8 @@ Then the daemon's own memory cgroup (Linux, :mod:`.cgroup_memory`), when it bind
 (:func:`usable_with_cgroup`): 80 % of its lowest limit (the same margin as for the host's
 RAM), less what the limit holds besides the model: the daemon's own runtime (its anonymous
 memory at the first probe, before any weights: Python, MLX, gRPC, a few hundred MB that a
-small limit feels where 20 % of a host's RAM absorbs it) and what the cgroup's other
+small limit feels where 20 % of a host's RAM absorbs it; plus :data:`SERVING_RUNTIME_BYTES`,
+what it grows by once it serves) and what the cgroup's other
 processes hold without page cache (its use without page cache less this process's own
 anonymous memory now, so the daemon's own weights never shrink the figure). ``--memory-limit``
 (applied by the runner) can only lower the result. ``usable_source`` says, in words, which
@@ -57,6 +58,12 @@ MIB = 1 << 20
 DEFAULT_USABLE_FRACTION = 0.8
 #: Fraction of a cgroup's memory limit considered usable (the same margin).
 CGROUP_USABLE_FRACTION = 0.8
+#: What the daemon's own memory grows by once it serves, beyond its stores and the
+#: activations it plans for: gRPC and HTTP buffers, the threads' malloc arenas, modules
+#: imported at the first request. Measured in a memory cgroup (x86-64 Linux, a 1,024-wide
+#: llama at a 256-token context): 23-25 MB between the first probe and a request that
+#: fills the context, beyond MLX's own peak.
+SERVING_RUNTIME_BYTES = 32 * MIB
 
 
 @dataclass(frozen=True)
@@ -209,9 +216,9 @@ def usable_with_cgroup(host_usable: int, host_text: str, cgroup: CgroupMemory | 
         host_text: the host rule in words (:func:`host_source`).
         cgroup: this process's cgroup (:func:`~.cgroup_memory.read_cgroup_memory`), or ``None``.
         own_bytes: this process's own anonymous memory now (RSS less file-backed and shared), bytes.
-        runtime_bytes: this process's own anonymous memory before it held any model (the
-            daemon's runtime, which the cgroup's limit also holds), bytes; ``None``: ``own_bytes``
-            (the first probe).
+        runtime_bytes: the daemon's runtime, which the cgroup's limit also holds (its own
+            anonymous memory before it held any model, plus :data:`SERVING_RUNTIME_BYTES`),
+            bytes; ``None``: ``own_bytes`` (the first probe, taken as it is).
 
     Returns:
         ``(usable bytes, which rule set it in words, bytes the cgroup's other processes hold
@@ -287,13 +294,16 @@ def with_cgroup(memory: MemoryInfo, cgroup_root: str = "/") -> MemoryInfo:
     """``memory`` with the cgroup rule applied anew (the cgroup files are read now: a limit
     may change while the daemon runs; cheap, a few small files). The host rule is recomputed
     from ``memory``'s own figures, and the daemon's runtime is the one ``memory`` holds (the
-    first call measures it: this process's anonymous memory then), so calling this again on
-    its result is the same as on the first probe's. Never raises."""
+    first call measures it: this process's anonymous memory then, plus
+    :data:`SERVING_RUNTIME_BYTES`), so calling this again on its result is the same as on
+    the first probe's. Never raises."""
     usable, rule = usable_memory_bytes(memory.total_bytes, memory.wired_limit_bytes,
                                        memory.max_recommended_working_set_bytes)
     cgroup = read_cgroup_memory(cgroup_root)
     own = own_anonymous_bytes() if cgroup is not None else 0
-    runtime = memory.runtime_bytes if memory.runtime_bytes is not None else (own if cgroup is not None else None)
+    runtime = memory.runtime_bytes
+    if runtime is None and cgroup is not None:
+        runtime = own + SERVING_RUNTIME_BYTES
     usable, source, others = usable_with_cgroup(usable, host_source(memory.total_bytes, usable, rule), cgroup, own,
                                                 runtime)
     if source.startswith("cgroup") and cgroup is not None:

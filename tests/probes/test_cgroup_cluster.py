@@ -1,17 +1,22 @@
-"""Three daemons in memory cgroups of unequal limits and a random llama bigger than any one
-of them (#43): the plan gives no node more than its cgroup allows, the greedy answer is
-mlx-lm's whole model's; a limit lowered while the ring serves re-plans and it keeps
-answering; one node killed: the other two cannot hold the model and answer 503 with the
-reason, and nobody is OOM-killed; restarted, the ring serves the same answer again.
+"""Three daemons in memory cgroups of unequal limits and a random llama bigger than any one of
+them (#43): the plan gives no node more than its cgroup allows, and no node holds more than
+it planned (the cgroup's peak at load, at a request that fills the planned context and
+through a re-plan, and MLX's peak, never exceed the node's planned footprint); the greedy
+answer is mlx-lm's whole model's; a limit lowered while the ring serves re-plans and it
+keeps answering; one node killed: the other two cannot hold the model and answer 503 with
+the reason, and nobody is OOM-killed; restarted, the ring serves the same answer again.
 
 Sizes: 10 layers of 48 MiB (float32: hidden 1024, MLP 3072, 8 query and 2 key/value heads)
 and a 98-token vocabulary, 483 MB in all. A node offers the planner 80 % of its limit less
-its runtime (~85 MiB) less the boundary budget (a sixteenth): ~250 MB (5 layers) at 450 MB,
-~180 MB (3 layers) at 350 MB. The cgroups are children of this test's own
-(tests/cgroups.py), removed afterwards. Node ids are fixed so the ring is a, b, c in that
-order (the loopback planner orders equal nodes by id): c, the last stage, is the one whose
-limit is lowered, and it shrinks from the front, keeping layers it holds (a node that moved
-to a range it does not hold would hold both while it prepares: #43 must-have 2).
+its runtime (~90 MiB measured, and 32 MiB it grows by once serving), less the boundary
+budget (a sixteenth) and one step's activations (29.1 MB: tests/engine/test_work_space.py):
+~265 MB (5 layers) at 550 MB, ~138 MB (2 layers) at 380 MB. The cgroups are children of this
+test's own (tests/cgroups.py), removed afterwards; the model's files are written by the
+test, so their page cache is charged to the test's cgroup and a daemon's cgroup peak is what
+the daemon itself holds. Node ids are fixed so that c is the last stage (the loopback
+planner orders nodes of equal speed by id): it is the one whose limit is lowered, and it
+shrinks from the front, keeping layers it holds (a node that moved to a range it does not
+hold would hold both while it prepares: #43 must-have 2).
 """
 
 from __future__ import annotations
@@ -30,13 +35,41 @@ CONFIG = {
 PROMPT = [5, 17, 42, 90, 8, 50, 3, 77]
 TOKENS = 8
 MB = 1_000_000
-LIMITS = {"a": 450_000_000, "b": 450_000_000, "c": 350_000_000}
+LIMITS = {"a": 550_000_000, "b": 550_000_000, "c": 380_000_000}
 IDS = {"a": "a000000000000000", "b": "b000000000000000", "c": "c000000000000000"}
 
 
-def complete(url: str) -> httpx.Response:
+def complete(url: str, prompt: list[int] = PROMPT, tokens: int = TOKENS) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
+        "prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True})
+
+
+def planned(c: CgroupCluster) -> dict[str, dict]:
+    """Each node's planned footprint (``/v1/cluster`` ``memory.planned``), by node name."""
+    name_of = {v: k for k, v in IDS.items()}
+    out = {}
+    for i in c.alive():
+        info = c.cluster_info(i)
+        out[name_of[info["node_id"]]] = {**info["memory"]["planned"], "mlx_peak": info["memory"]["mlx_peak_bytes"]}
+    return out
+
+
+def check_footprint(c: CgroupCluster, cg: dict, phase: str, allowed: dict[str, int] | None = None) -> dict[str, str]:
+    """No node's cgroup held more than its planned footprint since the peaks were last reset
+    (``allowed``: a bound per node instead, for a re-plan), the planned parts add up, and
+    MLX's peak stays within the planned stage, stores and work space (the larger plan's
+    through a re-plan). Returns the figures in
+    words (MB) for the closing print."""
+    words = {}
+    for name, p in planned(c).items():
+        parts = ("runtime_bytes", "stage_bytes", "boundary_bytes", "work_space_bytes", "prefix_bytes")
+        assert p["total_bytes"] == sum(p[k] for k in parts), p
+        bound = (allowed or {}).get(name, p["total_bytes"])
+        peak = cg[name].peak()
+        assert peak <= bound, (phase, name, peak, p)
+        assert p["mlx_peak"] <= bound - p["runtime_bytes"], (phase, name, p)  # MLX's peak: since the daemon started
+        words[name] = f"{peak / MB:.0f}/{bound / MB:.0f}"
+    return words
 
 
 def token_ids(resp: httpx.Response) -> list[int]:
@@ -71,14 +104,26 @@ def test_three_limits_a_lowered_one_a_loss_and_a_return(tmp_path):
             view = c.wait_plan(stages=3)
             limits = dict(LIMITS)
             stages = check_plan(view, limits)
+            footprint = {"load": check_footprint(c, cg, "load")}
             assert token_ids(complete(c.api_urls[0])) == want
+            # a request that fills the planned context (256 tokens) through every stage
+            assert len(token_ids(complete(c.api_urls[0], [(7 * i) % 97 + 1 for i in range(240)], 16))) == 16
+            footprint["full context"] = check_footprint(c, cg, "full context")
+            before = {k: p["total_bytes"] for k, p in planned(c).items()}
+            for g in cg.values():
+                g.reset_peak()
 
-            # c's limit lowered a little above what it holds: its stage no longer fits
-            limits["c"] = cg["c"].limit((cg["c"].usage() + 24 * MB) // 4096 * 4096)
+            # c's limit lowered above what it holds (~230 MB), to where it offers ~77 MB: one
+            # layer, not its two
+            assert cg["c"].usage() < 280 * MB
+            limits["c"] = cg["c"].limit(300 * MB // 4096 * 4096)
             lowered = time.monotonic()
             after = c.wait_plan(stages=3, min_epoch=view["epoch"] + 1, timeout_s=60)
             replan_s = time.monotonic() - lowered
             shrunk = check_plan(after, limits)
+            # through the re-plan no node held more than the larger of its two planned footprints
+            bound = {k: max(before[k], p["total_bytes"]) for k, p in planned(c).items()}
+            footprint["re-plan"] = check_footprint(c, cg, "re-plan", bound)
             old, new = stages["c"], shrunk["c"]  # fewer layers, all of them held already
             assert old["start"] <= new["start"] < new["end"] <= old["end"], (stages, shrunk)
             assert new["end"] - new["start"] < old["end"] - old["start"], (stages, shrunk)
@@ -107,6 +152,8 @@ def test_three_limits_a_lowered_one_a_loss_and_a_return(tmp_path):
                                              for k, s in stages.items())
                   + f"; c lowered to {limits['c'] / MB:.0f} MB: re-planned in {replan_s:.1f} s to "
                   + ", ".join(f"{k} [{s['start']},{s['end']})" for k, s in shrunk.items())
+                  + "; cgroup peak/planned (MB): " + "; ".join(f"{ph} " + ", ".join(f"{k} {v}" for k, v in f.items())
+                                                            for ph, f in footprint.items())
                   + f"; 503: {reason}; peaks (MB): "
                   + ", ".join(f"{k} {g.peak() / MB:.0f}/{int(g.read('memory.limit_in_bytes')) / MB:.0f} "
                               f"(failcnt {g.read('memory.failcnt').strip()})" for k, g in cg.items()))
