@@ -46,6 +46,10 @@ class MemoryAccounting:
 
     work_space_bytes: int = 0
     runtime_bytes: int | None = None
+    #: the prefix and boundary stores are shed while memory is under pressure (ops/memory_pressure.py)
+    stores_off: bool = False
+    #: the node's :class:`~ringlet.daemon.ops.memory_pressure.PressureResponder`, if any
+    pressure: Any = None
 
     def _usable_memory(self) -> int:
         """``--memory-limit`` or the cgroup's figure, else the machine's memory shared by the
@@ -76,7 +80,9 @@ class MemoryAccounting:
         """Bytes of prefix cache this node may hold beside a stage of ``weights_bytes``:
         ``--prefix-cache-bytes``, else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION`
         of the usable memory the planned stage (weights and KV at the planned context), the
-        boundary store and the work space leave free."""
+        boundary store and the work space leave free; 0 while memory is under pressure."""
+        if self.stores_off:
+            return 0
         if self.config.prefix_cache_bytes is not None:
             return max(0, self.config.prefix_cache_bytes)
         held = self.planned_stage_bytes(weights_bytes) + self.boundary_budget() + self.work_space_bytes
@@ -108,7 +114,8 @@ class MemoryAccounting:
         its current layer range (``weights_bytes``), the KV caches of the requests in
         flight and the prefix store, MLX's active and peak memory, the process's RSS and
         peak RSS, the cgroup's peak (``cgroup_peak_bytes``, ``None`` outside one), the
-        planned footprint (``planned``: :meth:`planned_footprint`); ``first_load`` keeps
+        planned footprint (``planned``: :meth:`planned_footprint`), memory pressure
+        (``pressure``: ``PressureResponder.info``, ``None``: none); ``first_load`` keeps
         the figures of the first stage load (the RSS of the empty daemon before it, MLX's
         active memory and the peak RSS right after)."""
         engine = self.engine
@@ -122,5 +129,6 @@ class MemoryAccounting:
             "rss_bytes": psutil.Process().memory_info().rss, "peak_rss_bytes": peak_rss_bytes(),
             "cgroup_peak_bytes": cgroup_peak_bytes(),
             "planned": self.planned_footprint(stage if isinstance(stage, Stage) else None),
+            "pressure": self.pressure.info() if self.pressure is not None else None,
             "first_load": self.memory.get("first_load"),
         }

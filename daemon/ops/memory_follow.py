@@ -15,7 +15,8 @@ limit, a new rule, or a figure that moved by :data:`CHANGE_FRACTION` or more is 
 peer that fetches the newer record (:meth:`MemoryFollower.record_changed`): the proposer
 plans with it, and a plan that no longer fits becomes a 503 with the reason. Smaller
 moves (the cgroup's other processes breathing) are not advertised, so the plan does not
-churn.
+churn. Each poll also reads the kernel's memory-pressure signals, and under pressure the
+node sheds its stores and offers less (:mod:`.memory_pressure`, :meth:`MemoryFollower.cap`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from ringlet.daemon.ops.memory_pressure import PressureResponder
 from ringlet.daemon.ops.run_options import parse_size
 from ringlet.daemon.probes.memory import MemoryInfo, probe_memory, size_text, with_cgroup
+from ringlet.daemon.probes.memory_pressure import PressureReading, read_pressure
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +78,16 @@ class MemoryFollower:
     """
 
     def __init__(self, node, memory: MemoryInfo, flag_bytes: int | None, *, interval_s: float = POLL_S,
-                 refresh: Callable[[MemoryInfo], MemoryInfo] = with_cgroup):
+                 refresh: Callable[[MemoryInfo], MemoryInfo] = with_cgroup,
+                 pressure_read: Callable[[], PressureReading] = read_pressure):
         self.node = node
         self.memory = memory
         self.flag_bytes = flag_bytes
         self.interval_s = interval_s
         self.refresh = refresh
+        self.cap_bytes: int | None = None  # a lower offer under memory pressure (memory_pressure.py)
+        self.pressure = PressureResponder(self, pressure_read)
+        node.pressure = self.pressure  # /v1/cluster's memory.pressure
         self.membership = None
         self.negotiator = None
         self._peers: dict[str, int | None] = {}  # member id -> the usable memory last seen in its record
@@ -97,10 +104,11 @@ class MemoryFollower:
             self.node.runtime_bytes = self.memory.runtime_bytes
         engine = getattr(self.node, "engine", None)
         boundaries = getattr(engine, "boundaries", None)
+        stores_off = getattr(self.node, "stores_off", False)  # shed under memory pressure
         if boundaries is not None and hasattr(boundaries, "budget_bytes"):
-            boundaries.budget_bytes = self.node.boundary_budget()
+            boundaries.budget_bytes = 0 if stores_off else self.node.boundary_budget()
         prefix = getattr(engine, "prefix", None)
-        if prefix is None or not hasattr(engine, "run"):
+        if prefix is None or not hasattr(engine, "run") or stores_off:
             return
         budget = self.node.prefix_budget(engine.stage)
         with contextlib.suppress(RuntimeError):  # no running loop: sized at the next commit
@@ -113,6 +121,8 @@ class MemoryFollower:
         ``boundary_cache_bytes``. Kept off: the boundary activations' budget and one step's
         activations (the node's ``work_space_bytes``)."""
         usable, source = offered_memory(self.memory, self.flag_bytes)
+        if self.cap_bytes is not None and self.cap_bytes < usable:
+            usable, source = self.cap_bytes, f"memory pressure: {size_text(self.cap_bytes)} (the rule: {source})"
         boundary, work = self.node.boundary_budget(), getattr(self.node, "work_space_bytes", 0)
         kept = [f"{size_text(boundary)} for boundary activations"] if boundary else []
         kept += [f"{size_text(work)} for one step's activations"] if work else []
@@ -120,6 +130,26 @@ class MemoryFollower:
             source += f"; {kept[0].replace(' for ', ' of it kept for ', 1)}" + "".join(f" and {k}" for k in kept[1:])
         return {"memory_total_bytes": self.memory.total_bytes, "usable_memory_bytes": max(0, usable - boundary - work),
                 "usable_memory_source": source, "boundary_cache_bytes": boundary}
+
+    def offered_bytes(self) -> int:
+        """What the node offers before the stores and work space are kept off, bytes: the
+        rule's figure or ``--memory-limit``, or less under memory pressure (:meth:`cap`)."""
+        usable = offered_memory(self.memory, self.flag_bytes)[0]
+        return min(usable, self.cap_bytes) if self.cap_bytes is not None else usable
+
+    def cap(self, nbytes: int | None) -> None:
+        """Offer at most ``nbytes`` (``None``: the rule's figure again): advertised at once,
+        with a re-plan."""
+        if nbytes == self.cap_bytes:
+            return
+        self.cap_bytes = nbytes
+        self._advertise()
+
+    def _advertise(self) -> None:
+        if self.membership is not None:
+            self.membership.set_record({**self.membership.own_record, **self.fields()})
+        if self.negotiator is not None:
+            self.negotiator.membership_changed()  # plan with the new figure (the proposer acts)
 
     def start(self, membership, negotiator) -> asyncio.Task:
         """Poll every ``interval_s`` (an asyncio task the caller cancels); re-plans go to ``negotiator``."""
@@ -136,6 +166,10 @@ class MemoryFollower:
             except Exception as exc:  # noqa: BLE001 - a poll must never end the daemon
                 log.debug("memory poll failed: %s", exc)
                 continue
+            try:  # first: what the node sheds is said before a new figure resizes the stores
+                await self.pressure.poll()
+            except Exception as exc:  # noqa: BLE001 - a poll must never end the daemon
+                log.debug("memory pressure poll failed: %s", exc)
             with contextlib.suppress(Exception):
                 self.update(new)
 
@@ -154,10 +188,7 @@ class MemoryFollower:
         message = f"usable memory {size_text(before)} -> {size_text(after)}: {fields['usable_memory_source']}"
         log.info("%s", message)
         self.node.event("memory", message)
-        if self.membership is not None:
-            self.membership.set_record({**self.membership.own_record, **fields})
-        if self.negotiator is not None:
-            self.negotiator.membership_changed()  # plan with the new figure (the proposer acts)
+        self._advertise()
         return True
 
     def record_changed(self, member) -> None:

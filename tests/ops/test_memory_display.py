@@ -46,3 +46,15 @@ def test_doctor_says_the_rule_here_and_the_running_daemons():
     assert memory_verdict(MEM, None, "could not read /v1/cluster: timeout").summary == alone.summary
     big = memory_verdict(MEM, 400 * GIB, cluster)
     assert big.summary.endswith("the model (400 GiB) needs about 2 nodes like this one (the cluster splits it)")
+
+
+def test_status_says_which_node_is_under_memory_pressure():
+    infos = studio_infos(2)
+    url = "http://10.0.0.1:8000"
+    reason = "tasks stalled on memory 14% of the last 10 s (/proc/pressure/memory)"
+    infos[url]["memory"] = {"pressure": {"reason": reason, "for_s": 9.6, "shed_bytes": 3 * GIB, "cuts": 1,
+                                         "offered_bytes": 40 * GIB}}
+    lines = format_status(build_snapshot(url, infos, {})).splitlines()
+    assert ("memory pressure on studio-1 for 10 s: tasks stalled on memory 14% of the last 10 s "
+            "(/proc/pressure/memory) · shed 3.0 GiB · offering 40.0 GiB") in lines
+    assert not any(x.startswith("memory pressure on studio-2") for x in lines)

@@ -119,6 +119,11 @@ def format_status(snap: dict) -> str:
         if n.get("memory_usable_source"):
             lines.append(f"memory of {n['name']}: {fmt_bytes(n['memory_usable_bytes'])} for the planner · "
                          f"{n['memory_usable_source']}")
+    for n in snap["nodes"]:
+        if p := n.get("memory_pressure"):
+            cut = f" · offering {fmt_bytes(as_num(p.get('offered_bytes')))}" if p.get("offered_bytes") else ""
+            lines.append(f"memory pressure on {n['name']} for {as_num(p.get('for_s')) or 0:.0f} s: "
+                         f"{p.get('reason')} · shed {fmt_bytes(as_num(p.get('shed_bytes')))}{cut}")
     if snap["error"]:
         lines.append(f"not reached: {snap['error']}")
     return "\n".join(lines) + "\n"

@@ -191,6 +191,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             "memory_used_bytes": first(as_int(m.get("memory_used_bytes")), as_int(mem.get("used_bytes")),
                                        as_int(mem.get("rss_bytes"))),
             "weights_bytes": as_int(mem.get("weights_bytes")),
+            # memory taken by other programs (#43): the reason, bytes shed, the offer's cuts
+            "memory_pressure": mem.get("pressure") if isinstance(mem.get("pressure"), dict) else None,
             "tokens_per_s": tps,
             "tokens_generated_total": as_int(info.get("tokens_generated_total")),
             "requests_in_flight": as_int(info.get("requests_in_flight")),

@@ -1,0 +1,90 @@
+"""Memory taken from a node after the plan (#43 must-have 3): another program joins b's
+memory cgroup (as a build would, beside a daemon in the same container or service) and
+takes 150 MB. b sheds what it can rebuild (its prefix store empties: an event says so and
+``/v1/cluster`` shows the pressure), the ring re-plans with b holding less, answers stay
+mlx-lm's whole model's, and nobody is OOM-killed. The program ends: once the pressure has
+been gone for a while b turns its stores back on and takes its layers back.
+
+Sizes (the llama of test_cgroup_cluster.py, 10 layers of 48 MiB): a's cgroup of 900 MB
+could hold the whole model; b's of 450 MB offers ~190 MB (3 layers: 80 % of the limit less
+~122 MiB of runtime, a sixteenth for boundary activations and 29 MB of work space). With
+b's ~290 MB and the program's 150 MB the cgroup holds over 90 % of its limit without page
+cache (the pressure signal, probes/memory_pressure.py) and still under the limit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from cgroups import CgroupCluster, cgroups, fix_node_ids, require_cgroups
+from tiny_models import make_chat_model, whole_model_greedy
+
+from tests.probes.test_cgroup_cluster import CONFIG, PROMPT, TOKENS, complete, token_ids
+
+MB = 1_000_000
+IDS = {"a": "a000000000000000", "b": "b000000000000000"}
+LIMITS = {"a": 900_000_000, "b": 450_000_000}
+HOG = 150 * MB
+
+
+def b_layers(view: dict) -> int:
+    return sum(s["end"] - s["start"] for s in view["plan_detail"]["stages"] if s["node_id"] == IDS["b"])
+
+
+def wait_for(what, check, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"not seen within {timeout_s:.0f} s: {what}"
+        time.sleep(0.5)
+    return got
+
+
+def test_a_program_that_takes_memory_sheds_the_stores_replans_and_gives_back(tmp_path):
+    parent = require_cgroups()
+    model = make_chat_model("llama", tmp_path / "model", CONFIG)
+    want = whole_model_greedy(model, PROMPT, TOKENS)
+    fix_node_ids(tmp_path / "run", list(IDS.values()))
+    with cgroups(parent, LIMITS) as cg, CgroupCluster(
+            2, model=str(model), dynamic=True, cgroups=[cg["a"], cg["b"]], log_dir=str(tmp_path / "run"),
+            extra_args=["--context", "256"]) as c:
+        view = c.wait_plan(stages=2)
+        held = b_layers(view)
+        assert held == 3, view["plan_detail"]["stages"]
+        assert token_ids(complete(c.api_urls[0])) == want
+        b_info = lambda: c.cluster_info(1)  # noqa: E731
+        assert b_info()["memory"]["prefix_cache_bytes"] > 0  # the request left its prefix at b
+        assert b_info()["memory"]["pressure"] is None
+
+        hog = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > {cg["b"].path}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c",
+             f"import sys, time; held = b'x' * {HOG}; print('ready', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert hog.stdout.readline().strip() == "ready"
+            pressure = wait_for("b's memory pressure", lambda: b_info()["memory"]["pressure"], 20)
+            assert "of its limit without page cache" in pressure["reason"], pressure
+            events = [e["message"] for e in b_info()["events"] if e["kind"] == "memory"]
+            shed = [m for m in events if m.startswith("memory pressure: ")]
+            assert shed and "shed" in shed[0] and "prefix store" in shed[0], events
+            assert b_info()["memory"]["prefix_cache_bytes"] == 0
+            smaller = wait_for("a plan with b holding less", lambda: (v := c.cluster_info(0))["epoch"] >
+                               view["epoch"] and b_layers(v) < held and v, 30)
+            assert token_ids(complete(c.api_urls[0])) == want
+            assert token_ids(complete(c.api_urls[1])) == want
+            assert cg["b"].oom_kills() == 0 and c.alive() == [0, 1]
+        finally:
+            hog.stdin.close()
+            hog.wait(timeout=10)
+
+        passed = wait_for("the pressure passing", lambda: any(
+            e["message"].startswith("memory pressure passed") for e in b_info()["events"]), 45)
+        assert passed and b_info()["memory"]["pressure"] is None
+        back = wait_for("b's layers back", lambda: b_layers(v := c.cluster_info(0)) == held and v, 30)
+        assert token_ids(complete(c.api_urls[1])) == want
+        assert b_info()["memory"]["prefix_cache_bytes"] > 0  # the store is on again: the request left its prefix
+        assert {k: g.oom_kills() for k, g in cg.items()} == {"a": 0, "b": 0}
+        print(f"\npressure: {pressure['reason']}; b held {held} layers, {b_layers(smaller)} under pressure "
+              f"(epoch {smaller['epoch']}), {b_layers(back)} after (epoch {back['epoch']}); events: "
+              + " | ".join(e["message"] for e in b_info()["events"] if e["kind"] == "memory"))
