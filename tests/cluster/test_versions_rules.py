@@ -1,7 +1,7 @@
 """The rules mixed releases follow, without daemons: which features a plan uses, which
 members a model may be planned on, whether its head drafts, when tensor groups form, and
 how a node of another protocol version is kept out (the daemons' tests:
-``node/test_mixed_versions.py``, ``node/test_rolling_upgrade.py``,
+``node/test_rolling_upgrade.py`` (two releases in one ring as well),
 ``cluster/test_incompatible_version.py``)."""
 
 from __future__ import annotations
