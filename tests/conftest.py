@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,23 @@ blas.load()
 
 TESTS = Path(__file__).parent
 REFERENCE = json.loads((TESTS / "smollm2_135m_instruct_greedy.json").read_text())
+
+
+def pytest_configure(config):
+    """The processes the tests start (daemons, their tensor ranks, CLI runs) make their
+    temporary files in one directory per pytest process, removed when it ends: a daemon
+    makes its ranks' work dir (``ringlet-tp-ranks-*``) as it starts and removes it only when
+    it stops cleanly, so every daemon a test kills with SIGKILL, and every supervisor of
+    ranks, left one in /tmp (~150 after a run). This process keeps the system's temporary
+    directory (pytest's ``tmp_path`` directories stay where they are kept for a look
+    after a failure)."""
+    tempfile.gettempdir()  # this process's own choice, fixed before TMPDIR changes
+    config._ringlet_tmp = tempfile.mkdtemp(prefix="ringlet-tests-")  # noqa: SLF001 - our own attribute
+    os.environ["TMPDIR"] = config._ringlet_tmp  # noqa: SLF001
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_ringlet_tmp", ""), ignore_errors=True)
 
 
 def ringlet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -211,6 +211,7 @@ def test_two_ranks_of_the_default_model_are_refused():
         "group sizes that work: 3"
     )
     assert group.state == "new" and group.rank_pids() == {} and worker_pids() == before
+    asyncio.run(group.close())  # its work dir goes
 
 
 # ------------------------------------------------------------------ tiny models
@@ -383,6 +384,7 @@ def test_a_model_the_ranks_cannot_load_fails_fast(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(TPGroupError, match="rank could not load the model: ModelNotFound"):
         asyncio.run(asyncio.wait_for(group.start(), 60))
+    asyncio.run(group.close())  # its work dir (the ranks' logs) goes
     assert time.monotonic() - t0 < 30 and group.info()["epoch"] == 1  # no restart loop
     assert_no_new_ranks(before)
 
@@ -429,6 +431,7 @@ def test_a_crash_loop_gives_up():
     group = TPGroup.local("unused", 2, spec=spec, launcher=CrashingLauncher(), max_restarts=2)
     with pytest.raises(TPGroupError, match="single process failed 3 times: rank 0 \\(rank0\\) exited with code 3"):
         asyncio.run(asyncio.wait_for(group.start(), 60))
+    asyncio.run(group.close())  # its work dir (the processes' logs) goes
     # 2 ranks: rank1's process died too, so member rank1 is lost -> 1 process, started 3 times in all
     assert [(h["size"], h["lost"]) for h in group.history] == [
         (2, ["rank0", "rank1"]),
