@@ -256,12 +256,14 @@ def test_with_cgroup_on_a_probe(monkeypatch):
     host = MemoryInfo(total_bytes=25_276_194_816, available_bytes=1, usable_memory_bytes=HOST,
                       usable_rule="80% of total", usable_source=HOST_TEXT)
     got = with_cgroup(host, str(FIX / "v2_systemd_service"))
-    assert got.usable_memory_bytes == int(3_758_096_384 * 0.8) - 1_375_731_712
+    serving = 32 << 20  # what the runtime grows by once serving (probes/memory.py SERVING_RUNTIME_BYTES)
+    assert got.usable_memory_bytes == int(3_758_096_384 * 0.8) - 1_375_731_712 - serving
     assert got.usable_rule == "cgroup v2 memory.high"
     assert got.usable_source.startswith("cgroup v2 memory.high (/sys/fs/cgroup/system.slice/ringlet.service)")
-    assert (got.cgroup_limit_bytes, got.cgroup_others_bytes, got.runtime_bytes) == (3_758_096_384, 1_375_731_712, 0)
+    assert (got.cgroup_limit_bytes, got.cgroup_others_bytes, got.runtime_bytes) == (3_758_096_384, 1_375_731_712,
+                                                                                     serving)
     monkeypatch.setattr(memory_mod, "own_anonymous_bytes", lambda: 100_000_000)  # weights loaded since
     again = with_cgroup(got, str(FIX / "v2_docker"))  # the host rule is recomputed, the runtime kept
-    assert again.usable_memory_bytes == int(1_073_741_824 * 0.8) - (421_527_552 - 100_000_000)
-    assert again.runtime_bytes == 0
-    assert with_cgroup(got, "/nonexistent") == replace(host, runtime_bytes=0)
+    assert again.usable_memory_bytes == int(1_073_741_824 * 0.8) - (421_527_552 - 100_000_000) - serving
+    assert again.runtime_bytes == serving
+    assert with_cgroup(got, "/nonexistent") == replace(host, runtime_bytes=serving)
