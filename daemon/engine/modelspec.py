@@ -216,10 +216,10 @@ def _dtype_bytes(config: dict, model: Any) -> int:
         return getattr(mx, dtype_name(config)).size
     from mlx.utils import tree_flatten
 
-    for _, v in tree_flatten(model.parameters()):
-        if mx.issubdtype(v.dtype, mx.floating):
-            return v.dtype.size
-    return 2
+    # the activations take the widest floating type among the parameters (float32 norms
+    # beside float16 scales make float32 hidden states and KV, as a loaded GGUF stage does)
+    sizes = [v.dtype.size for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    return max(sizes, default=2)
 
 
 def _owner(path: str, modules: dict) -> str:

@@ -289,8 +289,13 @@ def build_lazy_model(location: ModelLocation, dtype: str | None = None) -> tuple
             width = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}.get(tensor.tensor_type.name)
             if width and mx_dtype is None and len(tensor.shape) == 2:
                 bits[gguf_source.mlx_name(name)] = width
-        # as loaded: quantized tensors carry float16 scales and biases; --dtype casts all
+        # as loaded: quantized tensors carry float16 scales and biases, float32 tensors (the
+        # norms) stay float32 and so make the activations and KV float32; --dtype casts all
         _cast(model, mx_dtype or mx.float16)
+        wide = {gguf_source.mlx_name(n) for n, t in g.tensors.items() if t.tensor_type.name == "F32"}
+        for path, module in model.named_modules() if mx_dtype is None else ():
+            if path in wide and isinstance(getattr(module, "weight", None), mx.array):
+                module.weight = module.weight.astype(mx.float32)
 
         def predicate(path: str, module: nn.Module) -> dict | bool:
             if path in bits and hasattr(module, "to_quantized"):

@@ -275,3 +275,22 @@ def test_layers_that_cache_nothing_are_sized_at_nothing():
     assert nemotron_h.kv_cache_bytes() == 2 * states[1] + 2 * 100 * 128
     nas = model_spec_from_config({**ZOO["nemotron-nas"], "torch_dtype": "bfloat16"}, context_tokens=100)
     assert nas.kv_bytes_per_token_per_layer == (128, 0, 128, 0) and nas.state_bytes_per_layer == (0,) * 4
+
+
+def test_the_default_gguf_models_kv_is_what_a_loaded_stage_allocates():
+    """The Q4 GGUF keeps its norms float32, so its activations and KV are float32: the
+    plan's KV per token must be mlx-lm's real cache's (3 KV heads x 64 x 2 x 4 B = 1,536 B
+    per layer), not the float16 of its scales (#43: the plan's figure is the real footprint)."""
+    from ringlet.daemon.engine import sources
+    from ringlet.daemon.engine.stage import build_lazy_model, load_stage
+
+    location = sources.resolve(None)
+    model, config = build_lazy_model(location)
+    spec = model_spec_from_model(model, context_tokens=512, config=config)
+    assert spec.kv_bytes_per_token_per_layer[:2] == (1536, 1536)
+    stage = load_stage(location, 0, 2)
+    cache = stage.make_cache()
+    mx.eval(stage(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache))
+    allocated = cache[0].keys.shape[2]  # mlx-lm allocates in steps of 256 tokens
+    assert (cache[0].keys.nbytes + cache[0].values.nbytes) / allocated == 1536
+    assert spec.activation_bytes_per_token == 576 * 4

@@ -156,7 +156,7 @@ def test_simultaneous_joins_end_on_one_plan():
 
 
 def test_model_that_no_longer_fits_gets_503_until_a_node_rejoins():
-    # default model: ~98 MB of weights + 30 layers x 768 B x 512 tokens of KV cache (~12 MB)
+    # default model: ~98 MB of weights + 30 layers x 1,536 B x 512 tokens of KV cache (~24 MB)
     args = ["--memory-limit", "110MB", "--context", "512"]
     with LocalCluster(2, dynamic=True, extra_args=args) as c:
         c.wait_plan(stages=2)
