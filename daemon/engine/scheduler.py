@@ -39,36 +39,15 @@ from ringlet.daemon.engine.batching import Work, batch_figures, choose_batch
 from ringlet.daemon.engine.boundary import Boundary, BoundaryStore, Recording
 from ringlet.daemon.engine.decode_groups import DecodeGroups
 from ringlet.daemon.engine.defaults import DEFAULT_GROUP_WAIT_S, DEFAULT_MAX_BATCH
+from ringlet.daemon.engine.kv_room import KVRoom
 from ringlet.daemon.engine.prefix_store import PrefixStore
+from ringlet.daemon.engine.request_errors import PrefixMiss, RequestDropped, RequestError
 from ringlet.daemon.engine.sampling import GrammarTokenizer, RequestSampler, SamplingParams
 from ringlet.daemon.engine.stage import Stage, StageRange, mergeable, token_id_error
 from ringlet.daemon.wire import codec
 from ringlet.daemon.wire.rpc import ringlet_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(Exception):
-    """A request cannot proceed on this stage (unknown request, offset mismatch, ...)."""
-
-
-class RequestDropped(RequestError):
-    """The request's work was dropped before it ran: released, or the plan changed."""
-
-
-class PrefixMiss(RequestError):
-    """This stage's prefix store cannot serve the prefix stage 0 chose for a request;
-    ``holds`` is how many of its tokens it can serve (stage 0 retries with at most that)."""
-
-    def __init__(self, message: str, holds: int):
-        super().__init__(message)
-        self.holds = holds
-
-
-class RequestRetry(RequestError):
-    """The request's KV cache on this stage is gone but the plan still stands (a tensor
-    group restarted): stage 0 may resume the request on the same plan by prefilling it
-    again (``Activation.retry``)."""
 
 
 @dataclass
@@ -139,6 +118,8 @@ class StageEngine:
         self.last_batch = 0
         #: supplies llguidance's tokenizer and the logits width, for requests with a grammar
         self.grammar_tokenizer: GrammarTokenizer | None = None
+        #: the memory this stage's KV may take (set by the node; None: unchecked)
+        self.kv_room: KVRoom | None = None
 
     @staticmethod
     def new_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -410,9 +391,15 @@ class StageEngine:
         each step's result or exception, in order."""
         results: list[Any] = [None] * len(batch)
         ready: list[tuple[int, _RequestState, mx.array]] = []
+        room = self.kv_room
+        if room is not None:  # this round's KV growth must fit the stage's memory (engine/kv_room.py)
+            kv, held = self.kv_cache_bytes(), self.tokens_in_flight()
+            left = room.left(kv, self._prefix.nbytes)
         for i, work in enumerate(batch):
             try:
                 x = self._input(work.payload)
+                if room is not None:
+                    left = room.take(left, x.shape[1], held, self._prefix, kv)
                 state = self._state(work)
                 ids = work.payload if isinstance(work.payload, list) else work.ids
                 if state.tokens is not None and ids is not None and len(ids) == x.shape[1]:

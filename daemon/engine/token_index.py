@@ -34,6 +34,11 @@ class TokenIndex:
         self.budget_bytes = max(0, int(budget_bytes))
         self._evict_to(self.budget_bytes)
 
+    def make_room(self, nbytes: int) -> None:
+        """Evict least recently used entries until ``nbytes`` fewer bytes are held (or none
+        is left); the budget stays."""
+        self._evict_to(max(0, self.nbytes - max(0, int(nbytes))))
+
     def clear(self) -> None:
         """Forget every entry."""
         for entry in list(self._entries.values()):

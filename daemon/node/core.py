@@ -311,6 +311,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting)
         old_index_spec = self.stage_spec
         await self._swap_moving_kv(plan, stage)
         await self.engine.run(self.engine.prefix.set_budget, self.prefix_budget(stage))
+        self.engine.kv_room = self.kv_room_for(stage)  # a step beyond the node's memory ends its request
         # From here to changed.set() nothing awaits: a resumed request that starts on the
         # new plan must see the new plan and a fresh plan-changed event together, or the
         # old event would end it at once as changed again (CI saw that on a join).

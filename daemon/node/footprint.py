@@ -20,11 +20,13 @@ active and peak memory, the cgroup's peak where there is one).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import psutil
 
 from ringlet.daemon.engine.defaults import DEFAULT_BOUNDARY_CACHE_BYTES
+from ringlet.daemon.engine.kv_room import KVRoom
 from ringlet.daemon.engine.stage import Stage
 from ringlet.daemon.node.config import PREFIX_CACHE_FRACTION
 from ringlet.daemon.node.memory import mlx_memory_bytes, peak_rss_bytes
@@ -50,6 +52,8 @@ class MemoryAccounting:
     stores_off: bool = False
     #: the node's :class:`~ringlet.daemon.ops.memory_pressure.PressureResponder`, if any
     pressure: Any = None
+    #: the model's KV bytes per token per layer (set by the runner; ``None``: KV room unchecked)
+    kv_bytes_per_token_per_layer: tuple[float, ...] | None = None
 
     def _usable_memory(self) -> int:
         """``--memory-limit`` or the cgroup's figure, else the machine's memory shared by the
@@ -97,6 +101,26 @@ class MemoryAccounting:
         if not isinstance(stage, Stage):
             return 0
         return self.prefix_budget_for(stage.nbytes())
+
+    def kv_room_for(self, stage) -> KVRoom | None:
+        """The KV room of ``stage`` (:mod:`ringlet.daemon.engine.kv_room`): the usable memory
+        less the stage's weights, the boundary budget and the work space; ``None`` for a stage
+        of another kind or before the runner knew the model (``kv_bytes_per_token_per_layer``)."""
+        per_layer = self.kv_bytes_per_token_per_layer
+        if not isinstance(stage, Stage) or not per_layer:
+            return None
+        per_token = sum(per_layer[stage.start:stage.end])
+        if per_token <= 0:
+            return None
+        budget = self._usable_memory() - stage.nbytes() - self.boundary_budget() - self.work_space_bytes
+        return KVRoom(budget, per_token, self._kv_full)
+
+    def _kv_full(self, tokens: int) -> None:
+        """A step found no KV room (from the MLX thread): an event."""
+        message = (f"a request needing KV for {tokens} tokens found no memory for it and ended; the node holds "
+                   f"what it planned")
+        with contextlib.suppress(RuntimeError, AttributeError):  # no loop: the daemon is stopping
+            self._loop.call_soon_threadsafe(self.event, "memory", message)
 
     def planned_footprint(self, stage) -> dict[str, int]:
         """The planned footprint under ``stage`` (module docstring), bytes: ``runtime_bytes``,

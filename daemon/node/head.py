@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from ringlet.daemon.engine.draft_length import Speculation, before_stop, next_drafts
 from ringlet.daemon.engine.drafting import Drafter
+from ringlet.daemon.engine.request_errors import RequestError, RequestRetry
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb
-from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
 from ringlet.daemon.engine.speculation import trimmable
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.config import PREFILL_TIMEOUT_TOKENS, PREFIX_ATTEMPTS, SPEC_ALWAYS_ENV, TEST_CHUNK_DELAY_ENV

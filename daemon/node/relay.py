@@ -10,8 +10,8 @@ import asyncio
 import logging
 import time
 
+from ringlet.daemon.engine.request_errors import PrefixMiss, RequestDropped, RequestError, RequestRetry
 from ringlet.daemon.engine.sampling_pb import sampling_from_pb, scores_to_pb, token_from_pb, tokens_from_pb
-from ringlet.daemon.engine.scheduler import PrefixMiss, RequestDropped, RequestError, RequestRetry
 from ringlet.daemon.errors import GenerationError, one_line
 from ringlet.daemon.node.signals import EpochSkew, PrefixMissed, RetryOnPlan
 from ringlet.daemon.wire import codec

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import grpc
 
+from ringlet.daemon.engine import kv_room
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.engine.sampling_pb import sampling_to_pb, token_from_pb
 from ringlet.daemon.engine.stage import token_id_error
@@ -137,6 +138,8 @@ class ResumingClient:
             except NoPlanError:
                 raise
             except GenerationError as exc:
+                if kv_room.MARK in str(exc):  # no memory for its KV: the same again would fail too
+                    raise
                 skewed = isinstance(exc, EpochSkew)
                 skews += skewed
                 attempts += not skewed

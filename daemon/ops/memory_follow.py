@@ -107,6 +107,8 @@ class MemoryFollower:
         stores_off = getattr(self.node, "stores_off", False)  # shed under memory pressure
         if boundaries is not None and hasattr(boundaries, "budget_bytes"):
             boundaries.budget_bytes = 0 if stores_off else self.node.boundary_budget()
+        if engine is not None and hasattr(engine, "kv_room") and hasattr(self.node, "kv_room_for"):
+            engine.kv_room = self.node.kv_room_for(engine.stage)  # the KV room follows the figure too
         prefix = getattr(engine, "prefix", None)
         if prefix is None or not hasattr(engine, "run") or stores_off:
             return

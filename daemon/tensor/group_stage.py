@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ringlet.daemon.engine.scheduler import RequestError, RequestRetry
+from ringlet.daemon.engine.request_errors import RequestError, RequestRetry
 from ringlet.daemon.engine.stage import StageRange
 from ringlet.daemon.tensor.group import TPGroup
 from ringlet.daemon.tensor.group_errors import TPGroupError, TPStageLost
