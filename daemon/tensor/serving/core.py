@@ -104,7 +104,7 @@ class TPServing:
         self._tasks: set[asyncio.Task] = set()
         self._ranks: dict[tuple[int, int, int], LocalRankHandle] = {}  # (plan epoch, group epoch, rank) -> rank here
         self._stages: dict[int, GroupStage] = {}  # plan epoch -> the hybrid stage this node leads
-        self._workdir = Path(tempfile.mkdtemp(prefix="ringlet-tp-ranks-"))
+        self._workdir: Path | None = None  # made at the first rank this node runs (a killed daemon leaks none before)
         self._closed = False
         #: (membership digest, reason) of a tensor group that could not serve: that membership
         #: gets the pipeline (a change of members tries tensor again).
@@ -382,6 +382,8 @@ class TPServing:
             yield pb.RankEvent(error=why or "this node is shutting down")
             return
         key = (req.plan_epoch, req.group_epoch, req.rank)
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="ringlet-tp-ranks-"))
         directory = self._workdir / f"epoch-{req.plan_epoch}-group-{req.group_epoch}"
         directory.mkdir(parents=True, exist_ok=True)
         for name, text in req.files.items():
@@ -456,4 +458,5 @@ class TPServing:
         for handle in list(self._ranks.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(handle.wait()), 5)
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
