@@ -49,6 +49,7 @@ from ringlet.daemon.engine.scheduler import StageEngine
 from ringlet.daemon.engine.stage import Stage, load_stage
 from ringlet.daemon.errors import GenerationError, first_line
 from ringlet.daemon.node.config import COMMIT_WAIT_S, NodeConfig
+from ringlet.daemon.node.drop_first import DropFirst
 from ringlet.daemon.node.footprint import MemoryAccounting
 from ringlet.daemon.node.head import Generation, Head
 from ringlet.daemon.node.memory import (
@@ -73,7 +74,7 @@ from ringlet.daemon.wire.transport import make_server
 log = logging.getLogger("ringlet.daemon.node")
 
 
-class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting):
+class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting, DropFirst):
     """One ringlet daemon's serving core (no HTTP; see :mod:`ringlet.daemon.api.app`).
 
     ``cluster`` (set by the runner in negotiated mode) handles membership and
@@ -269,6 +270,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting)
         if current is not None and (current.start, current.end) == (spec.start, spec.end):
             self._prepared[key] = current
             return 0
+        if self.load_overfills(current, spec.start, spec.end):  # both ranges would not fit: drop first
+            await self.drop_first(current, spec.start, spec.end, plan.epoch)
         self.state = "loading" if current is None else self.state
         t0 = time.perf_counter()
         if self.config.fetch is not None:

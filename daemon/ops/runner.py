@@ -198,6 +198,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     # one step's activations at the widest chunk: kept off the offer, and MLX's cache limit
     node.work_space_bytes = work_space_bytes(config, node.config.chunk_for(1), spec.context_tokens)
     node.kv_bytes_per_token_per_layer = spec.kv_bytes_per_token_per_layer  # a stage's KV room (engine/kv_room.py)
+    node.layer_bytes = spec.layer_bytes  # a re-plan that would not fit beside the old range drops first
     await node.engine.run(set_cache_limit, node.work_space_bytes)
     record = {
         "name": socket.gethostname(), "chip": getattr(probe.machine, "chip", None) or "",
