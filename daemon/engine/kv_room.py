@@ -18,11 +18,24 @@ from collections.abc import Callable
 
 from ringlet.daemon.engine.request_errors import RequestError
 
-__all__ = ["MARK", "KVRoom", "KVRoomError"]
+__all__ = ["MARK", "KVRoom", "KVRoomError", "OutOfMemory", "allocation_failed"]
 
 #: Words every :class:`KVRoomError` message starts with (they cross the wire as text; an
 #: API node does not resume a request that failed for them).
 MARK = "no memory for"
+#: What MLX's allocators say when an allocation fails (``[metal::malloc] Unable to allocate
+#: N bytes``; ``[malloc_or_wait] Unable to allocate ...``).
+_ALLOCATION_FAILED = ("Unable to allocate", "[malloc")
+
+
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed allocation (MLX's, or Python's :class:`MemoryError`)."""
+    return isinstance(exc, MemoryError) or any(m in str(exc) for m in _ALLOCATION_FAILED)
+
+
+class OutOfMemory(RequestError):
+    """A step's allocation failed on this stage: the request ends (its API node resumes
+    it once the node, having shed its caches and offered less, is re-planned)."""
 
 
 class KVRoomError(RequestError):
@@ -38,13 +51,28 @@ class KVRoom:
         bytes_per_token: KV bytes one token takes across this stage's layers (> 0).
         on_full: called (from the MLX thread) with the tokens a refused step needed in all,
             once per refusal.
+        on_failed: called (from the MLX thread) with MLX's words when an allocation failed
+            anyway (Metal says so; MLX's CPU backend does not check).
     """
 
-    def __init__(self, budget_bytes: int, bytes_per_token: float, on_full: Callable[[int], None] | None = None):
+    def __init__(self, budget_bytes: int, bytes_per_token: float, on_full: Callable[[int], None] | None = None,
+                 on_failed: Callable[[str], None] | None = None):
         self.budget_bytes = max(0, int(budget_bytes))
         self.bytes_per_token = float(bytes_per_token)
         self.on_full = on_full
+        self.on_failed = on_failed
         self.refused = 0
+
+    def out_of_memory(self, exc: Exception) -> Exception:
+        """``exc`` as a step's result: a failed allocation becomes :class:`OutOfMemory` and
+        ``on_failed`` hears of it (from the MLX thread); any other error stays itself."""
+        if not allocation_failed(exc):
+            return exc
+        what = str(exc).strip() or type(exc).__name__
+        if self.on_failed is not None:
+            self.on_failed(what)
+        return OutOfMemory(f"this node ran out of memory for the step ({what}); it sheds its caches and offers "
+                           f"the planner less")
 
     def left(self, kv_bytes: int, prefix_bytes: int) -> int:
         """Bytes still free for KV growth when the caches in flight hold ``kv_bytes`` and the

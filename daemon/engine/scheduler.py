@@ -278,7 +278,7 @@ class StageEngine:
                     results = await loop.run_in_executor(self.executor, self._run_batch, batch)
                 except Exception as exc:  # noqa: BLE001 - the worker itself failed; fail these steps only
                     log.exception("stage forward failed")
-                    results = [exc] * len(batch)
+                    results = self._out_of_memory([exc] * len(batch))
                 for work, result in zip(batch, results, strict=True):
                     _resolve(work.future, result)
             elif wait > 0:  # the rest of the first step's batch is on its way
@@ -439,7 +439,12 @@ class StageEngine:
             self.last_batch = len(ready)
             self.batch_histogram[len(ready)] += 1
             self.recent_batches.append((time.monotonic(), len(ready)))
-        return results
+        return self._out_of_memory(results)
+
+    def _out_of_memory(self, results: list[Any]) -> list[Any]:
+        """A step whose allocation failed ends as :class:`~.kv_room.OutOfMemory` (the node is told)."""
+        room = self.kv_room
+        return [room.out_of_memory(r) if room is not None and isinstance(r, Exception) else r for r in results]
 
     def _release_many(self, releases: list[Work]) -> list[bool]:
         return [self.release(w.request_id, w.token_ids) for w in releases]

@@ -113,7 +113,14 @@ class MemoryAccounting:
         if per_token <= 0:
             return None
         budget = self._usable_memory() - stage.nbytes() - self.boundary_budget() - self.work_space_bytes
-        return KVRoom(budget, per_token, self._kv_full)
+        return KVRoom(budget, per_token, self._kv_full, self._allocation_failed)
+
+    def _allocation_failed(self, what: str) -> None:
+        """An allocation failed anyway (from the MLX thread): memory pressure that calls for
+        less at once (``PressureResponder.allocation_failed``, ops/memory_pressure.py)."""
+        if self.pressure is not None:
+            with contextlib.suppress(RuntimeError, AttributeError):  # no loop: the daemon is stopping
+                self._loop.call_soon_threadsafe(self.pressure.allocation_failed, what)
 
     def _kv_full(self, tokens: int) -> None:
         """A step found no KV room (from the MLX thread): an event."""

@@ -12,6 +12,9 @@ Each poll of the memory follower (:mod:`.memory_follow`) reads the kernel's sign
 3. when no signal was seen for :data:`CALM_S` seconds, **turns back**: the stores get their
    budgets again and the offer its rule's figure (a re-plan may give the layers back).
 
+An allocation that fails anyway (MLX on Metal says so; :mod:`ringlet.daemon.engine.kv_room`)
+takes steps 1 and 2 at once.
+
 Every step is an event (``memory`` kind) and ``/v1/cluster``'s ``memory_pressure`` (shown
 by ``ringlet status``) says what holds now.
 """
@@ -94,6 +97,22 @@ class PressureResponder:
             self.calm_since = self.calm_since if self.calm_since is not None else now
             if now - self.calm_since >= CALM_S:
                 await self._restore(now - self.since)
+
+    def allocation_failed(self, what: str) -> asyncio.Task:
+        """An allocation failed on this node anyway (MLX's words): shed at once and offer
+        less at once, as pressure that already stayed; the calm period then turns it back.
+        Returns the task doing it (on the running loop)."""
+        reason = f"an allocation failed ({what})"
+
+        async def act() -> None:
+            now = self.clock()
+            if self.since is None:
+                self.since, self.reason = now, reason
+                await self._shed(reason)
+            self.last_step, self.calm_since = now, None
+            self._cut(reason)
+
+        return asyncio.get_running_loop().create_task(act())
 
     async def _shed(self, reason: str) -> None:
         node = self.node

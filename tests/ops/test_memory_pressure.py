@@ -172,3 +172,39 @@ def test_shed_then_offer_less_while_it_stays_then_turn_back(monkeypatch):
         assert f.membership.own_record["usable_memory_source"].startswith(CGROUP.usable_source)
 
     asyncio.run(scenario())
+
+
+def test_an_allocation_that_failed_anyway_sheds_and_offers_less_at_once(monkeypatch):
+    """MLX on Metal raises ``[metal::malloc] Unable to allocate N bytes`` when an allocation
+    fails (its CPU backend does not check, so this machine cannot fail one for real): the
+    step ends as OutOfMemory, which the API node resumes, and the node sheds and cuts its
+    offer without waiting for a signal."""
+    from ringlet.daemon.engine.kv_room import KVRoom, OutOfMemory, allocation_failed
+
+    heard = []
+    room = KVRoom(100 * MIB, 1024.0, on_failed=heard.append)
+    metal = RuntimeError("[metal::malloc] Unable to allocate 1073741824 bytes.")
+    got = room.out_of_memory(metal)
+    assert isinstance(got, OutOfMemory) and heard == ["[metal::malloc] Unable to allocate 1073741824 bytes."]
+    assert "ran out of memory for the step" in str(got) and "offers the planner less" in str(got)
+    other = ValueError("shapes do not match")
+    assert room.out_of_memory(other) is other and len(heard) == 1
+    assert allocation_failed(MemoryError()) and not allocation_failed(other)
+
+    monkeypatch.setattr(memory_pressure, "_clear_mlx_cache", lambda: 0)
+    node, clock = Node(), Clock()
+    f = MemoryFollower(node, CGROUP, None, pressure_read=lambda: PressureReading())
+    f.membership, f.negotiator = FakeMembership(), FakeNegotiator()
+    f.pressure.clock = clock
+
+    async def scenario():
+        await f.pressure.allocation_failed(heard[0])
+        assert node.stores_off and f.cap_bytes == int(840 * MIB * 0.75) and f.negotiator.changes == 1
+        assert node.events[0].startswith("memory pressure: an allocation failed ([metal::malloc] Unable to allocate")
+        assert node.events[1].startswith("memory pressure stays: an allocation failed")
+        for _ in range(9):  # 18 s without a signal: turned back
+            clock.now += 2
+            await f.pressure.poll()
+        assert not node.stores_off and f.cap_bytes is None
+
+    asyncio.run(scenario())
