@@ -4,9 +4,9 @@ Endpoints: OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (:mod:`ringlet.daemon.api.openai_api`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`ringlet.daemon.api.anthropic_api`), OpenAI's
 ``POST /v1/responses`` (:mod:`ringlet.daemon.api.responses_api`), and ``GET /v1/models``,
-``GET /v1/cluster``, ``GET /healthz``. Each API surface is an adapter over one internal
-request type and event stream (:mod:`ringlet.daemon.api.request`,
-:mod:`ringlet.daemon.api.pipeline`). Bad requests get a 4xx JSON error in the
+``GET /v1/cluster``, ``GET /healthz``, ``GET /metrics`` (:mod:`ringlet.daemon.api.metrics`).
+Each API surface is an adapter over one internal request type and event stream
+(:mod:`ringlet.daemon.api.request`, :mod:`ringlet.daemon.api.pipeline`). Bad requests get a 4xx JSON error in the
 surface's own shape, naming the field; the node keeps serving.
 
 Tokenization, the chat template and streaming detokenization are the model's own,
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ringlet.daemon.api import anthropic_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
+from ringlet.daemon.api.metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from ringlet.daemon.api.pipeline import Pipeline
 from ringlet.daemon.api.seal import Sealer
 from ringlet.daemon.api.ticker import ClientGone
@@ -144,6 +145,15 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
     app.state.sealer = Sealer(seal_material(node), model_name)
     pipeline = Pipeline(node, tokenizer, model_name, context_tokens, limits)
     app.state.pipeline = pipeline
+    metrics = Metrics(node, lambda: (app.state.admission.running, app.state.admission.waiting))
+    pipeline.metrics = metrics
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.metrics = metrics
+    app.add_middleware(CountRequests, metrics=metrics)
     # the API surfaces: each an adapter over the pipeline (one line each)
     if getattr(node, "engine", None) is not None:  # the last stage applies grammars with the model's tokenizer
         from ringlet.daemon.engine.grammar import ll_tokenizer

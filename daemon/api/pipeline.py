@@ -31,6 +31,8 @@ from ringlet.daemon.api.request import (
     TextDelta,
     TokenLogprob,
     ToolCall,
+    ToolCallDelta,
+    ToolCallStart,
     Usage,
 )
 from ringlet.daemon.api.text import TextSplitter, whole_characters
@@ -38,6 +40,9 @@ from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.engine.sampling import SamplingParams
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire.limits import ApiLimits
+
+#: the events that carry output (what /metrics times: first output, then between outputs)
+OUTPUTS = (TextDelta, ReasoningDelta, ToolCallStart, ToolCallDelta, ToolCall)
 
 
 @dataclass
@@ -80,6 +85,7 @@ class Pipeline:
                  limits: ApiLimits):
         self.node, self.tokens, self.model_name = node, tokenizer, model_name
         self.context_tokens, self.limits = context_tokens, limits
+        self.metrics = None  # /metrics (api/metrics.py): times and counts each run's outputs when set
 
     async def ready(self) -> None:
         """Wait until the tokenizer is built (at once after the first request)."""
@@ -200,8 +206,13 @@ class Pipeline:
             info["on_prefill"] = on_prefill
         events = ticker.with_ticks(self._choices(prepared, req.cache_scope, info), ticker.keepalive_interval(),
                                    progress)
+        clock = self.metrics.clock() if self.metrics is not None else None
         async with contextlib.aclosing(events) as stream:
             async for event in stream:
+                if clock is not None and isinstance(event, OUTPUTS):
+                    clock.output()
+                elif clock is not None and isinstance(event, Usage):
+                    clock.usage(event.prompt_tokens, event.cached_tokens, event.completion_tokens)
                 yield event
 
     async def _choices(self, prepared: Prepared, scope: str, info: dict) -> AsyncIterator[Event]:

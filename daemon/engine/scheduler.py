@@ -120,6 +120,8 @@ class StageEngine:
         self.grammar_tokenizer: GrammarTokenizer | None = None
         #: the memory this stage's KV may take (set by the node; None: unchecked)
         self.kv_room: KVRoom | None = None
+        #: (rounds run, their seconds in all) since start: /metrics' step time
+        self.step_seconds: tuple[int, float] = (0, 0.0)
 
     @staticmethod
     def new_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -274,11 +276,13 @@ class StageEngine:
                 for work, result in zip(releases, held, strict=True):
                     _resolve(work.future, result)
             if batch:
+                started = time.perf_counter()
                 try:
                     results = await loop.run_in_executor(self.executor, self._run_batch, batch)
                 except Exception as exc:  # noqa: BLE001 - the worker itself failed; fail these steps only
                     log.exception("stage forward failed")
                     results = self._out_of_memory([exc] * len(batch))
+                self.step_seconds = (self.step_seconds[0] + 1, self.step_seconds[1] + time.perf_counter() - started)
                 for work, result in zip(batch, results, strict=True):
                     _resolve(work.future, result)
             elif wait > 0:  # the rest of the first step's batch is on its way

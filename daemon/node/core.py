@@ -106,6 +106,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting,
         self.trip_meter = TripMeter()  # what a verifying trip costs here, measured
         self.draft_model: Any = None  # --draft-model (engine.draft_model.DraftModel), run here when heading
         self.requests_served = 0
+        self.commits = 0  # plans committed since start (/metrics' re-plans)
         self.events: deque[dict] = deque(maxlen=100)
         self.loading_progress: float | None = None  # 0..1 while a stage loads
         self.download = None  # a DownloadProgress (shards.hub_fetch) while the stage's files download
@@ -319,6 +320,7 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting,
         # new plan must see the new plan and a fresh plan-changed event together, or the
         # old event would end it at once as changed again (CI saw that on a join).
         self.plan = plan
+        self.commits += 1
         if self.engine is not None:
             self.engine.ring_depth = len(plan.stages)  # stage 0 forms this many decode groups at least
         changed, self._plan_changed = self._plan_changed, asyncio.Event()

@@ -5,7 +5,7 @@
 * :class:`ConcurrencyLimiter` — at most N requests run, at most Q wait; beyond
   that, :class:`Overloaded` with a suggested retry delay.
 * :class:`ApiLimits` and :class:`ApiGuard` — the HTTP API's guard, an ASGI
-  middleware in front of the FastAPI app: API key on ``/v1/*`` (``/healthz``
+  middleware in front of the FastAPI app: API key on ``/v1/*`` and ``/metrics`` (``/healthz``
   stays open), body size (413), concurrency with a queue (429 + ``Retry-After``).
   Prompt size and ``max_tokens`` are checked by the API itself with
   :meth:`ApiLimits.prompt_error` and :meth:`ApiLimits.clamp_completion`, as only
@@ -235,7 +235,7 @@ class ApiGuard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        protected = path == "/v1" or path.startswith("/v1/")
+        protected = path == "/v1" or path.startswith("/v1/") or path == "/metrics"
         if protected and self.limits.api_key_digests and not self._authorized(scope):
             await _respond(send, 401, error_body(401, "Incorrect or missing API key: send "
                                                  "'Authorization: Bearer <key>'", "invalid_api_key"),
