@@ -116,6 +116,20 @@ class CgroupCluster(LocalCluster):
         return ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh", *cmd]
 
 
+@contextlib.contextmanager
+def cgroup_ring(log_dir: Path, model: Path, limits: dict[str, int], ids: dict[str, str], extra_args: list[str]):
+    """A dynamic :class:`CgroupCluster` of ``model`` whose node ``i`` runs in a cgroup of
+    ``limits``' ``i``-th limit with the ``i``-th of ``ids`` (``{name: node id}``; on loopback
+    the planner orders nodes of equal speed by id). Yields ``(cluster, {name: Cgroup})``;
+    everything is stopped and removed afterwards. Skips where cgroups cannot be made."""
+    parent = require_cgroups()
+    fix_node_ids(log_dir, list(ids.values()))
+    with cgroups(parent, limits) as cg, CgroupCluster(
+            len(ids), model=str(model), dynamic=True, cgroups=[cg[k] for k in ids], log_dir=str(log_dir),
+            extra_args=extra_args) as c:
+        yield c, cg
+
+
 def fix_node_ids(log_dir: Path, ids: list[str]) -> None:
     """Give node ``i`` of a :class:`LocalCluster` on ``log_dir`` the id ``ids[i]`` (16 hex
     chars): on loopback the planner orders equal nodes by id, so a test can say which node

@@ -24,16 +24,10 @@ from __future__ import annotations
 import time
 
 import httpx
-from cgroups import CgroupCluster, cgroups, expected_usable, fix_node_ids, require_cgroups
-from tiny_models import make_chat_model, whole_model_greedy
+from cgroups import CgroupCluster, cgroup_ring, expected_usable
 
-CONFIG = {
-    "model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 10, "intermediate_size": 3072,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 98,
-    "max_position_embeddings": 1024, "rope_theta": 10000.0, "tie_word_embeddings": False,
-}
-PROMPT = [5, 17, 42, 90, 8, 50, 3, 77]
-TOKENS = 8
+from tests.probes.conftest import PROMPT, TOKENS
+
 MB = 1_000_000
 LIMITS = {"a": 550_000_000, "b": 550_000_000, "c": 380_000_000}
 IDS = {"a": "a000000000000000", "b": "b000000000000000", "c": "c000000000000000"}
@@ -92,68 +86,62 @@ def check_plan(view: dict, limits: dict[str, int]) -> dict[str, dict]:
     return stages
 
 
-def test_three_limits_a_lowered_one_a_loss_and_a_return(tmp_path):
-    parent = require_cgroups()
-    model = make_chat_model("llama", tmp_path / "model", CONFIG)
-    want = whole_model_greedy(model, PROMPT, TOKENS)
-    fix_node_ids(tmp_path / "run", list(IDS.values()))
-    with cgroups(parent, LIMITS) as cg:
-        groups = [cg[k] for k in IDS]
-        with CgroupCluster(3, model=str(model), dynamic=True, cgroups=groups, log_dir=str(tmp_path / "run"),
-                           extra_args=["--context", "256"]) as c:
-            view = c.wait_plan(stages=3)
-            limits = dict(LIMITS)
-            stages = check_plan(view, limits)
-            footprint = {"load": check_footprint(c, cg, "load")}
-            assert token_ids(complete(c.api_urls[0])) == want
-            # a request that fills the planned context (256 tokens) through every stage
-            assert len(token_ids(complete(c.api_urls[0], [(7 * i) % 97 + 1 for i in range(240)], 16))) == 16
-            footprint["full context"] = check_footprint(c, cg, "full context")
-            before = {k: p["total_bytes"] for k, p in planned(c).items()}
-            for g in cg.values():
-                g.reset_peak()
+def test_three_limits_a_lowered_one_a_loss_and_a_return(tmp_path, cgroup_llama):
+    model, want = cgroup_llama
+    with cgroup_ring(tmp_path / "run", model, LIMITS, IDS, ["--context", "256"]) as (c, cg):
+        view = c.wait_plan(stages=3)
+        limits = dict(LIMITS)
+        stages = check_plan(view, limits)
+        footprint = {"load": check_footprint(c, cg, "load")}
+        assert token_ids(complete(c.api_urls[0])) == want
+        # a request that fills the planned context (256 tokens) through every stage
+        assert len(token_ids(complete(c.api_urls[0], [(7 * i) % 97 + 1 for i in range(240)], 16))) == 16
+        footprint["full context"] = check_footprint(c, cg, "full context")
+        before = {k: p["total_bytes"] for k, p in planned(c).items()}
+        for g in cg.values():
+            g.reset_peak()
 
-            # c's limit lowered above what it holds (~230 MB), to where it offers ~77 MB: one
-            # layer, not its two
-            assert cg["c"].usage() < 280 * MB
-            limits["c"] = cg["c"].limit(300 * MB // 4096 * 4096)
-            lowered = time.monotonic()
-            after = c.wait_plan(stages=3, min_epoch=view["epoch"] + 1, timeout_s=60)
-            replan_s = time.monotonic() - lowered
-            shrunk = check_plan(after, limits)
-            # through the re-plan no node held more than the larger of its two planned footprints
-            bound = {k: max(before[k], p["total_bytes"]) for k, p in planned(c).items()}
-            footprint["re-plan"] = check_footprint(c, cg, "re-plan", bound)
-            old, new = stages["c"], shrunk["c"]  # fewer layers, all of them held already
-            assert old["start"] <= new["start"] < new["end"] <= old["end"], (stages, shrunk)
-            assert new["end"] - new["start"] < old["end"] - old["start"], (stages, shrunk)
-            assert token_ids(complete(c.api_urls[0])) == want
+        # c's limit lowered above what it holds (~230 MB), to where it offers ~77 MB: one
+        # layer, not its two
+        assert cg["c"].usage() < 280 * MB
+        limits["c"] = cg["c"].limit(300 * MB // 4096 * 4096)
+        lowered = time.monotonic()
+        after = c.wait_plan(stages=3, min_epoch=view["epoch"] + 1, timeout_s=60)
+        replan_s = time.monotonic() - lowered
+        shrunk = check_plan(after, limits)
+        # through the re-plan no node held more than the larger of its two planned footprints
+        bound = {k: max(before[k], p["total_bytes"]) for k, p in planned(c).items()}
+        footprint["re-plan"] = check_footprint(c, cg, "re-plan", bound)
+        old, new = stages["c"], shrunk["c"]  # fewer layers, all of them held already
+        assert old["start"] <= new["start"] < new["end"] <= old["end"], (stages, shrunk)
+        assert new["end"] - new["start"] < old["end"] - old["start"], (stages, shrunk)
+        assert token_ids(complete(c.api_urls[0])) == want
 
-            c.kill(0)  # a: b and c together hold too little
-            deadline = time.monotonic() + 30
-            while (resp := complete(c.api_urls[1])).status_code != 503:
-                assert resp.status_code == 200 and time.monotonic() < deadline, resp.text
-                time.sleep(0.3)
-            reason = resp.json()["error"]["message"]
-            assert "model needs" in reason and "cluster has" in reason and "add a node or memory" in reason, reason
-            assert complete(c.api_urls[2]).json()["error"]["message"] == reason  # every member says the same
-            assert c.alive() == [1, 2]
+        c.kill(0)  # a: b and c together hold too little
+        deadline = time.monotonic() + 30
+        while (resp := complete(c.api_urls[1])).status_code != 503:
+            assert resp.status_code == 200 and time.monotonic() < deadline, resp.text
+            time.sleep(0.3)
+        reason = resp.json()["error"]["message"]
+        assert "model needs" in reason and "cluster has" in reason and "add a node or memory" in reason, reason
+        assert complete(c.api_urls[2]).json()["error"]["message"] == reason  # every member says the same
+        assert c.alive() == [1, 2]
 
-            c.restart(0)
-            back = c.wait_plan(stages=3, min_epoch=after["epoch"] + 2, timeout_s=90)
-            check_plan(back, limits)
-            assert token_ids(complete(c.api_urls[0])) == want
-            assert token_ids(complete(c.api_urls[2])) == want
-            kills = {k: g.oom_kills() for k, g in cg.items()}
-            assert kills == {"a": 0, "b": 0, "c": 0}, kills
-            print("\nusable (MB): " + ", ".join(f"{k} {m['memory_usable_bytes'] / MB:.0f}" for k, m in zip(
-                IDS, sorted(view["members"], key=lambda m: m["node_id"]), strict=True))
-                  + "; stages: " + ", ".join(f"{k} [{s['start']},{s['end']}) {s['memory_bytes'] / MB:.0f} MB"
-                                             for k, s in stages.items())
-                  + f"; c lowered to {limits['c'] / MB:.0f} MB: re-planned in {replan_s:.1f} s to "
-                  + ", ".join(f"{k} [{s['start']},{s['end']})" for k, s in shrunk.items())
-                  + "; cgroup peak/planned (MB): " + "; ".join(f"{ph} " + ", ".join(f"{k} {v}" for k, v in f.items())
-                                                            for ph, f in footprint.items())
-                  + f"; 503: {reason}; peaks (MB): "
-                  + ", ".join(f"{k} {g.peak() / MB:.0f}/{int(g.read('memory.limit_in_bytes')) / MB:.0f} "
-                              f"(failcnt {g.read('memory.failcnt').strip()})" for k, g in cg.items()))
+        c.restart(0)
+        back = c.wait_plan(stages=3, min_epoch=after["epoch"] + 2, timeout_s=90)
+        check_plan(back, limits)
+        assert token_ids(complete(c.api_urls[0])) == want
+        assert token_ids(complete(c.api_urls[2])) == want
+        kills = {k: g.oom_kills() for k, g in cg.items()}
+        assert kills == {"a": 0, "b": 0, "c": 0}, kills
+        print("\nusable (MB): " + ", ".join(f"{k} {m['memory_usable_bytes'] / MB:.0f}" for k, m in zip(
+            IDS, sorted(view["members"], key=lambda m: m["node_id"]), strict=True))
+              + "; stages: " + ", ".join(f"{k} [{s['start']},{s['end']}) {s['memory_bytes'] / MB:.0f} MB"
+                                         for k, s in stages.items())
+              + f"; c lowered to {limits['c'] / MB:.0f} MB: re-planned in {replan_s:.1f} s to "
+              + ", ".join(f"{k} [{s['start']},{s['end']})" for k, s in shrunk.items())
+              + "; cgroup peak/planned (MB): " + "; ".join(f"{ph} " + ", ".join(f"{k} {v}" for k, v in f.items())
+                                                        for ph, f in footprint.items())
+              + f"; 503: {reason}; peaks (MB): "
+              + ", ".join(f"{k} {g.peak() / MB:.0f}/{int(g.read('memory.limit_in_bytes')) / MB:.0f} "
+                          f"(failcnt {g.read('memory.failcnt').strip()})" for k, g in cg.items()))

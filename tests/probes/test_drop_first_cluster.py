@@ -1,6 +1,6 @@
 """A re-plan never holds two layer ranges beyond what the node offered (#43 must-have 2):
 three daemons in memory cgroups of 550 MB serve the 10-layer llama of
-test_cgroup_cluster.py (48 MiB a layer; each offers ~265 MB: 5 layers); the first stage
+tests/probes/conftest.py (48 MiB a layer; each offers ~265 MB: 5 layers); the first stage
 is killed, and the survivors must shift to layers they do not hold. Loading those beside
 the old range would take a survivor to 6-8 layers; it drops the layers outside its new
 range first (an event says so), so no cgroup's peak through the re-plan passes the larger
@@ -9,24 +9,18 @@ is OOM-killed."""
 
 from __future__ import annotations
 
-from cgroups import CgroupCluster, cgroups, fix_node_ids, require_cgroups
-from tiny_models import make_chat_model, whole_model_greedy
+from cgroups import cgroup_ring
 
-from tests.probes.test_cgroup_cluster import CONFIG, PROMPT, TOKENS, complete, token_ids
+from tests.probes.test_cgroup_cluster import complete, token_ids
 
 IDS = {"a": "a000000000000000", "b": "b000000000000000", "c": "c000000000000000"}
 LIMITS = dict.fromkeys(IDS, 550_000_000)
 
 
-def test_a_survivor_that_shifts_drops_its_old_layers_before_loading(tmp_path):
-    parent = require_cgroups()
-    model = make_chat_model("llama", tmp_path / "model", CONFIG)
-    want = whole_model_greedy(model, PROMPT, TOKENS)
-    fix_node_ids(tmp_path / "run", list(IDS.values()))
+def test_a_survivor_that_shifts_drops_its_old_layers_before_loading(tmp_path, cgroup_llama):
+    model, want = cgroup_llama
     name_of = {v: k for k, v in IDS.items()}
-    with cgroups(parent, LIMITS) as cg, CgroupCluster(
-            3, model=str(model), dynamic=True, cgroups=[cg[k] for k in IDS], log_dir=str(tmp_path / "run"),
-            extra_args=["--context", "256"]) as c:
+    with cgroup_ring(tmp_path / "run", model, LIMITS, IDS, ["--context", "256"]) as (c, cg):
         view = c.wait_plan(stages=3)
         assert token_ids(complete(c.api_urls[1])) == want
         before = {name_of[(i := c.cluster_info(k))["node_id"]]: i["memory"]["planned"]["total_bytes"]

@@ -5,7 +5,7 @@ takes 150 MB. b sheds what it can rebuild (its prefix store empties: an event sa
 mlx-lm's whole model's, and nobody is OOM-killed. The program ends: once the pressure has
 been gone for a while b turns its stores back on and takes its layers back.
 
-Sizes (the llama of test_cgroup_cluster.py, 10 layers of 48 MiB): a's cgroup of 900 MB
+Sizes (the llama of tests/probes/conftest.py, 10 layers of 48 MiB): a's cgroup of 900 MB
 could hold the whole model; b's of 450 MB offers ~190 MB (3 layers: 80 % of the limit less
 ~122 MiB of runtime, a sixteenth for boundary activations and 29 MB of work space). With
 b's ~290 MB and the program's 150 MB the cgroup holds over 90 % of its limit without page
@@ -18,10 +18,9 @@ import subprocess
 import sys
 import time
 
-from cgroups import CgroupCluster, cgroups, fix_node_ids, require_cgroups
-from tiny_models import make_chat_model, whole_model_greedy
+from cgroups import cgroup_ring
 
-from tests.probes.test_cgroup_cluster import CONFIG, PROMPT, TOKENS, complete, token_ids
+from tests.probes.test_cgroup_cluster import complete, token_ids
 
 MB = 1_000_000
 IDS = {"a": "a000000000000000", "b": "b000000000000000"}
@@ -41,14 +40,9 @@ def wait_for(what, check, timeout_s: float):
     return got
 
 
-def test_a_program_that_takes_memory_sheds_the_stores_replans_and_gives_back(tmp_path):
-    parent = require_cgroups()
-    model = make_chat_model("llama", tmp_path / "model", CONFIG)
-    want = whole_model_greedy(model, PROMPT, TOKENS)
-    fix_node_ids(tmp_path / "run", list(IDS.values()))
-    with cgroups(parent, LIMITS) as cg, CgroupCluster(
-            2, model=str(model), dynamic=True, cgroups=[cg["a"], cg["b"]], log_dir=str(tmp_path / "run"),
-            extra_args=["--context", "256"]) as c:
+def test_a_program_that_takes_memory_sheds_the_stores_replans_and_gives_back(tmp_path, cgroup_llama):
+    model, want = cgroup_llama
+    with cgroup_ring(tmp_path / "run", model, LIMITS, IDS, ["--context", "256"]) as (c, cg):
         view = c.wait_plan(stages=2)
         held = b_layers(view)
         assert held == 3, view["plan_detail"]["stages"]
