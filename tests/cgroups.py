@@ -19,6 +19,16 @@ import pytest
 from ringlet.daemon.ops.demo import LocalCluster
 
 PAGE = 4096
+#: The random llama the memory-cgroup cluster tests share (tests/conftest.py's
+#: ``cgroup_llama``): 10 layers of 48 MiB (float32: hidden 1024, MLP 3072, 8 query and 2
+#: key/value heads) and the tests' 98-token vocabulary, 483 MB in all; and their prompt.
+CGROUP_LLAMA = {
+    "model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 10, "intermediate_size": 3072,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 98,
+    "max_position_embeddings": 1024, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+PROMPT = [5, 17, 42, 90, 8, 50, 3, 77]
+TOKENS = 8
 
 
 def own_memory_cgroup() -> Path | None:

@@ -69,6 +69,18 @@ def reference() -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def cgroup_llama(tmp_path_factory) -> tuple:
+    """``(model directory, mlx-lm's greedy ids of the whole model)`` of the memory-cgroup
+    tests' llama (tests/cgroups.py ``CGROUP_LLAMA``, ``PROMPT``, ``TOKENS``), written once
+    per test process: its page cache is charged to the test's own cgroup, not a daemon's."""
+    from cgroups import CGROUP_LLAMA, PROMPT, TOKENS
+    from tiny_models import make_chat_model, whole_model_greedy
+
+    model = make_chat_model("llama", tmp_path_factory.mktemp("cgroup-llama") / "model", CGROUP_LLAMA)
+    return model, whole_model_greedy(model, PROMPT, TOKENS)
+
+
+@pytest.fixture(scope="session")
 def default_location():
     from ringlet.daemon.engine.sources import resolve
 
@@ -86,11 +98,13 @@ SERIAL = ("tensor/test_tp_cluster.py", "tensor/test_tp_group.py", "tensor/test_t
           "probes/test_probe_speed_local.py")
 
 #: Test files that mostly wait (heartbeats, mDNS rounds, handshake retries, systemd's
-#: verifier) and compute little: they also carry the ``serial`` mark, to run in the lane
-#: beside the tensor files, which is otherwise done ~70 s before them, instead of in the
-#: parallel phase, whose two workers keep both cores busy.
+#: verifier, a memory-pressure calm period) and compute little: they carry the ``waiting``
+#: mark and run in a third pytest process beside the parallel phase's two workers, which
+#: keep both cores busy but leave these their few milliseconds of CPU (in the serial phase
+#: they made its second lane ~60 s longer than the tensor lane beside it).
 WAITING = ("cluster/test_membership.py", "cluster/test_discovery_loopback.py", "ops/test_service.py",
-           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py", "cluster/test_boot_netns.py")
+           "cluster/test_reconcile.py", "cluster/test_lookup_retry.py", "cluster/test_boot_netns.py",
+           "probes/test_pressure_cluster.py")
 
 
 #: The parallel phase's longest files (25-100 s each on this 2-core machine), longest
@@ -114,21 +128,23 @@ SERIAL_LAST = ("cluster/test_netns.py", "ops/test_dashboard_cluster.py", "probes
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark the files in :data:`SERIAL` and :data:`WAITING` ``serial``, put the files of
-    :data:`SLOW_FIRST` first (in its order) and those of :data:`SERIAL_LAST` last (the
-    others keep their order). ``make test`` runs the unmarked files on 2 pytest-xdist
-    workers (``-n 2 --dist loadfile --no-loadscope-reorder``: each file whole on one worker,
-    so its module fixtures start once and its tests run in order; files handed out in this
-    order, where xdist would by default hand out the files with the most tests first and
-    leave the long one-test files for the end), then the
-    ``serial`` ones in two pytest processes side by side: the tensor files one after the
-    other in one, the rest (which mostly wait on links, heartbeats and tmux) in the other."""
+    """Mark the files in :data:`SERIAL` ``serial`` and those in :data:`WAITING` ``waiting``,
+    put the files of :data:`SLOW_FIRST` first (in its order) and those of :data:`SERIAL_LAST`
+    last (the others keep their order). ``make test`` runs the unmarked files on 2
+    pytest-xdist workers (``-n 2 --dist loadfile --no-loadscope-reorder``: each file whole on
+    one worker, so its module fixtures start once and its tests run in order; files handed
+    out in this order, where xdist would by default hand out the files with the most tests
+    first and leave the long one-test files for the end) with the ``waiting`` ones beside
+    them in a third process, then the ``serial`` ones in two pytest processes side by side:
+    the tensor files one after the other in one, the rest (links, tmux) in the other."""
     def rel(item) -> str:
         return Path(str(item.fspath)).relative_to(TESTS).as_posix()
 
     for item in items:
-        if rel(item).startswith(SERIAL + WAITING):
+        if rel(item).startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+        elif rel(item).startswith(WAITING):
+            item.add_marker(pytest.mark.waiting)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     rank.update({name: len(SLOW_FIRST) + 1 + i for i, name in enumerate(SERIAL_LAST)})
     items.sort(key=lambda item: rank.get(rel(item), len(SLOW_FIRST)))  # stable: a file's tests keep their order

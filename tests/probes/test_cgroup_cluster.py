@@ -24,9 +24,7 @@ from __future__ import annotations
 import time
 
 import httpx
-from cgroups import CgroupCluster, cgroup_ring, expected_usable
-
-from tests.probes.conftest import PROMPT, TOKENS
+from cgroups import PROMPT, TOKENS, CgroupCluster, cgroup_ring, expected_usable
 
 MB = 1_000_000
 LIMITS = {"a": 550_000_000, "b": 550_000_000, "c": 380_000_000}

@@ -1,6 +1,6 @@
 """A re-plan never holds two layer ranges beyond what the node offered (#43 must-have 2):
 three daemons in memory cgroups of 550 MB serve the 10-layer llama of
-tests/probes/conftest.py (48 MiB a layer; each offers ~265 MB: 5 layers); the first stage
+tests/cgroups.py (48 MiB a layer; each offers ~265 MB: 5 layers); the first stage
 is killed, and the survivors must shift to layers they do not hold. Loading those beside
 the old range would take a survivor to 6-8 layers; it drops the layers outside its new
 range first (an event says so), so no cgroup's peak through the re-plan passes the larger

@@ -5,7 +5,7 @@ takes 150 MB. b sheds what it can rebuild (its prefix store empties: an event sa
 mlx-lm's whole model's, and nobody is OOM-killed. The program ends: once the pressure has
 been gone for a while b turns its stores back on and takes its layers back.
 
-Sizes (the llama of tests/probes/conftest.py, 10 layers of 48 MiB): a's cgroup of 900 MB
+Sizes (the llama of tests/cgroups.py, 10 layers of 48 MiB): a's cgroup of 900 MB
 could hold the whole model; b's of 450 MB offers ~190 MB (3 layers: 80 % of the limit less
 ~122 MiB of runtime, a sixteenth for boundary activations and 29 MB of work space). With
 b's ~290 MB and the program's 150 MB the cgroup holds over 90 % of its limit without page
