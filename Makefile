@@ -111,9 +111,14 @@ agents: $(STAMP)
 # first); xdist's default hands out the files with the most tests first, which left the
 # long one-test files (rolling upgrade, cgroups, versions) for the end, one worker idle.
 HALF_CORES := $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 3 ? n / 2 : 1 )))
+# The files that mostly wait run in a third process beside the parallel phase (their log follows it).
 test: install system-deps agents lint
+	@log=$$(mktemp); RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q -p no:cacheprovider --durations=10 \
+	  -m waiting tests >$$log 2>&1 & waiting=$$!; \
 	RINGLET_THREADS=$(HALF_CORES) $(PY) -m pytest -q --durations=20 -n 2 --dist loadfile --no-loadscope-reorder \
-	  -m "not serial" tests
+	  -m "not serial and not waiting" tests; parallel=$$?; \
+	wait $$waiting; waited=$$?; echo "--- waiting tests beside the parallel ones ---"; cat $$log; rm -f $$log; \
+	[ $$parallel = 0 ] && [ $$waited = 0 ]
 	@# the serial files: the tensor ones in one process, the others beside it (their log follows)
 	@log=$$(mktemp); $(PY) -m pytest -q -p no:cacheprovider --durations=20 -m serial --ignore=tests/tensor tests \
 	  >$$log 2>&1 & other=$$!; \
