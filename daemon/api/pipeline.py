@@ -110,7 +110,14 @@ class Pipeline:
                            param="model", code="model_not_found")
 
     def prompt_ids(self, request: GenerationRequest) -> tuple[list[int], prompting.ToolFormat | None]:
-        """The request's prompt token ids and tool format (no budget check)."""
+        """The request's prompt token ids (after its ``context_ids``) and tool format (no
+        budget check)."""
+        if request.context_ids:
+            vocab = len(self.tokenizer)
+            if any(t < 0 or t >= vocab for t in request.context_ids):
+                raise ApiError(400, f"context token ids must be within [0, {vocab})", param="context")
+            ids, fmt = self.prompt_ids(replace(request, context_ids=[]))
+            return [*request.context_ids, *ids], fmt
         if request.messages is not None:
             return prompting.chat_prompt(self.tokenizer, request)
         if isinstance(request.prompt, list):

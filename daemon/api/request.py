@@ -115,6 +115,8 @@ class GenerationRequest:
             what follows its text.
         generation_prompt: open the assistant's turn after the messages (vLLM's
             ``add_generation_prompt``; never with ``prefill``).
+        context_ids: token ids put before the rendered prompt (Ollama's deprecated
+            ``context``: a previous ``/api/generate``'s prompt and answer).
     """
 
     messages: list[dict[str, Any]] | None = None
@@ -146,6 +148,7 @@ class GenerationRequest:
     prediction: str = ""
     prefill: bool = False
     generation_prompt: bool = True
+    context_ids: list[int] = field(default_factory=list)
 
 
 # --- the event stream ------------------------------------------------------------------
