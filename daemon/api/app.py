@@ -3,7 +3,9 @@
 Endpoints: OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions``
 (:mod:`ringlet.daemon.api.openai_api`), Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (:mod:`ringlet.daemon.api.anthropic_api`), OpenAI's
-``POST /v1/responses`` (:mod:`ringlet.daemon.api.responses_api`), and ``GET /v1/models``,
+``POST /v1/responses`` (:mod:`ringlet.daemon.api.responses_api`), Ollama's ``/api/chat``,
+``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``
+(:mod:`ringlet.daemon.api.ollama_api`), and ``GET /v1/models``,
 ``GET /v1/cluster``, ``GET /healthz``, ``GET /metrics`` (:mod:`ringlet.daemon.api.metrics`).
 Each API surface is an adapter over one internal request type and event stream
 (:mod:`ringlet.daemon.api.request`, :mod:`ringlet.daemon.api.pipeline`). Bad requests get a 4xx JSON error in the
@@ -22,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from ringlet.daemon.api import anthropic_api, openai_api, responses_api
+from ringlet.daemon.api import anthropic_api, ollama_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from ringlet.daemon.api.pipeline import Pipeline
@@ -31,7 +33,7 @@ from ringlet.daemon.api.ticker import ClientGone
 from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire import versions
-from ringlet.daemon.wire.limits import ApiLimits, install
+from ringlet.daemon.wire.limits import ApiLimits, install, is_ollama
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
            path: str = "") -> JSONResponse:
+    if is_ollama(path):  # Ollama's errors are {"error": "..."}: the message names the field
+        if param and param not in message:
+            message = f"{param}: {message}"
+        return JSONResponse(status_code=status, content={"error": message})
     if path.startswith(ANTHROPIC_PATHS):
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error"}.get(status, "api_error")
@@ -163,4 +169,5 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
     openai_api.register(app, pipeline)
     responses_api.register(app, pipeline)
     anthropic_api.register(app, pipeline)
+    ollama_api.register(app, pipeline)
     return app

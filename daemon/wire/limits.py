@@ -5,15 +5,16 @@
 * :class:`ConcurrencyLimiter` — at most N requests run, at most Q wait; beyond
   that, :class:`Overloaded` with a suggested retry delay.
 * :class:`ApiLimits` and :class:`ApiGuard` — the HTTP API's guard, an ASGI
-  middleware in front of the FastAPI app: API key on ``/v1/*`` and ``/metrics`` (``/healthz``
-  stays open), body size (413), concurrency with a queue (429 + ``Retry-After``).
+  middleware in front of the FastAPI app: API key on ``/v1/*``, Ollama's ``/api/*`` and
+  ``/metrics`` (``/healthz`` stays open), body size (413), concurrency with a queue (429 + ``Retry-After``).
   Prompt size and ``max_tokens`` are checked by the API itself with
   :meth:`ApiLimits.prompt_error` and :meth:`ApiLimits.clamp_completion`, as only
   it knows the token count.
 
 Every rejection has OpenAI's error shape (``{"error": {"message", "type",
 "param", "code"}}``) so the official clients raise the matching exceptions
-(401 -> ``AuthenticationError``, 429 -> ``RateLimitError``).
+(401 -> ``AuthenticationError``, 429 -> ``RateLimitError``); on Ollama's paths, Ollama's
+``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -201,8 +202,19 @@ class ApiLimits:
         return max_tokens
 
 
-def error_body(status: int, message: str, code: str | None = None, kind: str | None = None) -> bytes:
-    """An OpenAI-shaped error body."""
+#: the paths of Ollama's API (``/api/*``): guarded as ``/v1/*``, their errors in Ollama's shape
+OLLAMA_PREFIX = "/api/"
+
+
+def is_ollama(path: str) -> bool:
+    """Whether ``path`` is one of Ollama's API paths (``/api`` and below)."""
+    return path == OLLAMA_PREFIX.rstrip("/") or path.startswith(OLLAMA_PREFIX)
+
+
+def error_body(status: int, message: str, code: str | None = None, kind: str | None = None, path: str = "") -> bytes:
+    """An OpenAI-shaped error body; on Ollama's paths (``path``), Ollama's ``{"error": message}``."""
+    if is_ollama(path):
+        return json.dumps({"error": message}).encode()
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
@@ -215,8 +227,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class ApiGuard:
     """ASGI middleware enforcing :class:`ApiLimits` in front of the API app.
 
-    Order, per HTTP request: API key (``/v1/*`` only; 401) -> for ``POST
-    /v1/*`` a concurrency slot (429 + ``Retry-After`` when the queue is full;
+    Order, per HTTP request: API key (``/v1/*``, ``/api/*``, ``/metrics``; 401) -> for
+    ``POST`` to those a concurrency slot (429 + ``Retry-After`` when the queue is full;
     no body byte is read before a slot is held) -> body size (413; the body is
     read into memory up to the limit, then handed to the app). So at most
     ``(max_concurrent_requests + max_queue) x max_body_bytes`` of bodies are
@@ -235,10 +247,10 @@ class ApiGuard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        protected = path == "/v1" or path.startswith("/v1/") or path == "/metrics"
+        protected = path == "/v1" or path.startswith("/v1/") or path == "/metrics" or is_ollama(path)
         if protected and self.limits.api_key_digests and not self._authorized(scope):
             await _respond(send, 401, error_body(401, "Incorrect or missing API key: send "
-                                                 "'Authorization: Bearer <key>'", "invalid_api_key"),
+                                                 "'Authorization: Bearer <key>'", "invalid_api_key", path=path),
                            [(b"www-authenticate", b'Bearer realm="ringlet"')])
             return
         if protected and scope.get("method") == "POST":
@@ -249,7 +261,7 @@ class ApiGuard:
                 await _respond(send, 429, error_body(
                     429, f"this node is busy ({self.requests.running} requests running, "
                          f"{self.requests.waiting} waiting); retry after {exc.retry_after_s} s",
-                    "rate_limit_exceeded", "rate_limit_error"),
+                    "rate_limit_exceeded", "rate_limit_error", path=path),
                     [(b"retry-after", str(exc.retry_after_s).encode())])
             return
         await self._with_body_limit(scope, receive, send)
@@ -265,13 +277,14 @@ class ApiGuard:
 
     async def _with_body_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.limits.max_body_bytes
-        too_large = error_body(413, f"the request body is larger than {limit} bytes", "request_too_large")
+        path = scope.get("path", "")
+        too_large = error_body(413, f"the request body is larger than {limit} bytes", "request_too_large", path=path)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
                     declared = int(value)
                 except ValueError:
-                    await _respond(send, 400, error_body(400, "bad Content-Length header"))
+                    await _respond(send, 400, error_body(400, "bad Content-Length header", path=path))
                     return
                 if declared > limit:
                     await _respond(send, 413, too_large)
@@ -322,6 +335,7 @@ _ERROR_SCHEMA = {
         "message": {"type": "string"}, "type": {"type": "string"},
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
 }
+_OLLAMA_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 # One server-sent event (OpenAPI before 3.2: the schema of text/event-stream describes each
 # event): ``data`` is a JSON chunk, or ``[DONE]`` at the end.
 _SSE_EVENT = {
@@ -351,13 +365,15 @@ def document(app: Any, limits: ApiLimits) -> None:
             return app.openapi_schema
         schema = build()
         components = schema.setdefault("components", {})
-        components.setdefault("schemas", {})["Error"] = _ERROR_SCHEMA
+        components.setdefault("schemas", {}).update(Error=_ERROR_SCHEMA, OllamaError=_OLLAMA_ERROR_SCHEMA)
         if limits.api_key_digests:
             components.setdefault("securitySchemes", {})["apiKey"] = {"type": "http", "scheme": "bearer"}
-        error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
         for path, item in schema.get("paths", {}).items():
-            if not (path == "/v1" or path.startswith("/v1/")):
+            ollama = is_ollama(path)  # errors {"error": "..."}, streams of newline-delimited JSON
+            if not (path == "/v1" or path.startswith("/v1/") or ollama):
                 continue
+            ref = "#/components/schemas/" + ("OllamaError" if ollama else "Error")
+            error = {"content": {"application/json": {"schema": {"$ref": ref}}}}
             for method, op in item.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
@@ -365,7 +381,10 @@ def document(app: Any, limits: ApiLimits) -> None:
                 if method == "post":
                     codes += ["400", "404", "413", "429", "503"]
                     ok = responses.setdefault("200", {"description": "Successful Response"})
-                    ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
+                    if not ollama:
+                        ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": _SSE_EVENT})
+                    elif path.endswith(("/chat", "/generate")):
+                        ok.setdefault("content", {}).setdefault("application/x-ndjson", {"schema": {"type": "object"}})
                 for code in codes:
                     responses[code] = {"description": _ERRORS[code], **error}
                 if limits.api_key_digests:
@@ -388,8 +407,8 @@ def install(app: Any, limits: ApiLimits) -> None:
     from starlette.responses import Response
 
     async def http_error(request: Any, exc: HTTPException) -> Response:
-        return Response(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                        headers=dict(exc.headers or {}), media_type="application/json")
+        return Response(error_body(exc.status_code, str(exc.detail), path=request.url.path),
+                        status_code=exc.status_code, headers=dict(exc.headers or {}), media_type="application/json")
 
     app.add_exception_handler(HTTPException, http_error)
     app.state.admission = ConcurrencyLimiter(limits.max_concurrent_requests, limits.max_queue)
