@@ -55,8 +55,9 @@ class Ignored:
         return bool(self.names)
 
     def headers(self) -> dict[str, str]:
-        """The response header naming the hints (``{}`` when there are none); logs each
-        hint the first time this process meets it on this surface."""
+        """The response header naming the hints (``{}`` when there are none; characters
+        past ASCII escaped as ``\\uXXXX``); logs each hint the first time this process
+        meets it on this surface."""
         if not self.names:
             return {}
         with _lock:
@@ -65,4 +66,6 @@ class Ignored:
         for name in new:
             log.info("%s: accepted %s as a hint and did not apply it (it cannot change the tokens); "
                      "responses name it in the %s header", self.surface, name, HEADER)
-        return {HEADER: ", ".join(self.names)}
+        # a client's own key (``stream_options.<key>``) may hold any character; a header
+        # value is latin-1, so anything past ASCII goes as its escape
+        return {HEADER: ", ".join(self.names).encode("ascii", "backslashreplace").decode("ascii")}
