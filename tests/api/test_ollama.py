@@ -214,6 +214,9 @@ def test_bad_input_is_answered_in_ollamas_shape(cluster):
     with pytest.raises(ollama.ResponseError) as err:
         c.generate(MODEL, "Hi", options={"mirostat": 2})
     assert err.value.status_code == 400 and "options.mirostat" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:  # Ollama's answer for a model that does not think
+        c.chat(MODEL, messages=QUESTION, think=True)
+    assert err.value.status_code == 400 and err.value.error == f'"{MODEL}" does not support thinking'
     url = cluster.api_urls[0]
     r = httpx.post(f"{url}/api/chat", headers=AUTH, content=b'{"model": "smollm2-135m", messages: [}', timeout=30)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
