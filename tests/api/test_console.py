@@ -105,6 +105,13 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
         assert reply["content"] == want.choices[0].message.content
         assert reply["usage"]["completion_tokens"] == want.usage.completion_tokens
         assert "cached" in driver.find_elements("css selector", "#messages .msg.assistant .usage")[-1].text
+        # a second turn: the conversation so far comes from the prefix cache, and the page says so
+        chat(driver, "And of Italy?")
+        second = wait_for("the second reply", lambda: (r := last_reply(driver)) and r.get("done") and r is not None
+                          and r["content"] != reply["content"] and r, 30)
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and f"({cached} cached)" in driver.find_elements(
+            "css selector", "#messages .msg.assistant .usage")[-1].text
 
         # the stop button ends a long reply, and the ring frees the request
         driver.execute_script("const e = document.getElementById('max-tokens'); e.value = '2000';"
@@ -112,7 +119,7 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
         chat(driver, "Write a very long story about a lighthouse keeper.")
         wait_for("the long reply streaming", lambda: len(driver.execute_script(
             "const m = document.querySelectorAll('#messages .msg.assistant .content');"
-            "return m.length === 2 ? m[1].textContent : '';")) > 20, 30)
+            "return m.length === 3 ? m[2].textContent : '';")) > 20, 30)
         # the ring's head (stage 0, whichever node it is) holds the request
         wait_for("the request in flight", lambda: sum(c.cluster_info(i)["requests_in_flight"] for i in (0, 1)) == 1, 5)
         driver.find_element("id", "stop").click()
