@@ -122,6 +122,8 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
             "return m.length === 3 ? m[2].textContent : '';")) > 20, 30)
         # the ring's head (stage 0, whichever node it is) holds the request
         wait_for("the request in flight", lambda: sum(c.cluster_info(i)["requests_in_flight"] for i in (0, 1)) == 1, 5)
+        wait_for("the page showing it in flight", lambda: driver.find_element("id", "in-flight").get_attribute(
+            "data-count") == "1", 5)
         driver.find_element("id", "stop").click()
         stopped = wait_for("the stopped reply", lambda: (r := last_reply(driver)) and r.get("done") and r, 10)
         assert stopped["usage"]["stopped"] and not stopped.get("error")

@@ -156,22 +156,27 @@ function renderRing(view) {
 }
 
 function renderRequests(view) {
+  // a request is counted where the ring's head (stage 0) runs it: add up every node's figures
+  const all = [view, ...Object.values(view.peers || {})];
+  const sum = (f) => all.reduce((a, n) => a + (f(n) || 0), 0);
+  const running = sum((n) => n.requests_in_flight);
+  const rate = sum((n) => (n.batching || {}).head_tokens_per_s);
+  const spec = {trips: sum((n) => (n.speculation || {}).trips), drafted: sum((n) => (n.speculation || {}).drafted),
+                accepted: sum((n) => (n.speculation || {}).accepted), tokens: sum((n) => (n.speculation || {}).tokens)};
   const box = $("#requests");
-  const batching = view.batching || {}, spec = view.speculation || {};
-  const running = (view.requests_in_flight || 0);
   const rows = [el("div", {id: "in-flight", "data-count": String(running)},
-    `${running} in flight · ${(batching.head_tokens_per_s || 0).toFixed(1)} tokens/s · queued ${(view.api || {}).queued ?? 0}`)];
+    `${running} in flight · ${rate.toFixed(1)} tokens/s · queued ${(view.api || {}).queued ?? 0}`)];
   if (spec.trips) {
     rows.push(el("div", {class: "muted"}, `speculation: ${spec.accepted}/${spec.drafted} drafts accepted` +
-      (spec.acceptance !== null ? ` (${pct(spec.acceptance)})` : "") +
-      (spec.tokens_per_trip ? `, ${spec.tokens_per_trip.toFixed(2)} tokens/trip` : "")));
+      (spec.drafted ? ` (${pct(spec.accepted / spec.drafted)})` : "") +
+      `, ${(spec.tokens / spec.trips).toFixed(2)} tokens/trip`));
   }
-  for (const p of view.prefilling || []) {
+  for (const p of all.flatMap((n) => n.prefilling || [])) {
     rows.push(el("div", {class: "muted"}, `prefill ${p.request_id.slice(0, 12)}: ${p.processed_tokens}/${p.prompt_tokens}` +
       ` tokens (${p.cached_tokens} cached)` + (p.eta_s ? `, ${p.eta_s.toFixed(1)} s left` : "")),
       bar(p.prompt_tokens ? p.processed_tokens / p.prompt_tokens : 0));
   }
-  const recent = (view.recent_requests || []).slice(-5).reverse();
+  const recent = all.flatMap((n) => (n.recent_requests || []).slice(-5)).reverse().slice(0, 8);
   if (recent.length) {
     const table = el("table", {}, el("tr", {}, el("th", {}, "recent"), el("th", {}, "prompt"),
       el("th", {}, "out"), el("th", {}, "TTFT"), el("th", {}, "tokens/s")));
