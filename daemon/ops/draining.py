@@ -21,6 +21,10 @@ class DrainingServer(uvicorn.Server):
         if self.stopping_at is None:
             self.stopping_at = time.monotonic()
             log.info("stopping (signal %d): draining the API requests in flight", sig)
+        # streams that are no request (the web console's live view) end at once rather than hold the drain
+        state = getattr(getattr(self.config, "app", None), "state", None)
+        if state is not None:
+            state.stopping = True
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signals it caught once it has shut down, which would kill
         # the process before it leaves the cluster; the daemon exits by itself instead

@@ -8,6 +8,7 @@ path of a screenshot. Needs Debian's chromium and chromium-driver (`make system-
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 
 import httpx
@@ -187,3 +188,7 @@ def test_console_with_api_keys_asks_once_and_keeps_the_key(tmp_path, browser):
         # the one 401 before the key was given is the browser's note of a failed fetch, not a script error
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]]
         assert not errors, errors
+        # the page's open live view does not hold a stopping node's drain (20 s by default)
+        stopping = time.monotonic()
+        c.kill(0, signal.SIGTERM)
+        assert time.monotonic() - stopping < 8, "the console's live view held the node's stop"

@@ -41,7 +41,8 @@ async def _peer(client: httpx.AsyncClient, url: str, headers: dict[str, str]) ->
 async def _views(request: Request, snapshot: Callable[[], dict]) -> AsyncIterator[str]:
     headers = {k: v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
     async with httpx.AsyncClient(timeout=httpx.Timeout(0.8), trust_env=False) as client:
-        while not await request.is_disconnected():
+        # until the page goes, or the node stops (app.state.stopping: the view must not hold the drain)
+        while not await request.is_disconnected() and not getattr(request.app.state, "stopping", False):
             view = snapshot()
             peers = [m for m in view.get("members", ()) if m.get("state") not in ("self", "dead", "left")
                      and m.get("api_url")]
