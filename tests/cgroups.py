@@ -156,8 +156,8 @@ def expected_usable(limit: int, source: str) -> int:
     """What a node in a cgroup of ``limit`` bytes offers the planner, by hand: 80 % of the
     limit, less the daemon's runtime and the cgroup's other processes (as its
     ``usable_memory_source`` names them, rounded: 85.3 MiB, 195 MiB), less the boundary
-    budget (a sixteenth) and the work space the source names (one step's activations:
-    tests/engine/test_work_space.py checks that figure by hand)."""
+    budget (a sixteenth), the work space and the tokenizer the source names (one step's
+    activations and 8 MiB at least: tests/engine/test_work_space.py checks them by hand)."""
     held = 0.0
     for pattern in (r"less ([\d.]+) ([KMG]iB) the daemon's runtime",
                     r"and ([\d.]+) ([KMG]iB) its other processes hold"):
@@ -165,7 +165,8 @@ def expected_usable(limit: int, source: str) -> int:
             held += _size(m)
     offered = int(limit * 0.8 - held)
     work = _size(m) if (m := re.search(r"and ([\d.]+) ([KMG]iB) for one step's activations", source)) else 0
-    return int(offered - offered // 16 - work)
+    tokenizer = _size(m) if (m := re.search(r"and ([\d.]+) ([KMG]iB) for the tokenizer", source)) else 0
+    return int(offered - offered // 16 - work - tokenizer)
 
 
 def _size(m: re.Match) -> float:

@@ -1,4 +1,5 @@
-"""The work space a stage needs beside its weights and KV caches: the activations of one step.
+"""The work space a stage needs beside its weights and KV caches: the activations of one step
+(and, :func:`tokenizer_bytes`, the memory its tokenizer takes once the node serves a request).
 
 A prefill chunk of ``c`` tokens through a decoder layer holds, at its peak, the layer's
 input and output hidden states, the attention projections (queries, keys, values), the
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from ringlet.daemon.engine.model_config import text_config
 
-__all__ = ["HOP_COPIES", "LOGIT_TOKENS", "MARGIN", "work_space_bytes"]
+__all__ = ["HOP_COPIES", "LOGIT_TOKENS", "MARGIN", "TOKENIZER_BYTES_PER_TOKEN", "TOKENIZER_MIN_BYTES",
+           "tokenizer_bytes", "work_space_bytes"]
 
 #: Copies of a chunk's hidden states in transit at once (in, and out to the next stage).
 HOP_COPIES = 4
@@ -67,3 +69,19 @@ def work_space_bytes(config: dict, chunk_tokens: int, context_tokens: int) -> in
     per_token = (2 + HOP_COPIES) * hidden + heads * head_dim + 2 * kv_heads * head_dim + 3 * mlp
     counted = c * per_token + heads * c * ctx + LOGIT_TOKENS * vocab
     return int(MARGIN * counted * _FLOAT32)
+
+#: What a node's tokenizer takes once built (every node serves the API and builds it at its
+#: first request), per token of the vocabulary: SmolLM2-135M's (49,152 tokens, from its
+#: GGUF) took 70.1-71.5 MB of anonymous memory, 1.43-1.45 KB a token; rounded up.
+TOKENIZER_BYTES_PER_TOKEN = 1536
+#: ... and at least this (the tokenizer objects of a tiny vocabulary).
+TOKENIZER_MIN_BYTES = 8 << 20
+
+
+def tokenizer_bytes(config: dict) -> int:
+    """Bytes a node's built tokenizer will take for this model (the constants above).
+
+    Args:
+        config: the model's ``config.json`` as a dict (a nested ``text_config`` is read).
+    """
+    return max(TOKENIZER_MIN_BYTES, TOKENIZER_BYTES_PER_TOKEN * _int(text_config(config), "vocab_size"))

@@ -49,13 +49,13 @@ class DropFirst:
 
     def load_overfills(self, current: Stage | None, start: int, end: int) -> tuple[int, int, int] | None:
         """``(held, to load, offered)`` bytes when loading ``[start, end)`` beside
-        ``current`` would pass what this node offers the planner (its usable memory less the
-        boundary budget and work space), else ``None``."""
+        ``current`` would pass what this node offers the planner (its usable memory less what
+        it keeps off: boundary budget, work space, tokenizer), else ``None``."""
         if current is None or not self.layer_bytes or not isinstance(current, Stage):
             return None
         load = sum(self.layer_bytes[g] for g in range(start, min(end, len(self.layer_bytes)))
                    if not current.start <= g < current.end)
-        offered = self._usable_memory() - self.boundary_budget() - self.work_space_bytes
+        offered = self._usable_memory() - self.kept_off_bytes()
         held = current.nbytes()
         return (held, load, offered) if load and held + load > offered else None
 

@@ -47,6 +47,8 @@ class MemoryAccounting:
     """
 
     work_space_bytes: int = 0
+    #: what its tokenizer takes once built (set by the runner; engine/work_space.py)
+    tokenizer_bytes: int = 0
     runtime_bytes: int | None = None
     #: the prefix and boundary stores are shed while memory is under pressure (ops/memory_pressure.py)
     stores_off: bool = False
@@ -71,6 +73,11 @@ class MemoryAccounting:
             return max(0, self.config.boundary_cache_bytes)
         return min(DEFAULT_BOUNDARY_CACHE_BYTES, self._usable_memory() // 16)
 
+    def kept_off_bytes(self) -> int:
+        """What this node keeps off its offer to the planner besides its runtime, bytes: the
+        boundary budget, the work space and the tokenizer."""
+        return self.boundary_budget() + self.work_space_bytes + self.tokenizer_bytes
+
     def planned_stage_bytes(self, weights_bytes: int) -> int:
         """The plan's figure for this node's stage (weights and KV at the planned context),
         bytes; ``weights_bytes`` where the plan gives none (a static ``--plan``)."""
@@ -89,7 +96,7 @@ class MemoryAccounting:
             return 0
         if self.config.prefix_cache_bytes is not None:
             return max(0, self.config.prefix_cache_bytes)
-        held = self.planned_stage_bytes(weights_bytes) + self.boundary_budget() + self.work_space_bytes
+        held = self.planned_stage_bytes(weights_bytes) + self.kept_off_bytes()
         return int(PREFIX_CACHE_FRACTION * max(0, self._usable_memory() - held))
 
     def prefix_budget(self, stage) -> int:
@@ -112,7 +119,7 @@ class MemoryAccounting:
         per_token = sum(per_layer[stage.start:stage.end])
         if per_token <= 0:
             return None
-        budget = self._usable_memory() - stage.nbytes() - self.boundary_budget() - self.work_space_bytes
+        budget = self._usable_memory() - stage.nbytes() - self.kept_off_bytes()
         return KVRoom(budget, per_token, self._kv_full, self._allocation_failed)
 
     def _allocation_failed(self, what: str) -> None:
@@ -131,12 +138,13 @@ class MemoryAccounting:
 
     def planned_footprint(self, stage) -> dict[str, int]:
         """The planned footprint under ``stage`` (module docstring), bytes: ``runtime_bytes``,
-        ``stage_bytes``, ``boundary_bytes``, ``work_space_bytes``, ``prefix_bytes`` and their
-        ``total_bytes``."""
+        ``stage_bytes``, ``boundary_bytes``, ``work_space_bytes``, ``tokenizer_bytes``,
+        ``prefix_bytes`` and their ``total_bytes``."""
         weights = stage.nbytes() if stage is not None else 0
         parts = {"runtime_bytes": self.runtime_bytes or self.memory.get("rss_before_load_bytes", 0),
                  "stage_bytes": self.planned_stage_bytes(weights) if stage is not None else 0,
                  "boundary_bytes": self.boundary_budget(), "work_space_bytes": self.work_space_bytes,
+                 "tokenizer_bytes": self.tokenizer_bytes,
                  "prefix_bytes": self.prefix_budget(stage) if stage is not None else 0}
         return {**parts, "total_bytes": sum(parts.values())}
 

@@ -121,16 +121,19 @@ class MemoryFollower:
         the planner may fill: the offered memory less the boundary activations' budget),
         ``usable_memory_source`` (the rule in words, with what is kept off) and
         ``boundary_cache_bytes``. Kept off: the boundary activations' budget and one step's
-        activations (the node's ``work_space_bytes``)."""
+        activations (the node's ``work_space_bytes``) and its tokenizer (``tokenizer_bytes``)."""
         usable, source = offered_memory(self.memory, self.flag_bytes)
         if self.cap_bytes is not None and self.cap_bytes < usable:
             usable, source = self.cap_bytes, f"memory pressure: {size_text(self.cap_bytes)} (the rule: {source})"
         boundary, work = self.node.boundary_budget(), getattr(self.node, "work_space_bytes", 0)
+        tokenizer = getattr(self.node, "tokenizer_bytes", 0)
         kept = [f"{size_text(boundary)} for boundary activations"] if boundary else []
         kept += [f"{size_text(work)} for one step's activations"] if work else []
+        kept += [f"{size_text(tokenizer)} for the tokenizer"] if tokenizer else []
         if kept:
             source += f"; {kept[0].replace(' for ', ' of it kept for ', 1)}" + "".join(f" and {k}" for k in kept[1:])
-        return {"memory_total_bytes": self.memory.total_bytes, "usable_memory_bytes": max(0, usable - boundary - work),
+        return {"memory_total_bytes": self.memory.total_bytes,
+                "usable_memory_bytes": max(0, usable - boundary - work - tokenizer),
                 "usable_memory_source": source, "boundary_cache_bytes": boundary}
 
     def offered_bytes(self) -> int:

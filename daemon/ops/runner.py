@@ -165,7 +165,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     from ringlet.daemon.cluster.static_peers import parse_peers
     from ringlet.daemon.engine.modelspec import model_spec_from_model
     from ringlet.daemon.engine.stage import build_lazy_model
-    from ringlet.daemon.engine.work_space import work_space_bytes
+    from ringlet.daemon.engine.work_space import tokenizer_bytes, work_space_bytes
     from ringlet.daemon.node.memory import set_cache_limit
     from ringlet.daemon.probes import probe_local
     from ringlet.daemon.tensor.group import model_tp_spec
@@ -197,6 +197,7 @@ async def _start_cluster(args, node: Node, context_tokens: int):
                                  name=node.config.model.name, config=config)
     # one step's activations at the widest chunk: kept off the offer, and MLX's cache limit
     node.work_space_bytes = work_space_bytes(config, node.config.chunk_for(1), spec.context_tokens)
+    node.tokenizer_bytes = tokenizer_bytes(config)  # built at the first request: planned for from the start
     node.kv_bytes_per_token_per_layer = spec.kv_bytes_per_token_per_layer  # a stage's KV room (engine/kv_room.py)
     node.layer_bytes = spec.layer_bytes  # a re-plan that would not fit beside the old range drops first
     await node.engine.run(set_cache_limit, node.work_space_bytes)

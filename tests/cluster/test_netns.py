@@ -349,9 +349,9 @@ def test_a_route_deleted_after_commit_moves_the_plan_to_an_address_that_works(la
     4. Mid-stream, host 1's last route goes too: the stream fails well before the 30 s
        token timeout, with an error naming the address host 1 was last dialled at."""
     tokens = 40
-    ref = _reference(tokens, "--dtype", "native")  # 110 MB nodes keep the Q4 weights
+    ref = _reference(tokens, "--dtype", "native")  # 190 MB nodes keep the Q4 weights
     both = (("lan1", "192.168.50.1/24"), ("docker0", "172.17.0.1/16"))
-    args = ["--mode", "pipeline", "--memory-limit", "110MB", "--context", "512", "--link-refresh-s", "3"]
+    args = ["--mode", "pipeline", "--memory-limit", "190MB", "--context", "512", "--link-refresh-s", "3"]
     nodes = [lab.add_node(args, bridges=both, wildcard=True, link_name="eth0") for _ in range(2)]
     for d in nodes:
         lab.add_link(d, "eth1")

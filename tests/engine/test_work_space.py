@@ -6,7 +6,7 @@ the context; 16 tokens of logits; all in float32 (4 bytes), times 1.5."""
 
 from __future__ import annotations
 
-from ringlet.daemon.engine.work_space import work_space_bytes
+from ringlet.daemon.engine.work_space import tokenizer_bytes, work_space_bytes
 
 SMOLLM2_135M = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152}
@@ -41,3 +41,10 @@ def test_a_mixture_of_experts_counts_its_routed_and_shared_experts():
 
 def test_no_hidden_size_is_no_work_space():
     assert work_space_bytes({"model_type": "llama"}, 256, 512) == 0
+
+
+def test_the_tokenizer_is_planned_by_its_vocabulary():
+    # 1.5 KiB per token (SmolLM2's 49,152-token tokenizer took 70-72 MB once built), 8 MiB at least
+    assert tokenizer_bytes(SMOLLM2_135M) == 49_152 * 1536 == 75_497_472
+    assert tokenizer_bytes({"model_type": "llama", "vocab_size": 98}) == 8 << 20
+    assert tokenizer_bytes({"model_type": "x", "text_config": {"vocab_size": 151_936}}) == 151_936 * 1536

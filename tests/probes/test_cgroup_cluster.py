@@ -54,7 +54,8 @@ def check_footprint(c: CgroupCluster, cg: dict, phase: str, allowed: dict[str, i
     words (MB) for the closing print."""
     words = {}
     for name, p in planned(c).items():
-        parts = ("runtime_bytes", "stage_bytes", "boundary_bytes", "work_space_bytes", "prefix_bytes")
+        parts = ("runtime_bytes", "stage_bytes", "boundary_bytes", "work_space_bytes", "tokenizer_bytes",
+                 "prefix_bytes")
         assert p["total_bytes"] == sum(p[k] for k in parts), p
         bound = (allowed or {}).get(name, p["total_bytes"])
         peak = cg[name].peak()
