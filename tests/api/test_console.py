@@ -84,6 +84,10 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
         wait_for("both nodes on the page", lambda: set(cards(driver)) == ids)
         stages = wait_for("the plan's two stages", lambda: driver.find_elements("css selector", "#ring .stage"))
         assert {s.get_attribute("data-node-id") for s in stages} == ids and len(stages) == 2
+        # each node's memory used, the other one's from its own /v1/cluster through the node serving the page
+        wait_for("both nodes' memory used", lambda: all(
+            "memory – used" not in n.text and " MB used of " in n.text
+            for n in driver.find_elements("css selector", "#nodes .node")))
         timing = driver.execute_script(
             "const nav = performance.getEntriesByType('navigation')[0];"
             "const res = performance.getEntriesByType('resource');"

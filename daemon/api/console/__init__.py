@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -38,22 +39,42 @@ async def _peer(client: httpx.AsyncClient, url: str, headers: dict[str, str]) ->
     return {k: info.get(k) for k in PEER_FIELDS}
 
 
-async def _views(request: Request, snapshot: Callable[[], dict]) -> AsyncIterator[str]:
+class _Peers:
+    """The other members' own figures, fetched at most once a period whichever number of pages
+    watch (every page of a node shares them; any key that passed the guard sees the same cluster)."""
+
+    def __init__(self):
+        self.client: httpx.AsyncClient | None = None
+        self.fetches: dict[str, tuple[float, asyncio.Future]] = {}  # api_url -> (when, its fetch)
+
+    async def figures(self, url: str, headers: dict[str, str]) -> dict | None:
+        if self.client is None:
+            self.client = httpx.AsyncClient(timeout=httpx.Timeout(0.8), trust_env=False)
+        now = time.monotonic()
+        for stale in [u for u, (when, _) in self.fetches.items() if now - when > 60]:
+            del self.fetches[stale]
+        when, fetch = self.fetches.get(url, (-1e9, None))
+        if fetch is None or now - when >= PERIOD_S * 0.9:
+            fetch = asyncio.ensure_future(_peer(self.client, url, headers))
+            self.fetches[url] = (now, fetch)
+        return await asyncio.shield(fetch)
+
+
+async def _views(request: Request, snapshot: Callable[[], dict], peers: _Peers) -> AsyncIterator[str]:
     headers = {k: v for k, v in request.headers.items() if k in ("authorization", "x-api-key")}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(0.8), trust_env=False) as client:
-        # until the page goes, or the node stops (app.state.stopping: the view must not hold the drain)
-        while not await request.is_disconnected() and not getattr(request.app.state, "stopping", False):
-            view = snapshot()
-            peers = [m for m in view.get("members", ()) if m.get("state") not in ("self", "dead", "left")
-                     and m.get("api_url")]
-            found = await asyncio.gather(*(_peer(client, m["api_url"], headers) for m in peers))
-            view["peers"] = {m["node_id"]: f for m, f in zip(peers, found, strict=True) if f is not None}
-            yield "data: " + json.dumps(view, default=str) + "\n\n"
-            await asyncio.sleep(PERIOD_S)
+    # until the page goes, or the node stops (app.state.stopping: the view must not hold the drain)
+    while not await request.is_disconnected() and not getattr(request.app.state, "stopping", False):
+        view = snapshot()
+        others = [m for m in view.get("members", ()) if m.get("state") != "self" and m.get("api_url")]
+        found = await asyncio.gather(*(peers.figures(m["api_url"], headers) for m in others))
+        view["peers"] = {m["node_id"]: f for m, f in zip(others, found, strict=True) if f is not None}
+        yield "data: " + json.dumps(view, default=str) + "\n\n"
+        await asyncio.sleep(PERIOD_S)
 
 
 def register(app: FastAPI, snapshot: Callable[[], dict]) -> None:
     """Serve the page, its assets and the live stream; ``snapshot`` gives the ``/v1/cluster`` view."""
+    peers = _Peers()
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -61,7 +82,7 @@ def register(app: FastAPI, snapshot: Callable[[], dict]) -> None:
 
     @app.get("/v1/console/events", include_in_schema=False)
     async def events(request: Request):
-        return StreamingResponse(_views(request, snapshot), media_type="text/event-stream",
+        return StreamingResponse(_views(request, snapshot, peers), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     app.mount("/console", StaticFiles(directory=STATIC), name="console")
