@@ -131,7 +131,7 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
             "data-count") == "1", 5)
         driver.find_element("id", "stop").click()
         stopped = wait_for("the stopped reply", lambda: (r := last_reply(driver)) and r.get("done") and r, 10)
-        assert stopped["usage"]["stopped"] and not stopped.get("error")
+        assert stopped["usage"]["stopped"] and stopped["usage"]["chunks"] > 0 and not stopped.get("error")
         wait_for("the ring to free the request",
                  lambda: all(c.cluster_info(i)["requests_in_flight"] == 0 for i in (0, 1)), 10)
         assert driver.find_element("id", "send").is_displayed()

@@ -223,7 +223,7 @@ function markdown(text) {
 }
 function usageLine(u) {
   if (!u) return "";
-  if (u.prompt_tokens === undefined) return u.stopped ? "stopped" : "";
+  if (u.prompt_tokens === undefined) return u.stopped ? `stopped after ${u.chunks || 0} chunks` : "";
   const cached = ((u.prompt_tokens_details || {}).cached_tokens) || 0;
   return `prompt ${u.prompt_tokens} tokens (${cached} cached) · reply ${u.completion_tokens} tokens` +
     (u.tokens_per_s ? ` · ${u.tokens_per_s.toFixed(1)} tokens/s` : "") + (u.stopped ? " · stopped" : "");
@@ -268,7 +268,7 @@ async function send(text) {
   $("#send").hidden = true;
   $("#stop").hidden = false;
   const started = performance.now();
-  let first = null, pending = false;
+  let first = null, pending = false, chunks = 0;
   const paint = () => {
     pending = false;
     content.innerHTML = markdown(reply.content);
@@ -293,13 +293,14 @@ async function send(text) {
       const delta = ((chunk.choices || [])[0] || {}).delta || {};
       if (delta.content) {
         if (first === null) first = performance.now();
+        chunks++;
         reply.content += delta.content;
         if (!pending) { pending = true; requestAnimationFrame(paint); }
       }
       if (chunk.usage) reply.usage = chunk.usage;
     });
   } catch (err) {
-    if (err.name === "AbortError") reply.usage = {...(reply.usage || {}), stopped: true};
+    if (err.name === "AbortError") reply.usage = {...(reply.usage || {}), stopped: true, chunks};
     else reply.error = String(err.message || err);
   } finally {
     controller = null;
