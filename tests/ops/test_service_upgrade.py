@@ -69,12 +69,13 @@ def run(home: Path, argv: list[str], path: str, timeout: float = 600) -> subproc
 
 
 def tree_wheel(version: str, out_dir: Path) -> Path:
-    """A wheel of this tree's ``daemon/`` and ``partitioning/`` as release ``version``, zipped
+    """A wheel of this tree's ``daemon/`` and ``partitioning/`` (code and package data: the
+    console's page and libraries) as release ``version``, zipped
     here (``make wheel-check`` tests what ``python -m build`` makes; this test needs two
     releases of the same code, fast)."""
     files = {f"ringlet/{p.relative_to(ROOT).as_posix()}": p.read_bytes()
              for top in ("daemon", "partitioning") for p in sorted((ROOT / top).rglob("*"))
-             if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".pyi", ".c")}
+             if p.is_file() and not {"__pycache__", "node_modules"} & set(p.parts) and p.suffix != ".pyc"}
     info = f"ringlet-{version}.dist-info/"
     files[info + "METADATA"] = f"Metadata-Version: 2.1\nName: ringlet\nVersion: {version}\n".encode()
     files[info + "WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: test_service_upgrade\nRoot-Is-Purelib: true\n"

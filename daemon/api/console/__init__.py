@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -27,6 +28,8 @@ PERIOD_S = 1.0
 #: what the page shows of another member, from that member's own /v1/cluster
 PEER_FIELDS = ("state", "release", "memory", "download", "loading_progress", "requests_in_flight",
                "prefilling", "speculation", "batching", "recent_requests", "layer_range", "epoch")
+
+log = logging.getLogger(__name__)
 
 
 async def _peer(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict | None:
@@ -73,7 +76,11 @@ async def _views(request: Request, snapshot: Callable[[], dict], peers: _Peers) 
 
 
 def register(app: FastAPI, snapshot: Callable[[], dict]) -> None:
-    """Serve the page, its assets and the live stream; ``snapshot`` gives the ``/v1/cluster`` view."""
+    """Serve the page, its assets and the live stream; ``snapshot`` gives the ``/v1/cluster`` view.
+    An install without the console's files (package data left out) serves the API without it."""
+    if not (STATIC / "index.html").is_file():
+        log.warning("web console: its files are missing from this install (%s); the API serves without it", STATIC)
+        return
     peers = _Peers()
 
     @app.get("/", include_in_schema=False)
