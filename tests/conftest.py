@@ -62,6 +62,19 @@ def index_of(cluster, node_id: str) -> int:
     raise AssertionError(f"no running node has id {node_id}")
 
 
+def keyed_cluster(directory: Path, key: str, nodes: int = 1, dynamic: bool = False, **kwargs):
+    """A float32 :class:`LocalCluster` whose nodes want API key ``key`` (written to an
+    ``api-keys`` file in ``directory``, mode 600) and whose own calls send it."""
+    from ringlet.daemon.ops.demo import LocalCluster
+
+    keys = directory / "api-keys"
+    keys.write_text(key + "\n")
+    keys.chmod(0o600)
+    cluster = LocalCluster(nodes, dtype="float32", dynamic=dynamic, extra_args=["--api-key-file", str(keys)], **kwargs)
+    cluster.api_headers = {"Authorization": f"Bearer {key}"}
+    return cluster
+
+
 @pytest.fixture(scope="session")
 def reference() -> list[dict]:
     """Greedy continuations of SmolLM2-135M-Instruct computed by transformers (fp32)."""

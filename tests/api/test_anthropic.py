@@ -13,6 +13,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from conftest import keyed_cluster
 
 from ringlet.daemon.ops.demo import LocalCluster
 
@@ -27,10 +28,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(KEY + "\n")
-    keys.chmod(0o600)
-    with LocalCluster(1, dtype="float32", extra_args=["--api-key-file", str(keys)]) as c:
+    with keyed_cluster(tmp_path_factory.mktemp("keys"), KEY) as c:
         yield c
 
 

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import keyed_cluster
 
 from ringlet.daemon.ops.demo import LocalCluster
 
@@ -163,12 +164,7 @@ def test_console_with_api_keys_asks_once_and_keeps_the_key(tmp_path, browser):
     """With keys set the page and its assets load without one; the live view wants the key:
     the page asks, keeps it in localStorage and sends it as a Bearer header, also after a reload."""
     key = "console-test-key-" + "c" * 24
-    keys = tmp_path / "api-keys"
-    keys.write_text(key + "\n")
-    keys.chmod(0o600)
-    c = LocalCluster(1, dtype="float32", dynamic=True, extra_args=["--api-key-file", str(keys)])
-    c.api_headers = {"Authorization": f"Bearer {key}"}
-    with c:
+    with keyed_cluster(tmp_path, key, dynamic=True) as c:
         url = c.api_urls[0]
         for path in ("/", "/console/console.js", "/console/console.css", "/console/vendor/marked.min.js",
                      "/console/vendor/dompurify.min.js"):

@@ -9,9 +9,8 @@ from __future__ import annotations
 import anthropic
 import httpx
 import openai
+from conftest import keyed_cluster
 from prometheus_client.parser import text_string_to_metric_families
-
-from ringlet.daemon.ops.demo import LocalCluster
 
 KEY = "metrics-test-key-" + "m" * 24
 MODEL = "smollm2-135m"
@@ -26,12 +25,7 @@ def scrape(url: str, key: str | None = KEY) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_count_the_traffic_sent_and_show_the_node(tmp_path):
-    keys = tmp_path / "api-keys"
-    keys.write_text(KEY + "\n")
-    keys.chmod(0o600)
-    c = LocalCluster(1, dtype="float32", dynamic=True, extra_args=["--api-key-file", str(keys)])
-    c.api_headers = {"Authorization": f"Bearer {KEY}"}
-    with c:
+    with keyed_cluster(tmp_path, KEY, dynamic=True) as c:
         url = c.api_urls[0]
         assert httpx.get(f"{url}/metrics", timeout=30).status_code == 401  # a key, as for /v1/*
         oa = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)

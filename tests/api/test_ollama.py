@@ -23,6 +23,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
+from conftest import keyed_cluster
 
 from ringlet.daemon.ops.demo import LocalCluster
 
@@ -40,10 +41,7 @@ NODE_MODULES = Path(__file__).resolve().parents[2] / ".venv" / "agents" / "node_
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(KEY + "\n")
-    keys.chmod(0o600)
-    with LocalCluster(1, dtype="float32", extra_args=["--api-key-file", str(keys)]) as c:
+    with keyed_cluster(tmp_path_factory.mktemp("keys"), KEY) as c:
         yield c
 
 
