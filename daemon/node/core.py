@@ -271,8 +271,8 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting,
         if current is not None and (current.start, current.end) == (spec.start, spec.end):
             self._prepared[key] = current
             return 0
-        if self.load_overfills(current, spec.start, spec.end):  # both ranges would not fit: drop first
-            await self.drop_first(current, spec.start, spec.end, plan.epoch)
+        if over := self.load_overfills(current, spec.start, spec.end):  # both ranges would not fit: drop first
+            await self.drop_first(current, spec.start, spec.end, plan.epoch, over)
         self.state = "loading" if current is None else self.state
         t0 = time.perf_counter()
         if self.config.fetch is not None:

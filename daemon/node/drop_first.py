@@ -59,10 +59,11 @@ class DropFirst:
         held = current.nbytes()
         return (held, load, offered) if load and held + load > offered else None
 
-    async def drop_first(self, current: Stage, start: int, end: int, epoch: int) -> int:
+    async def drop_first(self, current: Stage, start: int, end: int, epoch: int,
+                         figures: tuple[int, int, int]) -> int:
         """Drop ``current``'s layers outside ``[start, end)`` before loading it (module
-        docstring); returns the bytes freed."""
-        held, load, offered = self.load_overfills(current, start, end)
+        docstring); ``figures`` are :meth:`load_overfills`' for it. Returns the bytes freed."""
+        held, load, offered = figures
         message = (f"dropping layers outside [{start}, {end}) before loading epoch {epoch}'s range: "
                    f"{size_text(held)} held and {size_text(load)} to load would pass the {size_text(offered)} "
                    f"this node offers; its requests in flight resume on the new plan")
