@@ -26,9 +26,17 @@ MODEL = "smollm2-135m"
 
 
 def wait_for(what, check, timeout_s: float = 20.0, every_s: float = 0.1):
+    """Poll ``check`` until it returns a true value. The page re-renders its cards as events
+    arrive, so an element found in one call may be replaced before the next: a stale element
+    (or one not yet there) is another poll, not a failure."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
     deadline = time.monotonic() + timeout_s
     while True:
-        value = check()
+        try:
+            value = check()
+        except (StaleElementReferenceException, NoSuchElementException):
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
@@ -68,6 +76,13 @@ def last_reply(driver) -> dict | None:
         "return m && m.role === 'assistant' ? m : null;")
 
 
+def usage_text(driver) -> str:
+    """The usage line under the last assistant message."""
+    return driver.execute_script(
+        "const u = document.querySelectorAll('#messages .msg.assistant .usage');"
+        "return u.length ? u[u.length - 1].innerText : '';")
+
+
 def chat(driver, text: str) -> None:
     box = driver.find_element("id", "chat-input")
     box.send_keys(text)
@@ -83,12 +98,13 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
         driver.get(url + "/")
         ids = {m["node_id"] for m in c.cluster_info(0)["members"]}
         wait_for("both nodes on the page", lambda: set(cards(driver)) == ids)
-        stages = wait_for("the plan's two stages", lambda: driver.find_elements("css selector", "#ring .stage"))
-        assert {s.get_attribute("data-node-id") for s in stages} == ids and len(stages) == 2
+        stages = wait_for("the plan's two stages", lambda: driver.execute_script(
+            "return [...document.querySelectorAll('#ring .stage')].map(s => s.dataset.nodeId)"))
+        assert set(stages) == ids and len(stages) == 2
         # each node's memory used, the other one's from its own /v1/cluster through the node serving the page
         wait_for("both nodes' memory used", lambda: all(
-            "memory – used" not in n.text and " MB used of " in n.text
-            for n in driver.find_elements("css selector", "#nodes .node")))
+            "memory – used" not in t and " MB used of " in t for t in driver.execute_script(
+                "return [...document.querySelectorAll('#nodes .node')].map(n => n.innerText)")))
         timing = driver.execute_script(
             "const nav = performance.getEntriesByType('navigation')[0];"
             "const res = performance.getEntriesByType('resource');"
@@ -110,14 +126,13 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
                                           temperature=0, max_tokens=24)
         assert reply["content"] == want.choices[0].message.content
         assert reply["usage"]["completion_tokens"] == want.usage.completion_tokens
-        assert "cached" in driver.find_elements("css selector", "#messages .msg.assistant .usage")[-1].text
+        assert "cached" in usage_text(driver)
         # a second turn: the conversation so far comes from the prefix cache, and the page says so
         chat(driver, "And of Italy?")
         second = wait_for("the second reply", lambda: (r := last_reply(driver)) and r.get("done") and r is not None
                           and r["content"] != reply["content"] and r, 30)
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached > 0 and f"({cached} cached)" in driver.find_elements(
-            "css selector", "#messages .msg.assistant .usage")[-1].text
+        assert cached > 0 and f"({cached} cached)" in usage_text(driver)
 
         # the stop button ends a long reply, and the ring frees the request
         driver.execute_script("const e = document.getElementById('max-tokens'); e.value = '2000';"
@@ -128,8 +143,8 @@ def test_console_shows_the_ring_chats_and_follows_members(tmp_path, browser):
             "return m.length === 3 ? m[2].textContent : '';")) > 20, 30)
         # the ring's head (stage 0, whichever node it is) holds the request
         wait_for("the request in flight", lambda: sum(c.cluster_info(i)["requests_in_flight"] for i in (0, 1)) == 1, 5)
-        wait_for("the page showing it in flight", lambda: driver.find_element("id", "in-flight").get_attribute(
-            "data-count") == "1", 5)
+        wait_for("the page showing it in flight", lambda: driver.execute_script(
+            "return document.getElementById('in-flight').dataset.count") == "1", 5)
         driver.find_element("id", "stop").click()
         stopped = wait_for("the stopped reply", lambda: (r := last_reply(driver)) and r.get("done") and r, 10)
         assert stopped["usage"]["stopped"] and stopped["usage"]["chunks"] > 0 and not stopped.get("error")
