@@ -31,6 +31,16 @@ Planning:
   (a ``ValueError``) unless every layer is served exactly once, in contiguous
   non-empty ranges following the ring order, and the ``plan_id`` matches.
 
+Several models in pooled memory (``placement``):
+
+* ``place_models(nodes, links, models, *, previous=None, policy=None,
+  per_model_overhead_bytes=0) -> Placement``: the models in priority order, each
+  planned by ``make_plan`` on the memory the ones before it leave; a model that does
+  not fit is left out with the reason (never for a lower-priority one).
+  ``Placement`` (frozen): ``priority``, ``plans`` (name -> ``Plan``), ``left_out``
+  (name -> reason), ``memory_bytes``, ``memory_left`` (node id -> bytes),
+  ``overhead_bytes``; ``to_dict()``/``from_dict()``.
+
 Output:
 
 * ``Plan`` (frozen): ``ring_order``, ``stages`` (``Stage(node_id, start, end,
@@ -61,6 +71,7 @@ Algorithms (details in each module):
 """
 
 from .errors import Infeasible, InvalidPlan
+from .placement import Placement, place_models
 from .plan import ExcludedNode, Hop, Plan, Stage
 from .planner import make_plan
 from .spec import POLICY_NAMES, LinkSpec, ModelSpec, NodeSpec, Policy
@@ -75,9 +86,11 @@ __all__ = [
     "LinkSpec",
     "ModelSpec",
     "NodeSpec",
+    "Placement",
     "Plan",
     "Policy",
     "Stage",
     "make_plan",
+    "place_models",
     "validate_plan",
 ]

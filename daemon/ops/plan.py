@@ -1,7 +1,7 @@
 """``ringlet plan``: run the planner on a nodes file and a model config, print the plan.
 
-    ringlet plan --nodes nodes.json --model PATH_OR_CONFIG [--policy balanced|memory|latency]
-                 [--context N] [--tolerance F] [--previous plan.json] [--json]
+    ringlet plan --nodes nodes.json --model PATH_OR_CONFIG [--model ...] [--policy balanced|memory|latency]
+                 [--context N] [--tolerance F] [--previous plan.json] [--model-overhead BYTES] [--json]
 
 The nodes file is JSON::
 
@@ -14,8 +14,10 @@ Numbers are plain (bytes, bytes/s, s, FLOP/s) under the planner's field names
 units under the short names: bytes ``B kB MB GB TB KiB MiB GiB TiB``; bandwidth
 ``.../s`` in bytes (``GB/s``) or bits (``Gb/s``, ``Gbit/s``); latency ``ns us ms s``;
 compute ``FLOPS`` with an SI prefix. ``--model`` is a ``config.json``, a model
-directory, or inline JSON. Exit status: 0 plan printed, 1 the model does not fit,
-2 bad input (one ``error:`` line on stderr, never a traceback).
+directory, or inline JSON. ``--model`` repeated places several models together in the
+nodes' pooled memory, highest priority first (:mod:`.plan_models`). Exit status: 0 plan
+printed, 1 the model (one of the models) does not fit, 2 bad input (one ``error:`` line
+on stderr, never a traceback).
 """
 
 from __future__ import annotations
@@ -24,11 +26,22 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ringlet.daemon.engine.defaults import DEFAULT_PREFILL_SHARE
-from ringlet.partitioning import POLICY_NAMES, Infeasible, LinkSpec, NodeSpec, Plan, Policy, make_plan
+from ringlet.daemon.ops.plan_models import print_placement, read_previous
+from ringlet.partitioning import (
+    POLICY_NAMES,
+    Infeasible,
+    LinkSpec,
+    NodeSpec,
+    Plan,
+    Policy,
+    make_plan,
+    place_models,
+)
 
 EXIT_OK, EXIT_INFEASIBLE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -222,9 +235,10 @@ def _model_spec(model: str, context: int | None, name: str | None):
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", required=True, help="JSON file with nodes, links and optional policy settings")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, action="append",
                    help="config.json, a model directory, inline JSON config, or a Hub name ORG/NAME[@REVISION] "
-                        "(its config and safetensors headers are read; no weights)")
+                        "(its config and safetensors headers are read; no weights); repeat it to place several "
+                        "models together, highest priority first")
     p.add_argument("--policy", choices=POLICY_NAMES, default=None, help="planning policy (default: balanced)")
     p.add_argument("--context", type=int, default=None,
                    help="KV-cache length in tokens to plan for (default: the model's max_position_embeddings)")
@@ -233,8 +247,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-share", type=float, default=None,
                    help="balanced: how much of the stages' time is prefill rather than decode, 0..1 "
                         f"(default {DEFAULT_PREFILL_SHARE}, as ringlet run)")
-    p.add_argument("--previous", default=None, help="the current plan (JSON from --json) to re-shard from")
-    p.add_argument("--name", default=None, help="model name recorded in the plan (default: directory name)")
+    p.add_argument("--previous", default=None,
+                   help="the current plan (JSON from --json; with several --model, the placement) to re-shard from")
+    p.add_argument("--name", default=None, action="append",
+                   help="model name recorded in the plan (default: directory name); one per --model")
+    p.add_argument("--model-overhead", default=None,
+                   help="memory each model's process takes on every node it runs on beyond its stage "
+                        "(e.g. 2 GiB; default 0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -283,14 +302,23 @@ def _run(args: argparse.Namespace) -> int:
     except TypeError as exc:
         raise InputError(f"{args.nodes}: policy: {exc}") from None
     previous = None
-    if args.previous:
+    if args.previous and len(args.model) == 1:
         try:
             previous = Plan.from_json(Path(args.previous).expanduser().read_text())
         except OSError as exc:
             raise InputError(f"--previous: cannot read ({exc})") from None
         except ValueError as exc:
             raise InputError(f"--previous: {exc}") from None
-    model = _model_spec(args.model, args.context, args.name)
+    names = args.name or [None] * len(args.model)
+    if len(names) != len(args.model):
+        raise InputError(f"give one --name per --model ({len(names)} names, {len(args.model)} models)")
+    overhead = int(parse_bytes(args.model_overhead, "--model-overhead")) if args.model_overhead else 0
+    if len(args.model) > 1:
+        specs = [_model_spec(m, args.context, n) for m, n in zip(args.model, names, strict=True)]
+        return _run_models(args, nodes, links, specs, policy, overhead)
+    if overhead:
+        nodes = [replace(n, memory_bytes=max(0, n.memory_bytes - overhead)) for n in nodes]
+    model = _model_spec(args.model[0], args.context, names[0])
     try:
         plan = make_plan(nodes, links, model, previous=previous, policy=policy)
     except Infeasible as exc:
@@ -303,6 +331,23 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print_plan(plan, model)
     return EXIT_OK
+
+
+def _run_models(args: argparse.Namespace, nodes, links, models, policy: Policy, overhead: int) -> int:
+    """Several ``--model``: place them together (:mod:`.plan_models`); 0 when every model is
+    placed, 1 when one is left out (each reason also on stderr with ``--json``)."""
+    if len({m.name for m in models}) != len(models):
+        raise InputError("two models have the same name: give each its own --name")
+    previous = read_previous(args.previous) if args.previous else None
+    placement = place_models(nodes, links, models, previous=previous, policy=policy,
+                             per_model_overhead_bytes=overhead)
+    if args.json:
+        print(json.dumps(placement.to_dict(), indent=2))
+        for reason in placement.left_out.values():
+            _err(f"left out: {reason}")
+    else:
+        print_placement(placement, print_plan)
+    return EXIT_INFEASIBLE if placement.left_out else EXIT_OK
 
 
 def _gb(n: float) -> str:
