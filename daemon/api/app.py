@@ -23,9 +23,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ringlet.daemon.api import anthropic_api, console, ollama_api, openai_api, responses_api
+from ringlet.daemon.api.error_body import error_response as _error
 from ringlet.daemon.api.errors import ApiError
 from ringlet.daemon.api.metrics import CONTENT_TYPE_LATEST, CountRequests, Metrics
 from ringlet.daemon.api.pipeline import Pipeline
@@ -34,30 +35,9 @@ from ringlet.daemon.api.ticker import ClientGone
 from ringlet.daemon.api.tokenizer import LazyTokenizer
 from ringlet.daemon.node import Node
 from ringlet.daemon.wire import versions
-from ringlet.daemon.wire.limits import ApiLimits, install, is_ollama
+from ringlet.daemon.wire.limits import ApiLimits, install
 
 log = logging.getLogger(__name__)
-
-#: paths whose errors take Anthropic's shape
-ANTHROPIC_PATHS = ("/v1/messages",)
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           path: str = "") -> JSONResponse:
-    if is_ollama(path):  # Ollama's errors are {"error": "..."}: the message names the field
-        if param and param not in message:
-            message = f"{param}: {message}"
-        return JSONResponse(status_code=status, content={"error": message})
-    if path.startswith(ANTHROPIC_PATHS):
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error"}.get(status, "api_error")
-        if param and param not in message:  # Anthropic's errors have no param: the message names it
-            message = f"{param}: {message}"
-        return JSONResponse(status_code=status, content={"type": "error", "error": {"type": kind, "message": message}})
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": code}})
-
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str]:
     """``(message, param)`` of a body that failed validation: an unknown field is

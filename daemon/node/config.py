@@ -55,6 +55,9 @@ class NodeConfig:
             (for the first token, this per ``PREFILL_TIMEOUT_TOKENS`` prompt tokens).
         plan_wait_s: seconds a request waits for a plan while the cluster forms.
         resume_attempts: how many times a request is resumed on a new plan.
+        reserve: a model's lane of a node serving several (ops/lanes.py): ``await
+            reserve(nbytes)`` before a stage loads, until the node's lower-priority models
+            leave ``nbytes`` for this one.
         fetch: for a node without the model files, ``await fetch(start, end)`` pulls that
             stage's tensors from a member into the local sparse copy before loading.
         max_batch: the most decode steps a stage runs as one forward (1: no batching).
@@ -97,6 +100,7 @@ class NodeConfig:
     plan_wait_s: float = 30.0
     resume_attempts: int = 8
     fetch: Callable[[int, int], Awaitable[None]] | None = None
+    reserve: Callable[[int], Awaitable[None]] | None = None
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int | None = None
     ring_prefill_chunk: int | None = None

@@ -271,7 +271,11 @@ class Node(ResumingClient, Head, Relay, Migration, Rebuilding, MemoryAccounting,
         if current is not None and (current.start, current.end) == (spec.start, spec.end):
             self._prepared[key] = current
             return 0
-        if over := self.load_overfills(current, spec.start, spec.end):  # both ranges would not fit: drop first
+        over = self.load_overfills(current, spec.start, spec.end)
+        if self.config.reserve is not None:  # beside other models: the lower ones make room first
+            await self.config.reserve(self.load_footprint(current, spec.start, spec.end, dropped=bool(over),
+                                                          plan=plan))
+        if over:  # both ranges would not fit: drop first
             await self.drop_first(current, spec.start, spec.end, plan.epoch, over)
         self.state = "loading" if current is None else self.state
         t0 = time.perf_counter()

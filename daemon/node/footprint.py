@@ -87,6 +87,24 @@ class MemoryAccounting:
                 return max(weights_bytes, stage["memory_bytes"])
         return weights_bytes
 
+    def load_footprint(self, current, start: int, end: int, *, dropped: bool, plan=None) -> int:
+        """Bytes this node holds while it loads ``[start, end)`` (a lane reserves them with
+        its node: ops/lanes.py): its runtime, what it keeps off its offer, the new stage as
+        ``plan`` (or the weights alone) plans it, and the old layers outside the new range
+        unless they are dropped first."""
+        layer_bytes = self.layer_bytes or ()
+        weights = sum(layer_bytes[g] for g in range(start, min(end, len(layer_bytes))))
+        stage = weights
+        for s in ((getattr(plan, "detail", None) or {}).get("stages") or ()):
+            if s.get("node_id") == self.node_id and isinstance(s.get("memory_bytes"), int):
+                stage = max(weights, s["memory_bytes"])
+        held = 0
+        if current is not None and not dropped:
+            held = sum(layer_bytes[g] for g in range(current.start, min(current.end, len(layer_bytes)))
+                       if not start <= g < end)
+        runtime = self.runtime_bytes or self.memory.get("rss_before_load_bytes", 0)
+        return int(runtime + self.kept_off_bytes() + stage + held)
+
     def prefix_budget_for(self, weights_bytes: int) -> int:
         """Bytes of prefix cache this node may hold beside a stage of ``weights_bytes``:
         ``--prefix-cache-bytes``, else :data:`~ringlet.daemon.node.config.PREFIX_CACHE_FRACTION`

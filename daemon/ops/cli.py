@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ringlet`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "models"):  # ringlet run: --model may be repeated
+        args.model = args.models[0] if args.models else None
     if args.command is None:
         parser.print_help()
         return 2
@@ -184,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
             dequant_cache.configure(parse_size(args.weights_cache_bytes, "--weights-cache-bytes", allow_zero=True))
         if args.command == "run":
+            from ringlet.daemon.ops.lanes_run import serve_lanes, several_models
+
+            if several_models(args):
+                return asyncio.run(serve_lanes(args, list(sys.argv[1:] if argv is None else argv)))
             from ringlet.daemon.ops.runner import serve
 
             return asyncio.run(serve(args))

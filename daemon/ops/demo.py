@@ -7,6 +7,7 @@ benchmark use it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -228,9 +229,14 @@ class LocalCluster:
             return ""
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to node ``i`` and reap it."""
+        """Send ``sig`` to node ``i`` and reap it; SIGKILL goes to its whole process group
+        (a node serving several models runs one child per model: a lost machine loses all)."""
         if self.procs[i].poll() is None:
-            self.procs[i].send_signal(sig)
+            if sig == signal.SIGKILL:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.procs[i].pid, sig)
+            else:
+                self.procs[i].send_signal(sig)
             self.procs[i].wait(timeout=30)
 
     def stop(self) -> None:
@@ -244,6 +250,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # a child it left (a model's lane)
+                os.killpg(p.pid, signal.SIGKILL)
         self.procs.clear()
         for log in self._logs:
             log.close()

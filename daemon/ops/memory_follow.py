@@ -39,13 +39,15 @@ __all__ = ["CHANGE_FRACTION", "POLL_S", "MemoryFollower", "configured_memory", "
 POLL_S = 2.0
 #: A usable figure that moved by less than this share (same limit, same rule) is not re-advertised.
 CHANGE_FRACTION = 0.05
+#: The rule of a lane's share, in words (ops/lanes.py).
+SHARE_RULE = "what the node's higher-priority models leave"
 
 
-def offered_memory(memory: MemoryInfo, flag_bytes: int | None) -> tuple[int, str]:
+def offered_memory(memory: MemoryInfo, flag_bytes: int | None, flag_rule: str = "--memory-limit") -> tuple[int, str]:
     """``(bytes, rule in words)``: the probe's usable memory, or ``--memory-limit``
-    (``flag_bytes``) where that is lower."""
+    (``flag_bytes``; ``flag_rule`` names where it came from) where that is lower."""
     if flag_bytes is not None and flag_bytes < memory.usable_memory_bytes:
-        return flag_bytes, f"--memory-limit: {size_text(flag_bytes)}"
+        return flag_bytes, f"{flag_rule}: {size_text(flag_bytes)}"
     return memory.usable_memory_bytes, memory.usable_source or memory.usable_rule
 
 
@@ -75,14 +77,25 @@ class MemoryFollower:
         interval_s: seconds between two polls.
         refresh: ``MemoryInfo -> MemoryInfo`` with the cgroup read anew
             (:func:`~ringlet.daemon.probes.memory.with_cgroup`; tests give their own).
+        share_file: a model's lane of a node serving several (``--lane-share-file``,
+            ops/lanes.py): the memory the models before it leave, read at each poll and
+            offered where lower than the rest.
     """
 
     def __init__(self, node, memory: MemoryInfo, flag_bytes: int | None, *, interval_s: float = POLL_S,
                  refresh: Callable[[MemoryInfo], MemoryInfo] = with_cgroup,
-                 pressure_read: Callable[[], PressureReading] = read_pressure):
+                 pressure_read: Callable[[], PressureReading] = read_pressure, share_file: str | None = None):
         self.node = node
         self.memory = memory
+        self.share_file = share_file
+        self.cli_flag_bytes = flag_bytes  # --memory-limit as given (the runner may have lowered it to the share)
+        if share_file is not None and flag_bytes is not None:
+            from ringlet.daemon.ops.lane_child import read_share
+
+            if read_share(share_file) == flag_bytes:  # the lane's share set it at start
+                self.cli_flag_bytes = None
         self.flag_bytes = flag_bytes
+        self.flag_rule = "--memory-limit" if self.cli_flag_bytes == flag_bytes or flag_bytes is None else SHARE_RULE
         self.interval_s = interval_s
         self.refresh = refresh
         self.cap_bytes: int | None = None  # a lower offer under memory pressure (memory_pressure.py)
@@ -122,7 +135,7 @@ class MemoryFollower:
         ``usable_memory_source`` (the rule in words, with what is kept off) and
         ``boundary_cache_bytes``. Kept off: the boundary activations' budget and one step's
         activations (the node's ``work_space_bytes``) and its tokenizer (``tokenizer_bytes``)."""
-        usable, source = offered_memory(self.memory, self.flag_bytes)
+        usable, source = offered_memory(self.memory, self.flag_bytes, self.flag_rule)
         if self.cap_bytes is not None and self.cap_bytes < usable:
             usable, source = self.cap_bytes, f"memory pressure: {size_text(self.cap_bytes)} (the rule: {source})"
         boundary, work = self.node.boundary_budget(), getattr(self.node, "work_space_bytes", 0)
@@ -139,7 +152,7 @@ class MemoryFollower:
     def offered_bytes(self) -> int:
         """What the node offers before the stores and work space are kept off, bytes: the
         rule's figure or ``--memory-limit``, or less under memory pressure (:meth:`cap`)."""
-        usable = offered_memory(self.memory, self.flag_bytes)[0]
+        usable = offered_memory(self.memory, self.flag_bytes, self.flag_rule)[0]
         return min(usable, self.cap_bytes) if self.cap_bytes is not None else usable
 
     def cap(self, nbytes: int | None) -> None:
@@ -171,6 +184,9 @@ class MemoryFollower:
             except Exception as exc:  # noqa: BLE001 - a poll must never end the daemon
                 log.debug("memory poll failed: %s", exc)
                 continue
+            if self.share_file is not None:
+                with contextlib.suppress(Exception):
+                    self.follow_share()
             try:  # first: what the node sheds is said before a new figure resizes the stores
                 await self.pressure.poll()
             except Exception as exc:  # noqa: BLE001 - a poll must never end the daemon
@@ -191,6 +207,32 @@ class MemoryFollower:
         self._size_stores()
         fields = self.fields()
         message = f"usable memory {size_text(before)} -> {size_text(after)}: {fields['usable_memory_source']}"
+        log.info("%s", message)
+        self.node.event("memory", message)
+        self._advertise()
+        return True
+
+    def follow_share(self) -> bool:
+        """A lane's share file (``share_file``) read anew: a new figure lowers (or raises) the
+        offer as a changed ``--memory-limit`` would, advertised with a re-plan when it moved
+        by :data:`CHANGE_FRACTION` or more. Returns whether it was advertised."""
+        from ringlet.daemon.ops.lane_child import read_share
+
+        share = read_share(self.share_file)
+        if share is None:
+            return False
+        flags = [f for f in (self.cli_flag_bytes, share) if f is not None]
+        flag = min(flags)
+        rule = SHARE_RULE if flag == share and flag != self.cli_flag_bytes else "--memory-limit"
+        if (flag, rule) == (self.flag_bytes, self.flag_rule):
+            return False
+        before = self.offered_bytes()
+        self.flag_bytes, self.flag_rule = flag, rule
+        after = self.offered_bytes()
+        if abs(after - before) < CHANGE_FRACTION * max(1, before):
+            return False
+        self._size_stores()
+        message = f"usable memory {size_text(before)} -> {size_text(after)}: {self.fields()['usable_memory_source']}"
         log.info("%s", message)
         self.node.event("memory", message)
         self._advertise()

@@ -63,10 +63,17 @@ def _share(text: str) -> float:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--dtype`` and ``--threads``, shared by ``run``, ``generate`` and ``demo``."""
-    p.add_argument("--model", default=None,
-                   help="model path (MLX/HF directory or .gguf) or short name (default: smollm2-135m)")
+def add_model_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--model``, ``--dtype`` and ``--threads``, shared by ``run``, ``generate`` and ``demo``
+    (``several``: ``--model`` may be repeated, into ``models``; ``model`` is then the first)."""
+    if several:
+        p.add_argument("--model", dest="models", action="append", default=None,
+                       help="model path (MLX/HF directory or .gguf), short name or Hub ORG/NAME (default: "
+                            "smollm2-135m); repeat it to serve several models, in priority order: each gets a "
+                            "ring in the memory the ones before it leave")
+    else:
+        p.add_argument("--model", default=None,
+                       help="model path (MLX/HF directory or .gguf) or short name (default: smollm2-135m)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights' precision: auto (default: float32 on a CPU when the model fits that way, "
                         "else the model's own), native (the model's own), float32, float16, bfloat16")
@@ -87,7 +94,10 @@ def add_global_options(parser: argparse.ArgumentParser) -> None:
 def add_run_parser(sub) -> argparse.ArgumentParser:
     """Add the ``run`` subcommand (the daemon) to ``sub`` (an argparse subparsers action)."""
     run = sub.add_parser("run", help="run the daemon (a node of the cluster)")
-    add_model_args(run)
+    add_model_args(run, several=True)
+    run.add_argument("--model-alias", action="append", default=None, metavar="NAME=MODEL",
+                     help="another name requests may give for one of the --model values, e.g. "
+                          "claude-haiku=smollm2-135m (repeatable)")
     run.add_argument("--host", default="127.0.0.1", help="gRPC address to bind and advertise (default 127.0.0.1)")
     run.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")
     run.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address")
@@ -160,6 +170,10 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
                           "are rebuilt from them instead of re-prefilling every request, e.g. 4GB (default 1GB; "
                           "0: off)")
     run.add_argument("--node-id", default="", help=argparse.SUPPRESS)
+    # a model's lane of a daemon serving several models (ops/lanes.py): set by its parent
+    run.add_argument("--lane-share-file", default=None, help=argparse.SUPPRESS)
+    run.add_argument("--lane-supervisor", default=None, help=argparse.SUPPRESS)
+    run.add_argument("--public-api-url", default=None, help=argparse.SUPPRESS)
     add_run_arguments(run)  # --secret-file, --api-key-file, limits
     return run
 

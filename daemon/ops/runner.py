@@ -32,6 +32,7 @@ from ringlet.daemon.errors import PlanError, RingletError
 from ringlet.daemon.node import Node, NodeConfig
 from ringlet.daemon.ops.bootstrap import bootstrap_fetch
 from ringlet.daemon.ops.hub_run import hub_fetcher, resolve_run_model
+from ringlet.daemon.ops.lane_child import lane_reserver, lane_start
 from ringlet.daemon.ops.memory_follow import MemoryFollower, configured_memory
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
@@ -183,7 +184,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     # share a machine plan with the same figures instead of each its own noisy one.
     cache_dir = machine_cache_dir()
     probe = await loop.run_in_executor(None, lambda: probe_local(cache_dir))
-    memory = MemoryFollower(node, probe.memory, parse_size(args.memory_limit))  # lowest: probe, --memory-limit
+    memory = MemoryFollower(node, probe.memory, parse_size(args.memory_limit),  # lowest: probe, --memory-limit
+                            share_file=getattr(args, "lane_share_file", None))  # and a lane's share (ops/lanes.py)
     speed = probe.speed
     watcher = AddressWatcher(args.advertise_host, args.host, args.interface or None, args.port)
     if watcher.static:  # only addresses given, none usable: no interface can bring one
@@ -206,7 +208,8 @@ async def _start_cluster(args, node: Node, context_tokens: int):
         **memory.fields(),  # what the planner may fill with weights and KV, and which rule set it
         "memory_bandwidth_bytes_per_s": speed.memory_bandwidth_bytes_per_s if speed else None,
         "flops": speed.matmul_flops if speed else None,
-        "api_url": f"http://{api_host}:{args.api_port}", "links": {},
+        # a model's lane (ops/lanes.py) advertises its node's API, which sends requests to it
+        "api_url": getattr(args, "public_api_url", None) or f"http://{api_host}:{args.api_port}", "links": {},
         "thunderbolt": thunderbolt_record(getattr(probe, "thunderbolt", ())),
         "whole_model": getattr(args, "fetched_location", None) is None,  # a tensor rank needs every layer
         "model": node.config.model.ident,  # a Hub model: its commit, which the members agree on
@@ -392,8 +395,11 @@ async def serve(args) -> int:
         await bootstrap_fetch(args)
     else:  # --model ORG/NAME[@REVISION]: the Hub (with --fetch-model or not), else members
         await resolve_run_model(args, bootstrap_fetch)
+    lane_start(args)  # a model's lane of a node serving several: its share, its parent (ops/lanes.py)
     config, context = build_config(args)
     node = Node(config)
+    if getattr(args, "lane_supervisor", None):
+        config.reserve = lane_reserver(args.lane_supervisor, args.model)
     tokenizer = LazyTokenizer(functools.partial(load_tokenizer, config.model))
     if getattr(args, "draft_model", None):
         node.draft_model = load_draft_model(args.draft_model, config, tokenizer)
