@@ -110,6 +110,12 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "ringlet"}]}
 
+    @app.post("/v1/models/load")
+    @app.post("/v1/models/unload")
+    async def models_change(request: Request):
+        return _error(400, f"this node serves one model ({model_name}): start it with several --model (or a "
+                           "--model-alias) to load and unload models while it runs", path=request.url.path)
+
     def cluster_view() -> dict:
         admission = app.state.admission
         return {**node.info(), "api": {"running": admission.running, "queued": admission.waiting,

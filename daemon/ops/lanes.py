@@ -57,6 +57,8 @@ POLL_S = 1.0
 RESERVE_WAIT_S = 30.0
 #: Seconds a lane gets to answer before the next lane starts anyway.
 START_WAIT_S = 180.0
+#: Seconds a lane's ring may serve without a stage here before the next lane starts anyway.
+SETTLE_S = 20.0
 #: A share that moved by less than this fraction is not rewritten.
 SHARE_STEP = 0.02
 
@@ -207,8 +209,17 @@ class Lanes:
         for i, lane in enumerate(list(self.lanes)):
             await self._start(lane, i)
             deadline = time.monotonic() + START_WAIT_S
-            while lane.state == "starting" and time.monotonic() < deadline and not self._stopping:
+            while not self._settled(lane) and time.monotonic() < deadline and not self._stopping:
                 await asyncio.sleep(0.2)  # the next model is planned beside this one's footprint
+
+    @staticmethod
+    def _settled(lane: Lane) -> bool:
+        """Whether ``lane``'s footprint here is its plan's: it holds its stage, or it is left
+        out, or its ring has had :data:`SETTLE_S` to give this node a stage and did not."""
+        view = lane.view or {}
+        if lane.state == "left out" or view.get("layer_range") is not None:
+            return True
+        return lane.state == "serving" and time.monotonic() - lane.started_at > SETTLE_S
 
     async def _start(self, lane: Lane, index: int) -> None:
         if self._stopping:

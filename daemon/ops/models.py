@@ -1,4 +1,5 @@
-"""``ringlet models list | pull | rm``: the Hugging Face cache, as ringlet uses it.
+"""``ringlet models list | pull | rm``: the Hugging Face cache, as ringlet uses it
+(``load`` and ``unload``, the models a running cluster serves: :mod:`.models_serve`).
 
 A ``ringlet`` CLI extension (see :mod:`ringlet.daemon.ops.cli`). The cache is the
 standard one (``HF_HUB_CACHE``, ``HF_HOME``), read with ``huggingface_hub``'s
@@ -35,6 +36,9 @@ def add_parsers(subparsers) -> None:
                       help="only the files holding layers [START, END) (half-open), plus config and tokenizer")
     rm = sub.add_parser("rm", help="delete a model (every revision, or the one named) from the cache")
     rm.add_argument("model", metavar="ORG/NAME[@REVISION]")
+    from ringlet.daemon.ops.models_serve import add_serve_parsers
+
+    add_serve_parsers(sub)  # load, unload: the models a running cluster serves
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +54,11 @@ def run(args: argparse.Namespace) -> int:
         return _pull(args.model, args.layers)
     if action == "rm":
         return _rm(args.model)
-    raise RingletError("ringlet models: give list, pull ORG/NAME or rm ORG/NAME")
+    if action in ("load", "unload"):
+        from ringlet.daemon.ops.models_serve import run_serve
+
+        return run_serve(args)
+    raise RingletError("ringlet models: give list, pull ORG/NAME, rm ORG/NAME, load MODEL or unload MODEL")
 
 
 def _ref(text: str):
