@@ -15,7 +15,7 @@ from pathlib import Path
 BENCHES = ["bench_spine", "bench_blas", "bench_cluster", "bench_planner", "bench_probes", "bench_shard", "bench_tp",
            "bench_concurrency", "bench_groups", "bench_prefill", "bench_chunk", "bench_prefix", "bench_hybrid",
            "bench_migration", "bench_agents", "bench_tool_stream", "bench_load", "bench_hub", "bench_prefill_pipeline",
-           "bench_cache_kinds", "bench_spec", "bench_spec_tensor", "bench_few_rows", "bench_memory"]
+           "bench_cache_kinds", "bench_spec", "bench_spec_tensor", "bench_few_rows", "bench_memory", "bench_models"]
 
 
 def main(argv: list[str]) -> int:

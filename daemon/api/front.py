@@ -5,11 +5,12 @@ A node started with several ``--model`` runs each model in its own lane (a child
 a ``model`` (every surface: OpenAI, Anthropic, Responses, Ollama) goes to the lane serving
 it, by its id, its ``--model`` value or an alias (``--model-alias NAME=MODEL``), with the
 body's ``model`` set to the lane's id; a request naming no model goes to the first lane (the
-highest priority), as do the node's pages (the console, ``/healthz``, ``/metrics``).
+highest priority), as do the node's pages (the console, ``/healthz``, ``/metrics``; another
+model's metrics: ``/metrics?model=NAME``).
 Replies stream through as they come; a client that goes away closes the lane's request.
 
-Its own endpoints: ``GET /v1/models`` and Ollama's ``GET /api/tags`` list every model
-with its state; ``GET /v1/cluster`` is the first lane's view with ``models`` (each model's
+Its own endpoints: ``GET /v1/models`` and Ollama's ``GET /api/tags`` and ``/api/ps`` list
+every model (``/v1/models`` with its state); ``GET /v1/cluster`` is the first lane's view with ``models`` (each model's
 ring, state and memory); ``GET /v1/lanes`` the set of models (for the members'
 agreement); ``POST /v1/models/load`` and ``/v1/models/unload`` change the set on every
 member (API key when keys are set); ``POST /v1/lanes/reserve`` is the lanes' own (loopback).
@@ -84,10 +85,11 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
         return {"object": "list", "data": data}
 
     @app.get("/api/tags")
-    async def ollama_tags(request: Request):
+    @app.get("/api/ps")
+    async def ollama_lists(request: Request):  # Ollama's lists: every model's, in priority order
         out = []
         for lane in lanes.lanes:
-            body = await lane_json(lane, "/api/tags", request)
+            body = await lane_json(lane, request.url.path, request)
             out += (body or {}).get("models", [])
         return {"models": out}
 
@@ -155,6 +157,8 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
     async def proxy(path: str, request: Request):
         raw = await request.body()
         lane, body = lanes.default, raw
+        if path == "metrics" and request.query_params.get("model"):  # one model's metrics: /metrics?model=NAME
+            lane = lanes.find(request.query_params["model"]) or lane
         if raw and request.method == "POST" and "json" in request.headers.get("content-type", "json"):
             try:
                 parsed = json.loads(raw)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import random
 import time
 
@@ -38,9 +39,19 @@ from zeroconf import (
 )
 from zeroconf.asyncio import AsyncServiceInfo
 
-from ringlet.daemon.cluster.advert import SERVICE_TYPE, Advert, AdvertError, IncompatibleVersion, parse_txt
+from ringlet.daemon.cluster.advert import (
+    SERVICE_TYPE,
+    Advert,
+    AdvertError,
+    IncompatibleVersion,
+    OtherCluster,
+    parse_txt,
+)
 from ringlet.daemon.cluster.discovery_base import MAX_TRACKED, DiscoveryBase
 from ringlet.daemon.cluster.identity import should_yield
+
+#: Set in a model's lane of a node serving several models (ops/lanes.py).
+LANE_ENV = "RINGLET_LANE"
 
 __all__ = [
     "CLASS_IN",
@@ -337,7 +348,9 @@ class BrowserMixin(DiscoveryBase):
             self._call(self._on_goodbye, node_id)
 
     def _ignore(self, name: str, err: AdvertError) -> None:
-        self._log_once(name, err.reason, logging.WARNING, "mDNS: ignoring advert %s: %s", name, err)
+        # a model's lane (ops/lanes.py) sees its node's other models' adverts: expected, not a warning
+        level = logging.DEBUG if isinstance(err, OtherCluster) and os.environ.get(LANE_ENV) else logging.WARNING
+        self._log_once(name, err.reason, level, "mDNS: ignoring advert %s: %s", name, err)
         advert = self._instances.pop(name, None)
         if advert is not None:
             current = self._peers.get(advert.node_id)

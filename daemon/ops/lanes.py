@@ -240,7 +240,8 @@ class Lanes:
                          data_dir=data, cluster=f"{self.cluster}/{lane.key}", share_file=share_file,
                          supervisor_url=self.supervisor_url, public_api_url=self.public_api_url)
         lane.state, lane.started_at, lane.view = "starting", time.monotonic(), None
-        lane.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL)
+        env = dict(os.environ, RINGLET_LANE=lane.key)  # cluster/peer_browser.py: sibling models' adverts are quiet
+        lane.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env)
         log.info("lane %s (%s): pid %d, gRPC port %d%s", lane.key, lane.model, lane.proc.pid, lane.grpc_port,
                  f", offered {size_text(lane.share)}" if lane.share is not None else "")
 
