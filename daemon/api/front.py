@@ -133,8 +133,9 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
             return error_response(400, "aliases: a list of names", param="aliases", path=request.url.path)
         try:
             result = await sync.load(model.strip(), aliases, _forwarded(request), bool(body.get("propagate", True)))
-        except ValueError as exc:
-            return error_response(409, str(exc), param="model", path=request.url.path)
+        except ValueError as exc:  # a model that cannot be read here (400), or one already served (409)
+            status = 400 if str(exc).startswith("cannot load") else 409
+            return error_response(status, str(exc), param="model", path=request.url.path)
         return result
 
     @app.post("/v1/models/unload")
@@ -175,6 +176,9 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
                 if lane.served and name != lane.served:
                     parsed["model"] = lane.served
                     body = json.dumps(parsed).encode()
+        if lane.state == "failed":
+            return error_response(503, f"model {lane.served or lane.key} could not start on this node (see its "
+                                       f"log); the other models serve", path="/" + path)
         if lane.state in ("starting", "restarting") and lane.view is None:
             return error_response(503, f"model {lane.served or lane.key} is starting on this node; try again shortly",
                                   path="/" + path)

@@ -28,6 +28,25 @@ __all__ = ["SYNC_S", "ModelSync"]
 SYNC_S = 3.0
 
 
+def _check_model(model: str) -> None:
+    """A model path or short name must resolve here before a lane starts for it (a Hub
+    name is fetched by the lane, as ``ringlet run`` does).
+
+    Raises:
+        ValueError: it cannot be found or read, with the loader's reason.
+    """
+    from ringlet.daemon.engine.hub import parse_ref
+    from ringlet.daemon.engine.sources import resolve
+    from ringlet.daemon.errors import RingletError
+
+    if parse_ref(model) is not None and not Path(model).exists():
+        return
+    try:
+        resolve(model)
+    except (RingletError, OSError, ValueError) as exc:
+        raise ValueError(f"cannot load {model}: {exc}") from None
+
+
 class ModelSync:
     """Loads, unloads and the set's agreement for this node's :class:`~.lanes.Lanes`.
 
@@ -95,6 +114,7 @@ class ModelSync:
         Raises:
             ValueError: it is already served here.
         """
+        await asyncio.get_running_loop().run_in_executor(None, _check_model, model)
         async with self._lock:
             lane = await self.lanes.load(model, aliases)
             self.save()

@@ -59,6 +59,9 @@ RESERVE_WAIT_S = 30.0
 START_WAIT_S = 180.0
 #: Seconds a lane's ring may serve without a stage here before the next lane starts anyway.
 SETTLE_S = 20.0
+#: A lane that exits this soon after starting, :data:`GIVE_UP_AFTER` times in a row, is not restarted.
+QUICK_EXIT_S = 20.0
+GIVE_UP_AFTER = 3
 #: A share that moved by less than this fraction is not rewritten.
 SHARE_STEP = 0.02
 
@@ -85,6 +88,7 @@ class Lane:
     share: int | None = None
     view: dict | None = None
     restarts: int = 0
+    quick_exits: int = 0
     started_at: float = 0.0
 
     @property
@@ -342,6 +346,18 @@ class Lanes:
         if proc is None or lane.state in ("stopping", "stopped"):
             return
         if proc.returncode is not None:  # it died: say so and start it again (backing off)
+            if lane.state == "failed":
+                return
+            quick = time.monotonic() - lane.started_at < QUICK_EXIT_S
+            lane.quick_exits = lane.quick_exits + 1 if quick else 0
+            if lane.quick_exits >= GIVE_UP_AFTER:  # it cannot start (a bad model, a taken port): say so, stop
+                lane.state, lane.footprint, lane.view = "failed", 0, None
+                message = (f"model {lane.key}: its process exited ({proc.returncode}) {lane.quick_exits} times "
+                           f"within {QUICK_EXIT_S:.0f} s of starting; not restarting it (its log says why; "
+                           f"`ringlet models unload {lane.key}` removes it)")
+                log.error("%s", message)
+                self.on_event("models", message)
+                return
             lane.restarts += 1
             lane.state, lane.footprint, lane.view = "restarting", 0, None
             message = f"model {lane.key}: its process exited ({proc.returncode}); restarting it"

@@ -207,6 +207,8 @@ def test_models_load_and_unload_at_run_time_under_a_steady_client(tmp_path, refe
         client = threading.Thread(target=steady)
         client.start()
         try:
+            bad = ringlet("models", "load", str(tmp_path / "no-such-model"), "--api", c.api_urls[0])
+            assert bad.returncode != 0 and "cannot load" in bad.stderr and "no-such-model" in bad.stderr, bad
             loaded = ringlet("models", "load", str(small), "--alias", "fast", "--api", c.api_urls[0])
             assert loaded.returncode == 0, loaded.stderr
             assert "tiny-llama: loading on this node" in loaded.stdout and ": ok" in loaded.stdout, loaded.stdout
