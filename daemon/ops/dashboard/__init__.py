@@ -7,6 +7,7 @@ place (``rich.live.Live`` with ``auto_refresh=False``; no clearing, hence no fli
 
 Modules: :mod:`~ringlet.daemon.ops.dashboard.widgets` (bars, states, hops),
 :mod:`~ringlet.daemon.ops.dashboard.frame` (one frame, laid out for its width; pure),
+:mod:`~ringlet.daemon.ops.dashboard.model_panel` (a line per model when a node serves several),
 :mod:`~ringlet.daemon.ops.dashboard.events` (what changed between snapshots) and
 :mod:`~ringlet.daemon.ops.dashboard.live` (the live loop and ``ringlet dashboard``).
 """

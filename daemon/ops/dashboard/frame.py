@@ -9,6 +9,8 @@ What it draws, from a snapshot (:mod:`ringlet.daemon.ops.status.snapshot`):
   layer range drawn against the model's depth, tokens/s, its decode batch (mean
   over the last 10 s / limit, ``2.4/8``) and the hop to the next stage (link kind,
   bandwidth, RTT; the last row's hop returns to stage 0);
+- **the models** (a node serving several): one line per model, in priority order: its
+  state, its ring (or why it is left out) and what it holds of what it is offered;
 - **the cluster**: total / usable / used memory and the last requests with their
   TTFT and tokens/s;
 - **an event log**: the daemon's events (joins, leaves, re-plans, errors) plus
@@ -31,6 +33,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from ringlet.daemon.ops.dashboard.model_panel import models_panel, models_rule
 from ringlet.daemon.ops.dashboard.widgets import (
     STAGE_COLORS,
     chip_label,
@@ -105,11 +108,14 @@ class Dashboard:
         elif snap.get("error"):
             out.append(Text(f"not reached: {snap['error']}", style="yellow", overflow="ellipsis", no_wrap=True))
         nodes = snap.get("nodes", [])
-        used = len(out)
+        models = snap.get("models") or []  # several models: a line each, below the first one's ring
+        used = len(out) + (1 + len(models) if models else 0)
         dense = not wide and height is not None and used + 1 + 2 * len(nodes) + 7 > height
         out.append(self._ring_rule(snap))
         out.append(self._ring(snap, width, wide, dense))
         used += 1 + (len(nodes) if (wide or dense) else 2 * len(nodes)) + (1 if wide else 0)
+        if models:
+            out += [models_rule(models), models_panel(models, width)]
         cluster = self._cluster_line(snap)
         recent = snap.get("recent_requests", [])
         events = snap.get("events", [])
@@ -189,12 +195,13 @@ class Dashboard:
             state = f", {c['tensor_group']}" if c.get("tensor_group") else ""
             title = f"tensor group ({c.get('backend') or DASH}{state}): {ranks}"
             return Rule(Text(title, overflow="ellipsis", no_wrap=True), align="left", style="dim")
+        ring = f"ring of {c['model']}" if snap.get("models") and c.get("model") else "ring"  # the first model's
         if len(names) > 1:
-            title = "ring: " + " → ".join(names + names[:1])
+            title = f"{ring}: " + " → ".join(names + names[:1])
         elif names:
-            title = f"ring: {names[0]} alone"
+            title = f"{ring}: {names[0]} alone"
         else:
-            title = "ring: no plan"
+            title = f"{ring}: no plan"
         return Rule(Text(title, overflow="ellipsis", no_wrap=True), align="left", style="dim")
 
     def _ring(self, snap: dict, width: int, wide: bool, dense: bool) -> Table:

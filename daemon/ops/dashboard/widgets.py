@@ -14,6 +14,9 @@ STATE_STYLES = {
     "discovering": "cyan", "negotiating": "cyan", "suspect": "bold red", "unreachable": "bold red",
     "left": "red", "gone": "red", "stopped": "dim", "leaving": "yellow", "unplanned": "yellow",
     "standby": "cyan", "alive": "green", "no-address": "yellow",
+    # a model's lane (several models per node)
+    "planning": "cyan", "left out": "bold yellow", "restarting": "bold red", "stopping": "yellow",
+    "failed": "bold red",
 }
 LINK_SHORT = {"thunderbolt": "TB", "ethernet": "eth", "loopback": "lo", "wifi": "wifi"}
 

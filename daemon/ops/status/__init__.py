@@ -14,6 +14,7 @@ what ``ringlet status --json`` prints for scripts. It is built in two steps:
 Modules: :mod:`~ringlet.daemon.ops.status.urls` (which API URLs to ask),
 :mod:`~ringlet.daemon.ops.status.values` (reading reported values),
 :mod:`~ringlet.daemon.ops.status.snapshot` (normalise; the snapshot schema),
+:mod:`~ringlet.daemon.ops.status.model_rings` (a node serving several models: each one's ring),
 :mod:`~ringlet.daemon.ops.status.collector` (fetch) and
 :mod:`~ringlet.daemon.ops.status.command` (the text and exit status of ``ringlet status``).
 """

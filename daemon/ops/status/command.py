@@ -2,7 +2,8 @@
 
 Exit status of ``ringlet status``: 0 every stage of the plan is ready or serving,
 1 no node answered, 2 bad input, 3 reachable but some stage is not ready
-(loading, suspect, unreachable, ...) or a member cannot reach an address the plan names.
+(loading, suspect, unreachable, ...), a member cannot reach an address the plan names, or (a
+node serving several models) some model is not serving (starting, planning, left out, ...).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 from ringlet.daemon.cluster.routes import status_lines as route_lines
 from ringlet.daemon.ops.status.collector import take_snapshot
+from ringlet.daemon.ops.status.model_rings import ring_text, why_text
 from ringlet.daemon.ops.status.urls import default_api_url
 from ringlet.daemon.ops.status.values import as_num
 
@@ -83,6 +85,7 @@ def format_status(snap: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    lines += models_lines(snap.get("models") or [])
     if (kv := c.get("kv_migration")) is not None:
         moved = kv["kv_bytes_received"] + kv["precopied_bytes"]
         lines.append(f"re-plan to epoch {kv['epoch']}: KV moved {fmt_bytes(moved)} "
@@ -127,6 +130,39 @@ def format_status(snap: dict) -> str:
     if snap["error"]:
         lines.append(f"not reached: {snap['error']}")
     return "\n".join(lines) + "\n"
+
+
+def models_lines(models: list[dict]) -> list[str]:
+    """A node serving several models: each one's priority, name, state, ring (or why it is
+    left out) and what it holds and is offered on the node asked (``[]``: one model)."""
+    from ringlet.daemon.ops.format import fmt_bytes
+
+    if not models:
+        return []
+    lines = ["models (priority order, each its own ring; the table above is the first one's):"]
+    for m in models:
+        name = m["name"] + (f" (alias{'es' if len(m['aliases']) > 1 else ''} {', '.join(m['aliases'])})"
+                            if m["aliases"] else "")
+        head = [f"{m['priority'] + 1} {name}"]
+        if m.get("model") and m["model"] not in (m["name"], m["key"]):
+            head.append(f"from {m['model']}")
+        head.append(m["state"] or "—")
+        if m.get("num_layers") is not None:
+            head.append(f"{m['num_layers']} layers")
+        if m.get("epoch") is not None:
+            head.append(f"epoch {m['epoch']}")
+        if m.get("requests_in_flight") is not None:
+            head.append(f"in flight {m['requests_in_flight']}")
+        if m.get("restarts"):
+            head.append(f"restarted {m['restarts']}×")
+        lines.append("  " + " · ".join(head))
+        lines.append(f"    ring: {ring_text(m)}" if m["stages"] else f"    why: {why_text(m)}" if why_text(m)
+                     else "    no plan yet")
+        share = "offered all (the first model)" if m["share_bytes"] is None and m["priority"] == 0 else (
+            f"offered {fmt_bytes(m['share_bytes'])}")
+        reserved = f" · reserving {fmt_bytes(m['reserved_bytes'])} for a load" if m.get("reserved_bytes") else ""
+        lines.append(f"    on {m['node'] or 'this node'}: holds {fmt_bytes(m['footprint_bytes'])} · {share}{reserved}")
+    return lines
 
 
 def version_text(node: dict) -> str:

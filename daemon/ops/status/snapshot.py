@@ -6,7 +6,8 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
 
     {"source": primary URL, "taken_at": unix s, "reachable": bool, "error": str|None,
      "healthy": bool,                       # reachable, every plan stage ready/serving, tensor group ready,
-                                            # no plan address unreachable from a member
+                                            # no plan address unreachable from a member,
+                                            # every model serving (several models)
      "cluster": {"model", "num_layers", "epoch", "policy", "mode", "backend",
                  "ranks" [node ids, rank order; empty unless tensor or hybrid], "mode_reason",
                  "mode_refused" (why --mode tensor/hybrid could not run, or None),
@@ -44,7 +45,8 @@ Snapshot schema (all sizes in bytes, times in seconds, rates per second)::
                           "tokens_per_s", ...}],   # newest first
      "prefilling": [{"request_id", "prompt_tokens", "cached_tokens", "processed_tokens",
                      "elapsed_s", "eta_s"}],      # the requests stage 0 prefills now (no token yet)
-     "events": [{"ts", "kind", "message"}]}       # oldest first
+     "events": [{"ts", "kind", "message"}],       # oldest first
+     "models": [...]}  # a node serving several models: each one's ring (.model_rings); else []
 
 Tokens per second: the cluster's own ``tokens_per_s`` when reported; otherwise
 the rate of the monotonic counter ``tokens_generated_total`` between successive
@@ -62,6 +64,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ringlet.daemon.ops.status.model_rings import models_of
 from ringlet.daemon.ops.status.urls import member_api_url
 from ringlet.daemon.ops.status.values import (
     as_download,
@@ -104,7 +107,7 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
     snap: dict[str, Any] = {
         "source": primary, "taken_at": now, "reachable": base is not None, "error": None,
         "healthy": False, "cluster": {}, "nodes": [], "hops": [], "recent_requests": [], "prefilling": [],
-        "events": [],
+        "events": [], "models": [],
     }
     if base is None:
         snap["error"] = "; ".join(f"{u}: {e}" for u, e in errors.items()) or "no node answered"
@@ -224,6 +227,8 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
             if tag and tag not in n["name"]:
                 n["name"] = f"{n['name']}·{tag}"
 
+    models = models_of(primary, infos, nodes)  # several models: each one's ring, its stages named as above
+
     # The ring's rate: the cluster's own figure, else the client-side counter rate, else
     # the stages' own figures (every stage of a pipeline processes every token: the
     # fastest report is the ring's), else 0 when counters exist and nothing is in flight,
@@ -339,8 +344,10 @@ def build_snapshot(primary: str | None, infos: dict[str, dict], errors: dict[str
         # nor is a plan that names an address one of its members cannot reach
         healthy=bool(in_plan) and len(ready) == len(in_plan) and (
             not ranks or group_state is None or group_state == "ready")
-        and not any(r.get("in_plan") for r in cluster["routes"]),
+        and not any(r.get("in_plan") for r in cluster["routes"])
+        and all(m["state"] == "serving" for m in models),  # several models: each one serving
         cluster=cluster, nodes=nodes, hops=hops, recent_requests=recent, prefilling=prefilling, events=events,
+        models=models,
     )
     unreached = {u: e for u, e in url_errors.items() if u != primary}
     if unreached:

@@ -197,6 +197,81 @@ function renderEvents(events) {
     el("span", {class: "kind"}, e.kind), e.message)));
 }
 
+// ---------------------------------------------------------------- several models (GET /v1/cluster's models)
+// A node serving several models answers /v1/cluster itself (the live view above is its first
+// model's): each model's state, ring and memory. A node serving one model has no `models`.
+let modelIds = "";
+async function watchModels() {
+  for (;;) {
+    let several = false;
+    try {
+      const response = await fetch("/v1/cluster", {headers: headers(), cache: "no-store"});
+      if (response.ok) {
+        const view = await response.json();
+        several = Array.isArray(view.models) && view.models.length > 0;
+        renderModels(several ? view : null);
+        const ids = several ? view.models.map((m) => [m.served || m.key, ...(m.aliases || [])].join(",")).join(";") : "";
+        if (ids !== modelIds) { modelIds = ids; await fillModelPicker(); }
+      }
+    } catch (err) { /* the live view says the link is down */ }
+    await new Promise((r) => setTimeout(r, several ? 2000 : 15000));
+  }
+}
+
+function machineOf(view, stage, priority) {
+  // each model's ring has its own node ids: name a stage after the member at its address
+  // (a model of priority i listens on the node's gRPC port + i), else the only one at its host
+  const members = view.members || [];
+  const byId = members.find((m) => m.node_id === stage.node_id);
+  if (byId) return byId;
+  const cut = (a) => { const i = (a || "").lastIndexOf(":"); return [(a || "").slice(0, i), Number((a || "").slice(i + 1))]; };
+  const [host, port] = cut(stage.address);
+  const atPort = members.find((m) => m.grpc_address === `${host}:${port - priority}`);
+  if (atPort) return atPort;
+  const atHost = members.filter((m) => cut(m.grpc_address)[0] === host);
+  return atHost.length === 1 && !["127.0.0.1", "::1", "localhost"].includes(host) ? atHost[0] : null;
+}
+
+function renderModels(view) {
+  window.ringletModels = view ? view.models : null;  // for the curious, and the tests
+  $("#models-panel").hidden = !view;
+  $("#ring-model").textContent = view && view.model ? `of ${view.model}` : "";
+  if (!view) return;
+  $("#models").replaceChildren(...view.models.map((m, i) => {
+    const priority = m.priority ?? i;
+    const state = m.state || "?";
+    const ring = (m.plan || []).map((s) => {
+      const member = machineOf(view, s, priority);
+      return `${member ? `${member.name || "?"} ${short(member.node_id)}` : short(s.node_id)} [${s.start}, ${s.end})`;
+    }).join(" → ");
+    const aliases = (m.aliases || []).length ? ` (${m.aliases.join(", ")})` : "";
+    const here = `this node holds ${bytes(m.footprint_bytes)} · offered ${m.share_bytes === null ? "all" : bytes(m.share_bytes)}` +
+      (m.epoch !== null && m.epoch !== undefined ? ` · epoch ${m.epoch}` : "") +
+      (m.requests_in_flight ? ` · ${m.requests_in_flight} in flight` : "") + (m.restarts ? ` · restarted ${m.restarts}×` : "");
+    return el("div", {class: "model", "data-key": m.key, "data-state": state},
+      el("div", {class: "title"}, el("span", {}, `${priority + 1} · ${m.served || m.key}`, el("span", {class: "muted"}, aliases)),
+        el("span", {class: `state ${state.replace(/ /g, "-")}`}, state)),
+      el("div", {class: "ring-line"}, ring ? `ring: ${ring}` : m.infeasible ? `left out: ${m.infeasible}` :
+        state === "failed" ? "its process keeps exiting at start here (the node's log says why)" : "no plan yet"),
+      el("div", {class: "muted"}, here));
+  }));
+}
+
+async function fillModelPicker() {
+  // the chat's model: any id or alias of GET /v1/models (shown when there is more than one)
+  const pick = $("#model-pick");
+  let ids = [];
+  try {
+    const response = await fetch("/v1/models", {headers: headers(), cache: "no-store"});
+    if (response.ok) ids = ((await response.json()).data || []).map((m) => m.id);
+  } catch (err) { return; }
+  const wanted = pick.value || JSON.parse(localStorage.getItem(SETTINGS) || "{}").model || "";
+  pick.replaceChildren(...ids.map((id) => el("option", {value: id}, id)));
+  if (ids.includes(wanted)) pick.value = wanted;
+  pick.hidden = ids.length < 2;
+}
+const chosenModel = () => ($("#model-pick").hidden ? "" : $("#model-pick").value) || (window.ringletView || {}).model;
+
 // ---------------------------------------------------------------- the chat
 let chats = JSON.parse(localStorage.getItem(CHATS) || "[]");
 let current = null, controller = null;
@@ -246,7 +321,7 @@ function showMessages() {
 }
 function settings() {
   return {system: $("#system").value, temperature: Number($("#temperature").value),
-          max_tokens: Number($("#max-tokens").value)};
+          max_tokens: Number($("#max-tokens").value), model: $("#model-pick").value || undefined};
 }
 function saveSettings() { localStorage.setItem(SETTINGS, JSON.stringify(settings())); }
 
@@ -278,7 +353,7 @@ async function send(text) {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", signal: controller.signal,
       headers: headers({"Content-Type": "application/json"}),
-      body: JSON.stringify({model: (window.ringletView || {}).model, messages, stream: true, stream_options: {include_usage: true},
+      body: JSON.stringify({model: chosenModel(), messages, stream: true, stream_options: {include_usage: true},
                             temperature: s.temperature, max_tokens: s.max_tokens}),
     });
     if (response.status === 401) askKey();
@@ -322,7 +397,7 @@ function init() {
   if (saved.system !== undefined) $("#system").value = saved.system;
   if (saved.temperature !== undefined) $("#temperature").value = saved.temperature;
   if (saved.max_tokens !== undefined) $("#max-tokens").value = saved.max_tokens;
-  for (const id of ["#system", "#temperature", "#max-tokens"]) $(id).addEventListener("change", saveSettings);
+  for (const id of ["#system", "#temperature", "#max-tokens", "#model-pick"]) $(id).addEventListener("change", saveSettings);
   current = chats[0] || null;
   showChats();
   $("#key-button").addEventListener("click", askKey);
@@ -356,5 +431,6 @@ function init() {
   });
   $("#stop").addEventListener("click", () => controller && controller.abort());
   watch();
+  watchModels();
 }
 document.addEventListener("DOMContentLoaded", init);
