@@ -99,6 +99,7 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
             return denied(request)
         view = dict(lanes.default.view or await lane_json(lanes.default, "/v1/cluster", request) or {})
         view["models"] = [{**lane.to_dict(), "priority": i, "epoch": (lane.view or {}).get("epoch"),
+                           "node_id": (lane.view or {}).get("node_id"), "address": (lane.view or {}).get("address"),
                            "plan": (lane.view or {}).get("plan"), "infeasible": (lane.view or {}).get("infeasible"),
                            "layer_range": (lane.view or {}).get("layer_range"),
                            "requests_in_flight": (lane.view or {}).get("requests_in_flight"),

@@ -89,6 +89,7 @@ class Lane:
     view: dict | None = None
     restarts: int = 0
     quick_exits: int = 0
+    reason: str | None = None  # why it is failed or restarting
     started_at: float = 0.0
 
     @property
@@ -102,7 +103,7 @@ class Lane:
     def to_dict(self) -> dict:
         return {"model": self.model, "key": self.key, "served": self.served, "aliases": list(self.aliases),
                 "state": self.state, "footprint_bytes": self.footprint, "reserved_bytes": self.reserved,
-                "share_bytes": self.share, "restarts": self.restarts,
+                "share_bytes": self.share, "restarts": self.restarts, "reason": self.reason,
                 "pid": self.proc.pid if self.proc is not None else None}
 
 
@@ -352,15 +353,16 @@ class Lanes:
             lane.quick_exits = lane.quick_exits + 1 if quick else 0
             if lane.quick_exits >= GIVE_UP_AFTER:  # it cannot start (a bad model, a taken port): say so, stop
                 lane.state, lane.footprint, lane.view = "failed", 0, None
-                message = (f"model {lane.key}: its process exited ({proc.returncode}) {lane.quick_exits} times "
-                           f"within {QUICK_EXIT_S:.0f} s of starting; not restarting it (its log says why; "
-                           f"`ringlet models unload {lane.key}` removes it)")
+                lane.reason = message = (
+                    f"model {lane.key}: its process exited ({proc.returncode}) {lane.quick_exits} times "
+                    f"within {QUICK_EXIT_S:.0f} s of starting; not restarting it (its log says why; "
+                    f"`ringlet models unload {lane.key}` removes it)")
                 log.error("%s", message)
                 self.on_event("models", message)
                 return
             lane.restarts += 1
             lane.state, lane.footprint, lane.view = "restarting", 0, None
-            message = f"model {lane.key}: its process exited ({proc.returncode}); restarting it"
+            message = lane.reason = f"model {lane.key}: its process exited ({proc.returncode}); restarting it"
             log.warning("%s", message)
             self.on_event("models", message)
             await asyncio.sleep(min(30.0, 2.0 ** min(lane.restarts, 5)))
@@ -374,7 +376,7 @@ class Lanes:
             view = None
         if view is None:
             return
-        lane.view = view
+        lane.view, lane.reason = view, None
         lane.served = lane.served or view.get("model")
         planned = ((view.get("memory") or {}).get("planned") or {}).get("total_bytes") or 0
         lane.footprint = int(planned)
