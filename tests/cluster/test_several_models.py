@@ -9,6 +9,7 @@ model alone (``tiny_models.whole_model_greedy``).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -216,6 +217,18 @@ def test_models_load_and_unload_at_run_time_under_a_steady_client(tmp_path, refe
             for url in c.api_urls:  # loaded on both nodes, by the one command
                 assert complete(url, "fast", SMALL_PROMPT, SMALL_TOKENS) == want_small
                 assert "tiny-llama" in {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+            # a model's process that dies is restarted by its node; the other model serves on
+            lane = next(m for m in c.cluster_info(1)["models"] if m["key"] == "tiny-llama")
+            os.kill(lane["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                restarted = next(m for m in c.cluster_info(1)["models"] if m["key"] == "tiny-llama")
+                if restarted["restarts"] == 1 and restarted["state"] == "serving" and restarted["layer_range"]:
+                    break
+                time.sleep(0.5)
+            assert restarted["restarts"] == 1 and restarted["pid"] != lane["pid"], restarted
+            wait_models(c, [0, 1], {"smollm2-135m": "serving", "tiny-llama": "serving"}, {"tiny-llama": 2})
+            assert complete(c.api_urls[1], "fast", SMALL_PROMPT, SMALL_TOKENS) == want_small
             unloaded = ringlet("models", "unload", "fast", "--api", c.api_urls[1])
             assert unloaded.returncode == 0, unloaded.stderr
             deadline = time.monotonic() + 30
