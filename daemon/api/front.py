@@ -120,20 +120,28 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
         body = await request.json()
         return await lanes.reserve(str(body.get("model", "")), int(body.get("bytes", 0)))
 
-    @app.post("/v1/models/load")
-    async def load(request: Request):
+    async def model_change(request: Request, what: str) -> tuple[dict, str] | JSONResponse:
+        """The body and its ``model`` of a load or unload, or the error to answer."""
         if not authorized(request):
             return denied(request)
         body = await _body(request)
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model.strip():
-            return error_response(400, "model: the model to load (a path, short name or ORG/NAME) is required",
-                                  param="model", path=request.url.path)
+            return error_response(400, f"model: the model to {what} is required", param="model",
+                                  path=request.url.path)
+        return body, model.strip()
+
+    @app.post("/v1/models/load")
+    async def load(request: Request):
+        checked = await model_change(request, "load (a path, short name or ORG/NAME)")
+        if isinstance(checked, JSONResponse):
+            return checked
+        body, model = checked
         aliases = body.get("aliases") or []
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             return error_response(400, "aliases: a list of names", param="aliases", path=request.url.path)
         try:
-            result = await sync.load(model.strip(), aliases, _forwarded(request), bool(body.get("propagate", True)))
+            result = await sync.load(model, aliases, _forwarded(request), bool(body.get("propagate", True)))
         except ValueError as exc:  # a model that cannot be read here (400), or one already served (409)
             status = 400 if str(exc).startswith("cannot load") else 409
             return error_response(status, str(exc), param="model", path=request.url.path)
@@ -141,13 +149,10 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
 
     @app.post("/v1/models/unload")
     async def unload(request: Request):
-        if not authorized(request):
-            return denied(request)
-        body = await _body(request)
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str) or not model:
-            return error_response(400, "model: the model to unload is required", param="model",
-                                  path=request.url.path)
+        checked = await model_change(request, "unload")
+        if isinstance(checked, JSONResponse):
+            return checked
+        body, model = checked
         try:
             return await sync.unload(model, _forwarded(request), bool(body.get("propagate", True)))
         except KeyError:

@@ -9,6 +9,7 @@ model alone (``tiny_models.whole_model_greedy``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -59,6 +60,29 @@ def complete(url: str, model: str, prompt: list[int], tokens: int, why=lambda: "
     assert r.status_code == 200, (r.text, why())
     body = r.json()
     return body["choices"][0]["token_ids"]
+
+
+@contextlib.contextmanager
+def steady_client(url: str, model: str, prompt: list[int], tokens: int):
+    """A client that asks ``model`` through ``url`` without a pause while the block runs;
+    yields the list of its answers (token ids, or the exception a request raised)."""
+    answers: list = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(complete(url, model, prompt, tokens))
+            except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+                answers.append(exc)
+
+    client = threading.Thread(target=loop)
+    client.start()
+    try:
+        yield answers
+    finally:
+        stop.set()
+        client.join(300)
 
 
 def test_three_daemons_serve_two_models_through_every_node_at_once(tmp_path, reference):
@@ -146,19 +170,7 @@ def test_a_lost_node_leaves_the_lower_model_out_and_the_higher_keeps_serving(tmp
         assert complete(c.api_urls[0], "larger-llama", SMALL_PROMPT, SMALL_TOKENS) == want_larger
 
         # a steady client of the higher model on node 0 while node 2 leaves
-        answers: list = []
-        stop = threading.Event()
-
-        def steady() -> None:
-            while not stop.is_set():
-                try:
-                    answers.append(complete(c.api_urls[0], "smollm2-135m", big_prompt, len(want_big)))
-                except BaseException as exc:  # noqa: BLE001 - asserted below
-                    answers.append(exc)
-
-        client = threading.Thread(target=steady)
-        client.start()
-        try:
+        with steady_client(c.api_urls[0], "smollm2-135m", big_prompt, len(want_big)) as answers:
             time.sleep(1.0)
             c.kill(2, signal.SIGTERM)
             views = wait_models(c, [0, 1], {"smollm2-135m": "serving", "larger-llama": "left out"},
@@ -171,9 +183,6 @@ def test_a_lost_node_leaves_the_lower_model_out_and_the_higher_keeps_serving(tmp
             assert r.status_code == 503, r.text
             assert larger_view["infeasible"].split(":")[0] in r.json()["error"]["message"], r.text
             time.sleep(2.0)  # more requests of the higher model on the new plan
-        finally:
-            stop.set()
-            client.join(300)
         assert answers and all(a == want_big for a in answers), [a for a in answers if a != want_big][:3]
         print(f"\n{len(answers)} requests of the higher model while a node left, none lost")
 
@@ -195,19 +204,8 @@ def test_models_load_and_unload_at_run_time_under_a_steady_client(tmp_path, refe
     args = ["--model", "smollm2-135m", "--model-alias", "chat=smollm2-135m", "--context", "512"]
     with LocalCluster(2, dtype="float32", dynamic=True, extra_args=args) as c:
         wait_models(c, [0, 1], {"smollm2-135m": "serving"}, {"smollm2-135m": 2})
-        answers: list = []
-        stop = threading.Event()
-
-        def steady() -> None:  # the other model's client, through node 1, all along
-            while not stop.is_set():
-                try:
-                    answers.append(complete(c.api_urls[1], "chat", big_prompt, len(want_big)))
-                except BaseException as exc:  # noqa: BLE001 - asserted below
-                    answers.append(exc)
-
-        client = threading.Thread(target=steady)
-        client.start()
-        try:
+        # the other model's client, through node 1, all along
+        with steady_client(c.api_urls[1], "chat", big_prompt, len(want_big)) as answers:
             bad = ringlet("models", "load", str(tmp_path / "no-such-model"), "--api", c.api_urls[0])
             assert bad.returncode != 0 and "cannot load" in bad.stderr and "no-such-model" in bad.stderr, bad
             loaded = ringlet("models", "load", str(small), "--alias", "fast", "--api", c.api_urls[0])
@@ -240,7 +238,4 @@ def test_models_load_and_unload_at_run_time_under_a_steady_client(tmp_path, refe
                 r = httpx.post(f"{url}/v1/completions", timeout=10, json={"model": "fast", "prompt": [5]})
                 assert r.status_code == 404, r.text
             time.sleep(1.0)
-        finally:
-            stop.set()
-            client.join(300)
         assert len(answers) >= 3 and all(a == want_big for a in answers), [a for a in answers if a != want_big][:3]
