@@ -130,7 +130,8 @@ SLOW_FIRST = ("node/test_resharding.py", "agents/test_agents.py", "engine/test_p
               "cluster/test_several_models.py",
               "node/test_cache_kinds_cluster.py", "api/test_openai_agents.py", "api/test_long_prefill.py",
               "ops/test_service_upgrade.py", "node/test_cluster.py", "cluster/test_heal_netns.py",
-              "api/test_tool_streaming.py", "cluster/test_incompatible_version.py", "probes/test_cgroup_cluster.py")
+              "api/test_tool_streaming.py", "cluster/test_incompatible_version.py", "agents/test_agents_models.py",
+              "probes/test_cgroup_cluster.py")
 
 
 #: Serial files that measure links or time work (shaped veths, the speed probe's matmuls, the
