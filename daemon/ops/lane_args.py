@@ -13,11 +13,11 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["LANE_OPTIONS", "lane_argv", "lane_key", "strip_options"]
+__all__ = ["LANE_OPTIONS", "lane_argv", "lane_key", "option_values", "shifted_peers", "strip_options"]
 
 #: ``run`` options the parent sets per lane (each takes a value).
 LANE_OPTIONS = ("--model", "--model-alias", "--port", "--api-port", "--api-host", "--data-dir", "--cluster",
-                "--lane-share-file", "--lane-supervisor", "--public-api-url")
+                "--lane-share-file", "--lane-supervisor", "--public-api-url", "--peers")
 #: ``run`` options a lane never gets (flags without a value).
 LANE_FLAGS = ("--no-dashboard",)
 
@@ -53,15 +53,42 @@ def strip_options(argv: list[str], options: tuple[str, ...], flags: tuple[str, .
     return out
 
 
+def option_values(argv: list[str], option: str) -> list[str]:
+    """Every value of ``option`` in ``argv`` (``--opt value`` or ``--opt=value``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith(option + "="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def shifted_peers(spec: str, index: int) -> str:
+    """``--peers`` for lane ``index``: each peer's lane of the same priority listens at its
+    node's ``--port`` + ``index`` (:class:`~.lanes.Lanes`).
+
+    Raises:
+        ValueError: a malformed ``--peers`` (as ``ringlet run`` reports it).
+    """
+    from ringlet.daemon.cluster.static_peers import parse_peers
+
+    return ",".join(f"[{h}]:{p + index}" if ":" in h else f"{h}:{p + index}" for h, p in parse_peers(spec))
+
+
 def lane_argv(run_argv: list[str], *, model: str, grpc_port: int, api_port: int, data_dir: Path, cluster: str,
-              share_file: Path | None, supervisor_url: str, public_api_url: str) -> list[str]:
+              share_file: Path | None, supervisor_url: str, public_api_url: str, index: int = 0) -> list[str]:
     """The child's full command: ``python -m ringlet.daemon.ops.cli`` + the parent's global
     options and ``run`` options (``run_argv``: everything after the program name) with the
-    lane's own model, ports (API on 127.0.0.1), data directory and cluster name."""
+    lane's own model, ports (API on 127.0.0.1), data directory, cluster name and ``--peers``
+    (each peer's port + ``index``, the lane's priority)."""
+    peers = option_values(run_argv, "--peers")
     args = strip_options(run_argv, LANE_OPTIONS, LANE_FLAGS)
     lane = ["--model", model, "--port", str(grpc_port), "--api-host", "127.0.0.1", "--api-port", str(api_port),
             "--data-dir", str(data_dir), "--cluster", cluster, "--no-dashboard",
             "--lane-supervisor", supervisor_url, "--public-api-url", public_api_url]
     if share_file is not None:
         lane += ["--lane-share-file", str(share_file)]
+    if peers:
+        lane += ["--peers", shifted_peers(peers[-1], index)]
     return [sys.executable, "-m", "ringlet.daemon.ops.cli", *args, *lane]

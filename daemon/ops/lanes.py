@@ -243,7 +243,7 @@ class Lanes:
             share_file.write_text(str(lane.share))
         argv = lane_argv(self.run_argv, model=lane.model, grpc_port=lane.grpc_port, api_port=lane.api_port,
                          data_dir=data, cluster=f"{self.cluster}/{lane.key}", share_file=share_file,
-                         supervisor_url=self.supervisor_url, public_api_url=self.public_api_url)
+                         supervisor_url=self.supervisor_url, public_api_url=self.public_api_url, index=index)
         lane.state, lane.started_at, lane.view = "starting", time.monotonic(), None
         env = dict(os.environ, RINGLET_LANE=lane.key)  # cluster/peer_browser.py: sibling models' adverts are quiet
         lane.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env)

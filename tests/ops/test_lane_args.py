@@ -41,6 +41,14 @@ def test_a_lanes_command_keeps_the_nodes_options_and_sets_its_own(tmp_path):
                        "--public-api-url", "http://10.0.0.2:8000", "--lane-share-file", str(tmp_path / "share")]
 
 
+def test_a_lanes_peers_are_the_peers_lanes_of_the_same_priority(tmp_path):
+    argv = ["run", "--model", "a", "--model", "b", "--peers", "10.0.0.2:7100,[fe80::1%en0]:7100", "--port", "7100"]
+    cmd = lane_argv(argv, model="b", grpc_port=7101, api_port=41001, data_dir=tmp_path, cluster="c/b",
+                    share_file=None, supervisor_url="http://127.0.0.1:8000", public_api_url="http://h:8000", index=1)
+    assert cmd[cmd.index("--peers") + 1] == "10.0.0.2:7101,[fe80::1%en0]:7101"
+    assert cmd.count("--peers") == 1
+
+
 def test_aliases_name_a_model_by_value_or_key():
     models = ["smollm2-135m", "/srv/models/Qwen3-4B"]
     assert parse_aliases(["claude-haiku=Qwen3-4B", "chat=smollm2-135m"], models) == {
