@@ -23,8 +23,11 @@ model's ring as ``make_plan`` leaves out any node without memory. So:
   plan (``previous``), an unchanged cluster keeps every ring and range (stickiness is
   ``make_plan``'s, per model).
 
-The daemon runs one process per model on each machine and gives model i's process the
-same ``offered_i(n)``; this module is the rule's specification. Pure: no I/O.
+The daemon runs one process per model on each machine (``daemon/ops/lanes.py``) and gives
+model i's process ``offered_i(n)`` by the same rule from measured figures: there a higher
+model's ``used_j(n)`` is its whole planned footprint on n (stage, stores, work space,
+tokenizer, process), charged on every machine, also where it holds no stage or is left
+out (its process runs there all the same). Pure: no I/O.
 Units: bytes.
 """
 
