@@ -87,6 +87,8 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
     @app.get("/api/tags")
     @app.get("/api/ps")
     async def ollama_lists(request: Request):  # Ollama's lists: every model's, in priority order
+        if not authorized(request):
+            return denied(request)
         out = []
         for lane in lanes.lanes:
             body = await lane_json(lane, request.url.path, request)
