@@ -16,7 +16,7 @@ import threading
 import time
 
 import httpx
-from conftest import ringlet
+from conftest import keyed_cluster, ringlet
 from tiny_models import CONFIGS, make_chat_model, whole_model_greedy
 
 from ringlet.daemon.ops.demo import LocalCluster
@@ -239,3 +239,24 @@ def test_models_load_and_unload_at_run_time_under_a_steady_client(tmp_path, refe
                 assert r.status_code == 404, r.text
             time.sleep(1.0)
         assert len(answers) >= 3 and all(a == want_big for a in answers), [a for a in answers if a != want_big][:3]
+
+
+def test_a_keyed_node_wants_the_key_for_every_model_and_for_loads(tmp_path):
+    small = make_chat_model("llama", tmp_path / "tiny-llama", SECOND)
+    want_small = whole_model_greedy(small, SMALL_PROMPT, SMALL_TOKENS)
+    key = "models-test-key-" + "m" * 24
+    models = ["--model", "smollm2-135m", "--model", str(small), "--model-alias", "fast=tiny-llama"]
+    with keyed_cluster(tmp_path, key, dynamic=True, per_node_args=[models]) as c:
+        wait_models(c, [0], {"smollm2-135m": "serving", "tiny-llama": "serving"})
+        url, auth = c.api_urls[0], c.api_headers
+        for method, path, body in (("GET", "/v1/models", None), ("GET", "/v1/cluster", None),
+                                   ("GET", "/api/tags", None), ("POST", "/v1/models/load", {"model": str(small)}),
+                                   ("POST", "/v1/completions", {"model": "fast", "prompt": [5], "max_tokens": 1})):
+            r = httpx.request(method, url + path, json=body, timeout=30)
+            assert r.status_code == 401, (path, r.status_code, r.text)
+        r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=60, json={
+            "model": "fast", "prompt": SMALL_PROMPT, "max_tokens": SMALL_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want_small, r.text
+        assert {m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"]} == {
+            "smollm2-135m", "tiny-llama", "fast"}
