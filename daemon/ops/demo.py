@@ -69,6 +69,8 @@ class LocalCluster:
         self._logs: list = []
         self._env: dict[int, dict[str, str]] = dict(enumerate(per_node_env or []))
         self._common_env = dict(env or {})
+        self._node_models: dict[int, str] = {}  # add_node(model=...): another model than the others'
+
         #: Headers of the API calls made here (e.g. ``Authorization`` when nodes have ``--api-key-file``).
         self.api_headers: dict[str, str] = {}
 
@@ -89,8 +91,9 @@ class LocalCluster:
             cmd += ["--interface", "127.0.0.1", "--cluster", self.cluster_name, "--data-dir", str(self.data_dir(i))]
         else:
             cmd += ["--plan", self.plan_text, "--data-dir", str(self.data_dir(i))]
-        if self.model:
-            cmd += ["--model", self.model]
+        model = self._node_models.get(i, self.model)
+        if model:
+            cmd += ["--model", model]
         if self.dtype:
             cmd += ["--dtype", self.dtype]
         extra = self.per_node_args[i] if i < len(self.per_node_args) else []
@@ -160,9 +163,13 @@ class LocalCluster:
         return self
 
     def add_node(self, extra_args: list[str] | None = None, wait: bool = True, timeout_s: float = 120.0,
-                 env: dict[str, str] | None = None) -> int:
-        """Start one more node of a dynamic cluster (``env``: extra environment); returns its index."""
+                 env: dict[str, str] | None = None, model: str | None = None) -> int:
+        """Start one more node of a dynamic cluster (``env``: extra environment; ``model``:
+        its ``--model`` instead of the cluster's, as a repeated ``--model`` serves several
+        models); returns its index."""
         i = len(self.procs)
+        if model is not None:
+            self._node_models[i] = model
         self._env[i] = dict(env or {})
         grpc_port, api_port = free_ports(2)
         self.grpc_ports.append(grpc_port)

@@ -117,7 +117,7 @@ def test_a_member_of_another_revision_is_named_and_kept_out(tmp_path):
         envs = [node_env(hub, tmp_path, i) for i in range(2)]
         with LocalCluster(2, model=REPO, dynamic=True, per_node_env=envs) as c:
             c.wait_plan(stages=2)
-            odd = c.add_node(extra_args=["--model", f"{REPO}@v1"], env=node_env(hub, tmp_path, 2))
+            odd = c.add_node(model=f"{REPO}@v1", env=node_env(hub, tmp_path, 2))
             odd_id = c.cluster_info(odd)["node_id"]
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
