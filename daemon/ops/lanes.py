@@ -1,8 +1,11 @@
 """Several models on one node: one lane per model, memory shared by priority.
 
 ``ringlet run --model A --model B`` runs one *lane* per model: a ``ringlet run`` child
-process serving that model alone (:mod:`.lane_args`), in the cluster ``<cluster>/<model
-key>``, so each model forms its own ring over the nodes with its own plans, epochs, KV
+process serving that model alone (:mod:`.lane_args`). The first model's lane is the node as
+a single-model daemon would be (its ``--cluster``, data directory and node id), so a node
+restarted with more models stays in that model's ring; each other model's lane is in the
+cluster ``<cluster>/<model key>`` with its data under ``<data dir>/models/<key>``. So each
+model forms its own ring over the nodes with its own plans, epochs, KV
 moves, prefix store, batching and mode, and a fault in one model's engine stays in its
 process. The parent serves the API on the node's port (:mod:`ringlet.daemon.api.front`)
 and sends each request to the lane of the model it names.
@@ -89,6 +92,7 @@ class Lane:
     view: dict | None = None
     restarts: int = 0
     quick_exits: int = 0
+    primary: bool = False  # the node's first --model: the node's own cluster, data dir and identity
     reason: str | None = None  # why it is failed or restarting
     started_at: float = 0.0
 
@@ -146,7 +150,7 @@ class Lanes:
         key = lane_key(model)
         if any(lane.key == key for lane in self.lanes):
             raise ValueError(f"--model {model}: a model named {key!r} is already served")
-        lane = Lane(model, key, aliases)
+        lane = Lane(model, key, aliases, primary=not self.lanes)
         self.lanes.append(lane)
         return lane
 
@@ -236,13 +240,16 @@ class Lanes:
                         lane.key, wanted, lane.grpc_port, wanted)
         lane.api_port = free_ports(1)[0]
         share_file = self._share_file(lane) if index > 0 else None
-        data = self.data_dir / "models" / lane.key
+        # the first model keeps the node's cluster, data dir and identity: a node that goes from
+        # one model to several (or back) stays a member of that model's ring, one node at a time
+        data = self.data_dir if lane.primary else self.data_dir / "models" / lane.key
+        cluster = self.cluster if lane.primary else f"{self.cluster}/{lane.key}"
         data.mkdir(parents=True, exist_ok=True)
         if share_file is not None:
             lane.share = self._share_of(lane)
             share_file.write_text(str(lane.share))
         argv = lane_argv(self.run_argv, model=lane.model, grpc_port=lane.grpc_port, api_port=lane.api_port,
-                         data_dir=data, cluster=f"{self.cluster}/{lane.key}", share_file=share_file,
+                         data_dir=data, cluster=cluster, share_file=share_file,
                          supervisor_url=self.supervisor_url, public_api_url=self.public_api_url, index=index)
         lane.state, lane.started_at, lane.view = "starting", time.monotonic(), None
         env = dict(os.environ, RINGLET_LANE=lane.key)  # cluster/peer_browser.py: sibling models' adverts are quiet

@@ -260,3 +260,24 @@ def test_a_keyed_node_wants_the_key_for_every_model_and_for_loads(tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want_small, r.text
         assert {m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"]} == {
             "smollm2-135m", "tiny-llama", "fast"}
+
+
+def test_a_node_restarted_with_a_second_model_stays_in_the_first_models_ring(tmp_path, reference):
+    """Upgrading one machine at a time to several models: its first model is the node it was
+    (cluster, data dir, node id), so it shares that model's ring with single-model nodes."""
+    small = make_chat_model("llama", tmp_path / "tiny-llama", SECOND)
+    ref = reference[0]
+    big_prompt, want_big = ref["prompt_ids"], list(ref["completion_ids"])[:8]
+    with LocalCluster(2, dtype="float32", dynamic=True) as c:
+        before = c.cluster_info(1)["node_id"]
+        c.kill(1, signal.SIGTERM)
+        c.per_node_args[1] = ["--model", "smollm2-135m", "--model", str(small)]
+        c.restart(1)
+        c.wait_plan(stages=2)
+        views = wait_models(c, [1], {"smollm2-135m": "serving", "tiny-llama": "serving"})
+        assert views[0]["node_id"] == before  # the same member of the first model's ring
+        assert {s["node_id"] for s in views[0]["plan"]} == {before, c.cluster_info(0)["node_id"]}
+        for url in c.api_urls:
+            assert complete(url, "smollm2-135m", big_prompt, len(want_big)) == want_big
+        assert complete(c.api_urls[1], "tiny-llama", SMALL_PROMPT, SMALL_TOKENS) == whole_model_greedy(
+            small, SMALL_PROMPT, SMALL_TOKENS)
