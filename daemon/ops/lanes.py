@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,7 @@ SETTLE_S = 20.0
 QUICK_EXIT_S = 20.0
 GIVE_UP_AFTER = 3
 #: A share that moved by less than this fraction is not rewritten.
-SHARE_STEP = 0.02
+SHARE_STEP = 0.05
 
 
 @dataclass
@@ -140,6 +141,8 @@ class Lanes:
         self._starting: asyncio.Task | None = None
         self._stopping = False
         self._client = httpx.AsyncClient(timeout=5.0)
+        self._relays: set[asyncio.Task] = set()
+        self.log_prefix = True  # text logs: each lane's lines start with its model's key (not JSON logs)
         self.on_event = lambda kind, message: None
         for m in models:
             self._add(m, [a for a, target in aliases.items() if target == m])
@@ -253,9 +256,25 @@ class Lanes:
                          supervisor_url=self.supervisor_url, public_api_url=self.public_api_url, index=index)
         lane.state, lane.started_at, lane.view = "starting", time.monotonic(), None
         env = dict(os.environ, RINGLET_LANE=lane.key)  # cluster/peer_browser.py: sibling models' adverts are quiet
-        lane.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env)
+        lane.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env,
+                                                         stdout=asyncio.subprocess.PIPE,
+                                                         stderr=asyncio.subprocess.STDOUT)
+        self._relays.add(asyncio.create_task(self._relay(lane, lane.proc), name=f"lane-log-{lane.key}"))
         log.info("lane %s (%s): pid %d, gRPC port %d%s", lane.key, lane.model, lane.proc.pid, lane.grpc_port,
                  f", offered {size_text(lane.share)}" if lane.share is not None else "")
+
+    async def _relay(self, lane: Lane, proc: asyncio.subprocess.Process) -> None:
+        """The lane's log lines on this process's stderr (where a live dashboard keeps them
+        above its frame), each after ``[<model key>]`` in text logs."""
+        prefix = f"[{lane.key}] ".encode() if self.log_prefix else b""
+        try:
+            while line := await proc.stdout.readline():
+                sys.stderr.write((prefix + line).decode(errors="replace"))
+                sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._relays.discard(asyncio.current_task())
 
     async def _stop_lane(self, lane: Lane, timeout_s: float = 60.0) -> None:
         proc = lane.proc

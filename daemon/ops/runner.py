@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import socket
 import sys
 import time
@@ -36,6 +35,7 @@ from ringlet.daemon.ops.lane_child import lane_reserver, lane_start
 from ringlet.daemon.ops.memory_follow import MemoryFollower, configured_memory
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
+from ringlet.daemon.ops.terminal import foreground_terminal
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
 from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
 from ringlet.daemon.probes.colocated import ThreadSizer
@@ -343,18 +343,6 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     return stop
 
 
-def _foreground_terminal() -> bool:
-    """Whether stdout is a terminal this process has in the foreground: a daemon started
-    with ``&`` in a shell shares the terminal with the commands typed after it, and a bar or
-    dashboard redrawn there erases their output; it logs plainly instead."""
-    if not sys.stdout.isatty():
-        return False
-    try:
-        return os.tcgetpgrp(sys.stdout.fileno()) == os.getpgrp()
-    except OSError:
-        return False
-
-
 async def _loading_bar(node: Node, stop: asyncio.Event) -> None:
     """A rich progress bar while this node loads a stage (plain runs in a terminal)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -432,7 +420,7 @@ async def serve(args) -> int:
     started = time.monotonic()
     dashboard = None
     stop_dashboard = asyncio.Event()
-    terminal = _foreground_terminal()
+    terminal = foreground_terminal()
     if terminal and not getattr(args, "no_dashboard", False):
         from ringlet.daemon.ops.dashboard.live import live_dashboard
         from ringlet.daemon.wire.auth import client_api_key

@@ -14,7 +14,7 @@ SESSION = r'''
 import fcntl, subprocess, sys, termios
 fd = int(sys.argv[1])
 fcntl.ioctl(fd, termios.TIOCSCTTY, 0)  # the pty becomes this new session's controlling terminal
-probe = ("import sys; from ringlet.daemon.ops.runner import _foreground_terminal as f; "
+probe = ("import sys; from ringlet.daemon.ops.terminal import foreground_terminal as f; "
          "print(f(), file=sys.stderr)")
 fg = subprocess.run([sys.executable, "-c", probe], stdout=fd, stderr=subprocess.PIPE, text=True)
 bg = subprocess.run([sys.executable, "-c", probe], stdout=fd, stderr=subprocess.PIPE, text=True, process_group=0)
@@ -31,6 +31,6 @@ def test_only_the_foreground_process_group_draws_on_the_terminal():
         os.close(master)
         os.close(slave)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
-    piped = subprocess.run([sys.executable, "-c", "from ringlet.daemon.ops.runner import _foreground_terminal as f; "
+    piped = subprocess.run([sys.executable, "-c", "from ringlet.daemon.ops.terminal import foreground_terminal as f; "
                             "print(f())"], capture_output=True, text=True, timeout=120)
     assert piped.stdout.strip() == "False"  # not a terminal at all
