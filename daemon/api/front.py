@@ -44,7 +44,7 @@ def _presented_key(request: Request) -> str | None:
     return key or request.headers.get("x-api-key") or None
 
 
-def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
+def create_front_app(lanes, key_digests: tuple[bytes, ...], sync, max_body_bytes: int | None = None) -> FastAPI:
     """The node's API app over ``lanes`` (:class:`~ringlet.daemon.ops.lanes.Lanes`).
 
     Args:
@@ -52,9 +52,24 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
         key_digests: the API keys' digests (``--api-key-file``); empty: no key needed.
         sync: the members' agreement (:class:`~ringlet.daemon.ops.lane_sync.ModelSync`):
             ``load(model, aliases, headers)`` and ``unload(name, headers)`` on every member.
+        max_body_bytes: ``--max-body-bytes``: a larger body is a 413 here, before it is read
+            whole (the lanes check it again); ``None``: no limit.
     """
     app = FastAPI(title="ringlet", description="The API of a ringlet node serving several models")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+    # no pool limit: each lane admits and queues its own requests (429 beyond), and a long
+    # stream holds its connection for its whole length
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def read_body(request: Request) -> bytes | None:
+        """The body, or ``None`` past ``max_body_bytes`` (read no further than that)."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if max_body_bytes is not None and size > max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def authorized(request: Request) -> bool:
         return not key_digests or check_api_key(_presented_key(request), key_digests)
@@ -164,7 +179,10 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH"])
     async def proxy(path: str, request: Request):
-        raw = await request.body()
+        raw = await read_body(request)
+        if raw is None:
+            return error_response(413, f"the request body is larger than {max_body_bytes} bytes",
+                                  code="request_too_large", path="/" + path)
         lane, body = lanes.default, raw
         if path == "metrics" and request.query_params.get("model"):  # one model's metrics: /metrics?model=NAME
             lane = lanes.find(request.query_params["model"]) or lane

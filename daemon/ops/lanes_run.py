@@ -89,7 +89,10 @@ async def serve_lanes(args, run_argv: list[str]) -> int:
     lanes._headers = headers
     sync = ModelSync(lanes, data_dir / "models.json", f"http://{public_host}:{args.api_port}", headers)
     sync.restore()
-    app = create_front_app(lanes, load_api_keys(key_file) if key_file else (), sync)
+    from ringlet.daemon.ops.secret import api_limits
+
+    app = create_front_app(lanes, load_api_keys(key_file) if key_file else (), sync,
+                           max_body_bytes=api_limits(args).max_body_bytes)
     drain_s = float(getattr(args, "drain_timeout_s", DRAIN_TIMEOUT_S))
     server = DrainingServer(uvicorn.Config(app, host=args.api_host, port=args.api_port, log_level="warning",
                                            lifespan="off", access_log=False, timeout_graceful_shutdown=drain_s))

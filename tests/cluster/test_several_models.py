@@ -245,7 +245,8 @@ def test_a_keyed_node_wants_the_key_for_every_model_and_for_loads(tmp_path):
     small = make_chat_model("llama", tmp_path / "tiny-llama", SECOND)
     want_small = whole_model_greedy(small, SMALL_PROMPT, SMALL_TOKENS)
     key = "models-test-key-" + "m" * 24
-    models = ["--model", "smollm2-135m", "--model", str(small), "--model-alias", "fast=tiny-llama"]
+    models = ["--model", "smollm2-135m", "--model", str(small), "--model-alias", "fast=tiny-llama",
+              "--max-body-bytes", "65536"]
     with keyed_cluster(tmp_path, key, dynamic=True, per_node_args=[models]) as c:
         wait_models(c, [0], {"smollm2-135m": "serving", "tiny-llama": "serving"})
         url, auth = c.api_urls[0], c.api_headers
@@ -260,6 +261,10 @@ def test_a_keyed_node_wants_the_key_for_every_model_and_for_loads(tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want_small, r.text
         assert {m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"]} == {
             "smollm2-135m", "tiny-llama", "fast"}
+        # the node's body limit holds in front of every model (a 413 before the body is read whole)
+        r = httpx.post(f"{url}/v1/completions", headers=auth, timeout=30, json={
+            "model": "fast", "prompt": "x" * 100_000, "max_tokens": 1})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
 
 
 def test_a_node_restarted_with_a_second_model_stays_in_the_first_models_ring(tmp_path, reference):
