@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ringlet.daemon.errors import RingletError
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
-from ringlet.daemon.ops.terminal import foreground_terminal
+from ringlet.daemon.ops.terminal import drawn, own_dashboard
 
 log = logging.getLogger("ringlet.daemon.lanes")
 
@@ -103,18 +103,10 @@ async def serve_lanes(args, run_argv: list[str]) -> int:
     started = time.monotonic()
     await lanes.start()
     syncing = asyncio.create_task(sync.run(), name="models-sync")
-    stop_dashboard, dashboard = asyncio.Event(), None
-    if foreground_terminal() and not getattr(args, "no_dashboard", False):  # as a single-model node draws it
-        from ringlet.daemon.ops.dashboard.live import live_dashboard
-
-        dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard, key))
     try:
-        await server.serve()
+        async with drawn(own_dashboard(args)):  # in a terminal, as a single-model node draws it
+            await server.serve()
     finally:
-        if dashboard is not None:
-            stop_dashboard.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(dashboard, timeout=2)
         syncing.cancel()
         with contextlib.suppress(Exception):
             await lanes.stop(timeout_s=drain_s + 10.0)

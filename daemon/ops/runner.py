@@ -35,7 +35,7 @@ from ringlet.daemon.ops.lane_child import lane_reserver, lane_start
 from ringlet.daemon.ops.memory_follow import MemoryFollower, configured_memory
 from ringlet.daemon.ops.run_options import DRAIN_TIMEOUT_S, parse_size
 from ringlet.daemon.ops.secret import api_limits, transport_config
-from ringlet.daemon.ops.terminal import foreground_terminal
+from ringlet.daemon.ops.terminal import drawn, foreground_terminal, own_dashboard
 from ringlet.daemon.paths import machine_cache_dir, prefix_cache_dir
 from ringlet.daemon.probes.colocated import DIR_NAME as PROCS_DIR
 from ringlet.daemon.probes.colocated import ThreadSizer
@@ -418,26 +418,13 @@ async def serve(args) -> int:
     log.info("node %s: gRPC %s, API http://%s:%d, %s", node.node_id, config.address, args.api_host, args.api_port,
              "static plan" if config.plan is not None else f"cluster {args.cluster!r}")
     started = time.monotonic()
-    dashboard = None
-    stop_dashboard = asyncio.Event()
-    terminal = foreground_terminal()
-    if terminal and not getattr(args, "no_dashboard", False):
-        from ringlet.daemon.ops.dashboard.live import live_dashboard
-        from ringlet.daemon.wire.auth import client_api_key
-
-        local = "127.0.0.1" if args.api_host in ("0.0.0.0", "") else args.api_host  # noqa: S104 - comparison
-        key_file = getattr(args, "api_key_file", None)
-        key = client_api_key(key_file) if key_file else None  # its own /v1/cluster is behind the same keys
-        dashboard = asyncio.create_task(live_dashboard(f"http://{local}:{args.api_port}", stop_dashboard, key))
-    elif terminal:
-        dashboard = asyncio.create_task(_loading_bar(node, stop_dashboard))
+    draw = own_dashboard(args)
+    if draw is None and foreground_terminal():  # --no-dashboard in a terminal: a loading bar
+        draw = functools.partial(_loading_bar, node)
     try:
-        await server.serve()
+        async with drawn(draw):
+            await server.serve()
     finally:
-        if dashboard is not None:
-            stop_dashboard.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(dashboard, timeout=2)
         if stop_cluster is not None:
             # the API requests this node served have had their part of the drain (uvicorn
             # waits for them up to drain_s); the leave gets the rest, and 2 s at least
