@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat with a running cluster through any node's API")
     chat.add_argument("message", nargs="?", help="one message (omit for an interactive session)")
     chat.add_argument("--api", default=f"http://127.0.0.1:{DEFAULT_API_PORT}", help="a node's API base URL")
+    chat.add_argument("--model", default=None, help="the model to ask, by name or alias (a node serving several; "
+                                                    "default: its first)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--api-key-file", default=None, metavar="FILE",
@@ -158,7 +160,8 @@ def _chat(args) -> int:
     from ringlet.daemon.ops.client import chat_loop
     from ringlet.daemon.wire.auth import client_api_key
 
-    return chat_loop(args.api, args.message, args.max_tokens, args.temperature, client_api_key(args.api_key_file))
+    return chat_loop(args.api, args.message, args.max_tokens, args.temperature, client_api_key(args.api_key_file),
+                     args.model)
 
 
 def main(argv: list[str] | None = None) -> int:

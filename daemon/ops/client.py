@@ -15,14 +15,17 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: float, api_key: str | None = None):
+def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: float, api_key: str | None = None,
+                model: str | None = None):
     """Yield text deltas of a streamed chat completion from ``api`` (base URL), sending
-    ``api_key`` as a bearer key when given.
+    ``api_key`` as a bearer key when given, to ``model`` (``None``: the node's first).
 
     Raises:
         RingletError: the node is unreachable or answered with an error.
     """
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    if model:
+        body["model"] = model
     try:
         with httpx.stream("POST", f"{api.rstrip('/')}/v1/chat/completions", json=body, timeout=300,
                           headers=auth_headers(api_key)) as resp:
@@ -47,7 +50,8 @@ def stream_chat(api: str, messages: list[dict], max_tokens: int, temperature: fl
         raise RingletError(f"cannot reach {api}: {exc}") from None
 
 
-def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float, api_key: str | None = None) -> int:
+def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float, api_key: str | None = None,
+              model: str | None = None) -> int:
     """One message, or an interactive session (empty line or Ctrl-D ends it)."""
     history: list[dict] = []
     while True:
@@ -62,7 +66,7 @@ def chat_loop(api: str, message: str | None, max_tokens: int, temperature: float
             text = message
         history.append({"role": "user", "content": text})
         reply = []
-        for delta in stream_chat(api, history, max_tokens, temperature, api_key):
+        for delta in stream_chat(api, history, max_tokens, temperature, api_key, model):
             reply.append(delta)
             sys.stdout.write(delta)
             sys.stdout.flush()

@@ -47,6 +47,12 @@ def _check_model(model: str) -> None:
         raise ValueError(f"cannot load {model}: {exc}") from None
 
 
+def _order(models: dict) -> tuple[int, str]:
+    """Which of two sets of models is newer: the higher version, and at one version (two
+    changes at once on two nodes) the larger list of keys, so every member takes the same."""
+    return int(models.get("version", 0)), json.dumps(sorted(m.get("key", "") for m in models.get("models", [])))
+
+
 class ModelSync:
     """Loads, unloads and the set's agreement for this node's :class:`~.lanes.Lanes`.
 
@@ -101,7 +107,11 @@ class ModelSync:
             try:
                 r = await self._client.post(url + path, json={**body, "propagate": False}, headers=headers,
                                             timeout=30.0)
-                results[url] = "ok" if r.status_code < 300 else f"{r.status_code}: {r.text[:200]}"
+                # a member that already took the change from the set's agreement (run) answers 409 or 404
+                done = (path.endswith("/load") and r.status_code == 409) or (
+                    path.endswith("/unload") and r.status_code == 404)
+                results[url] = "ok" if r.status_code < 300 else "ok (it had it already)" if done else (
+                    f"{r.status_code}: {r.text[:200]}")
             except httpx.HTTPError as exc:
                 results[url] = f"unreachable ({exc}); it takes the set when it answers"
 
@@ -156,13 +166,13 @@ class ModelSync:
                 theirs = r.json() if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 continue
-            if not theirs or int(theirs.get("version", 0)) <= self.lanes.version:
+            if not theirs or _order(theirs) <= _order(self.lanes.models()):
                 continue
             async with self._lock:
                 models = theirs.get("models") or []
                 keys = {m.get("key") for m in models}
                 for lane in list(self.lanes.lanes):
-                    if lane.key not in keys and len(self.lanes.lanes) > 1:
+                    if lane.key not in keys and len(self.lanes.lanes) > 1 and not lane.primary:
                         log.info("model %s was unloaded on %s: unloading it here", lane.key, url)
                         await self.lanes.unload(lane.key)
                 for m in models:

@@ -201,6 +201,9 @@ class Lanes:
             raise KeyError(name)
         if len(self.lanes) == 1:
             raise ValueError(f"{name} is the only model this node serves")
+        if lane.primary:
+            raise ValueError(f"{lane.key} is this node's first model: its ring is the node itself (its --cluster and "
+                             f"node id); restart the nodes with another first --model to drop it")
         self.lanes.remove(lane)
         self.version += 1
         self.on_event("models", f"unloading {lane.model}")
@@ -420,6 +423,7 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME-WAIT is free
         try:
             s.bind(("0.0.0.0", port))  # noqa: S104 - a probe, closed at once
         except OSError:

@@ -25,8 +25,10 @@ COMMANDS = frozenset({"models"})
 
 def add_parsers(subparsers) -> None:
     """Register ``ringlet models`` on ``ringlet``'s subparsers."""
-    p = subparsers.add_parser("models", help="the Hugging Face cache: list, pull, rm models",
-                              description="Models in the Hugging Face cache (HF_HUB_CACHE / HF_HOME), by name.")
+    p = subparsers.add_parser("models", help="the Hugging Face cache (list, pull, rm); a running cluster's models "
+                                             "(load, unload)",
+                              description="Models in the Hugging Face cache (HF_HUB_CACHE / HF_HOME), by name: list, "
+                                          "pull, rm; and the models a running cluster serves: load, unload.")
     sub = p.add_subparsers(dest="models_command", metavar="ACTION")
     ls = sub.add_parser("list", help="what the cache holds: revisions, sizes, layers present")
     ls.add_argument("--json", action="store_true", help="print JSON")

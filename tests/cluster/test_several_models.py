@@ -227,8 +227,13 @@ def test_models_load_and_unload_at_run_time_under_a_steady_client(tmp_path, refe
             assert restarted["restarts"] == 1 and restarted["pid"] != lane["pid"], restarted
             wait_models(c, [0, 1], {"smollm2-135m": "serving", "tiny-llama": "serving"}, {"tiny-llama": 2})
             assert complete(c.api_urls[1], "fast", SMALL_PROMPT, SMALL_TOKENS) == want_small
+            chat = ringlet("chat", "--model", "fast", "--api", c.api_urls[0], "--max-tokens", "4", "hi")
+            assert chat.returncode == 0 and chat.stdout.strip(), chat
+            first = ringlet("models", "unload", "chat", "--api", c.api_urls[0])  # the node itself: refused
+            assert first.returncode != 0 and "first model" in first.stderr, first
             unloaded = ringlet("models", "unload", "fast", "--api", c.api_urls[1])
             assert unloaded.returncode == 0, unloaded.stderr
+            assert ": ok" in unloaded.stdout and "404" not in unloaded.stdout, unloaded.stdout
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and any(
                     "tiny-llama" in {m["id"] for m in httpx.get(f"{u}/v1/models", timeout=10).json()["data"]}
