@@ -47,10 +47,12 @@ def _check_model(model: str) -> None:
         raise ValueError(f"cannot load {model}: {exc}") from None
 
 
-def _order(models: dict) -> tuple[int, str]:
-    """Which of two sets of models is newer: the higher version, and at one version (two
-    changes at once on two nodes) the larger list of keys, so every member takes the same."""
-    return int(models.get("version", 0)), json.dumps(sorted(m.get("key", "") for m in models.get("models", [])))
+def _order(models: dict) -> tuple[int, int, tuple[str, ...]]:
+    """Which of two sets of models is newer: the higher version; at one version (two changes
+    at once on two nodes) the set of more models, then the keys in order, so every member
+    takes the same."""
+    names = tuple(sorted(str(m.get("key", "")) for m in models.get("models", [])))
+    return int(models.get("version", 0)), len(names), names
 
 
 class ModelSync:
@@ -73,15 +75,19 @@ class ModelSync:
         self._lock = asyncio.Lock()
 
     def restore(self) -> None:
-        """Before the lanes start: take the kept set (models loaded at run time, unloaded ones)."""
+        """Before the lanes start: take the kept set (models loaded and unloaded at run time),
+        unless the command line changed since it was kept (then the command line's set; the
+        first model is never dropped)."""
         try:
             kept = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return
         self.lanes.version = int(kept.get("version", 0))
+        if kept.get("cli") != self.cli_models:
+            return
         wanted = {m["key"]: m for m in kept.get("models", []) if isinstance(m, dict) and m.get("key")}
         for lane in list(self.lanes.lanes):
-            if lane.key not in wanted and len(self.lanes.lanes) > 1:
+            if lane.key not in wanted and len(self.lanes.lanes) > 1 and not lane.primary:
                 self.lanes.lanes.remove(lane)  # unloaded at run time
         for key, m in wanted.items():
             if self.lanes.find(key) is None:
@@ -91,7 +97,8 @@ class ModelSync:
         models = [{"model": lane.model, "key": lane.key, "aliases": list(lane.aliases)} for lane in self.lanes.lanes]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": self.lanes.version, "models": models}, indent=1))
+        tmp.write_text(json.dumps({"version": self.lanes.version, "models": models, "cli": self.cli_models},
+                                  indent=1))
         os.replace(tmp, self.path)
 
     def member_urls(self) -> list[str]:
