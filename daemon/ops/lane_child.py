@@ -46,6 +46,7 @@ def lane_start(args) -> None:
     share = read_share(getattr(args, "lane_share_file", None))
     if share is not None:
         flag = parse_size(getattr(args, "memory_limit", None))
+        args.memory_limit_given = args.memory_limit  # the follower never offers past it (memory_follow.py)
         if flag is None or share < flag:
             args.memory_limit = str(share)
             log.info("offered %s: what the models before this one leave on this node", size_text(share))

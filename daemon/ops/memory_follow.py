@@ -26,6 +26,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from ringlet.daemon.ops.lane_child import read_share
 from ringlet.daemon.ops.memory_pressure import PressureResponder
 from ringlet.daemon.ops.run_options import parse_size
 from ringlet.daemon.probes.memory import MemoryInfo, probe_memory, size_text, with_cgroup
@@ -49,6 +50,15 @@ def offered_memory(memory: MemoryInfo, flag_bytes: int | None, flag_rule: str = 
     if flag_bytes is not None and flag_bytes < memory.usable_memory_bytes:
         return flag_bytes, f"{flag_rule}: {size_text(flag_bytes)}"
     return memory.usable_memory_bytes, memory.usable_source or memory.usable_rule
+
+
+def lowest_limit(flag_bytes: int | None, share_bytes: int | None) -> tuple[int | None, str]:
+    """``(limit, rule)``: the lower of ``--memory-limit`` (``flag_bytes``) and a lane's share
+    (``share_bytes``, ops/lanes.py), with the rule :func:`offered_memory` names; ``None``
+    for neither."""
+    if share_bytes is not None and (flag_bytes is None or share_bytes < flag_bytes):
+        return share_bytes, SHARE_RULE
+    return flag_bytes, "--memory-limit"
 
 
 def _node_bytes(memory: MemoryInfo, flag_bytes: int | None) -> int | None:
@@ -88,14 +98,8 @@ class MemoryFollower:
         self.node = node
         self.memory = memory
         self.share_file = share_file
-        self.cli_flag_bytes = flag_bytes  # --memory-limit as given (the runner may have lowered it to the share)
-        if share_file is not None and flag_bytes is not None:
-            from ringlet.daemon.ops.lane_child import read_share
-
-            if read_share(share_file) == flag_bytes:  # the lane's share set it at start
-                self.cli_flag_bytes = None
-        self.flag_bytes = flag_bytes
-        self.flag_rule = "--memory-limit" if self.cli_flag_bytes == flag_bytes or flag_bytes is None else SHARE_RULE
+        self.cli_flag_bytes = flag_bytes  # --memory-limit as given
+        self.flag_bytes, self.flag_rule = lowest_limit(flag_bytes, read_share(share_file))
         self.interval_s = interval_s
         self.refresh = refresh
         self.cap_bytes: int | None = None  # a lower offer under memory pressure (memory_pressure.py)
@@ -204,26 +208,18 @@ class MemoryFollower:
         if not moved and (old.cgroup_limit_bytes, old.usable_rule) == (new.cgroup_limit_bytes, new.usable_rule):
             return False
         self.memory = new
-        self._size_stores()
-        fields = self.fields()
-        message = f"usable memory {size_text(before)} -> {size_text(after)}: {fields['usable_memory_source']}"
-        log.info("%s", message)
-        self.node.event("memory", message)
-        self._advertise()
+        self._announce(before, after)
         return True
 
     def follow_share(self) -> bool:
         """A lane's share file (``share_file``) read anew: a new figure lowers (or raises) the
-        offer as a changed ``--memory-limit`` would, advertised with a re-plan when it moved
-        by :data:`CHANGE_FRACTION` or more. Returns whether it was advertised."""
-        from ringlet.daemon.ops.lane_child import read_share
-
+        offer as a changed ``--memory-limit`` would, never past ``--memory-limit`` as given,
+        advertised with a re-plan when it moved by :data:`CHANGE_FRACTION` or more. Returns
+        whether it was advertised."""
         share = read_share(self.share_file)
         if share is None:
             return False
-        flags = [f for f in (self.cli_flag_bytes, share) if f is not None]
-        flag = min(flags)
-        rule = SHARE_RULE if flag == share and flag != self.cli_flag_bytes else "--memory-limit"
+        flag, rule = lowest_limit(self.cli_flag_bytes, share)
         if (flag, rule) == (self.flag_bytes, self.flag_rule):
             return False
         before = self.offered_bytes()
@@ -231,12 +227,17 @@ class MemoryFollower:
         after = self.offered_bytes()
         if abs(after - before) < CHANGE_FRACTION * max(1, before):
             return False
+        self._announce(before, after)
+        return True
+
+    def _announce(self, before: int, after: int) -> None:
+        """A new offer (``before`` -> ``after`` bytes): the stores resized, logged, an event,
+        advertised with a re-plan."""
         self._size_stores()
         message = f"usable memory {size_text(before)} -> {size_text(after)}: {self.fields()['usable_memory_source']}"
         log.info("%s", message)
         self.node.event("memory", message)
         self._advertise()
-        return True
 
     def record_changed(self, member) -> None:
         """A peer's newer record: when its usable memory differs from the last one seen here

@@ -184,8 +184,9 @@ async def _start_cluster(args, node: Node, context_tokens: int):
     # share a machine plan with the same figures instead of each its own noisy one.
     cache_dir = machine_cache_dir()
     probe = await loop.run_in_executor(None, lambda: probe_local(cache_dir))
-    memory = MemoryFollower(node, probe.memory, parse_size(args.memory_limit),  # lowest: probe, --memory-limit
-                            share_file=getattr(args, "lane_share_file", None))  # and a lane's share (ops/lanes.py)
+    memory = MemoryFollower(node, probe.memory,  # lowest: probe, --memory-limit (as given), a lane's share
+                            parse_size(getattr(args, "memory_limit_given", args.memory_limit)),
+                            share_file=getattr(args, "lane_share_file", None))
     speed = probe.speed
     watcher = AddressWatcher(args.advertise_host, args.host, args.interface or None, args.port)
     if watcher.static:  # only addresses given, none usable: no interface can bring one

@@ -109,3 +109,21 @@ def test_a_peers_usable_memory_change_replans():
     member.record = {"usable_memory_bytes": 3 * GB, "links": {"a": 1}}
     f.record_changed(member)
     assert f.negotiator.changes == 2
+
+
+def test_a_lanes_share_is_followed_and_never_offered_past_the_given_memory_limit(tmp_path):
+    """A model's lane (ops/lanes.py) offers the lower of its share and --memory-limit as
+    given: a share that grows past the flag stops at the flag (8 GB given, shares 5 then 12 GB:
+    offers 5 GB, then 8 GB)."""
+    share = tmp_path / "share"
+    share.write_text(str(5 * GB))
+    node = FakeNode(8 * GB)
+    f = MemoryFollower(node, HOST, 8 * GB, share_file=str(share))
+    f.membership, f.negotiator = FakeMembership(), FakeNegotiator()
+    assert f.offered_bytes() == 5 * GB
+    assert f.fields()["usable_memory_source"].startswith("what the node's higher-priority models leave: 4.7 GiB")
+    share.write_text(str(12 * GB))
+    assert f.follow_share() and f.offered_bytes() == 8 * GB and f.negotiator.changes == 1
+    assert f.fields()["usable_memory_source"].startswith("--memory-limit: 7.5 GiB")
+    share.write_text(str(int(7.9 * GB)))  # under the flag by less than 5 %: kept, not re-advertised
+    assert not f.follow_share() and f.negotiator.changes == 1
