@@ -78,10 +78,11 @@ class MemoryAccounting:
         boundary budget, the work space and the tokenizer."""
         return self.boundary_budget() + self.work_space_bytes + self.tokenizer_bytes
 
-    def planned_stage_bytes(self, weights_bytes: int) -> int:
-        """The plan's figure for this node's stage (weights and KV at the planned context),
-        bytes; ``weights_bytes`` where the plan gives none (a static ``--plan``)."""
-        detail = getattr(self.plan, "detail", None) or {}
+    def planned_stage_bytes(self, weights_bytes: int, plan=None) -> int:
+        """The figure of ``plan`` (default: the committed one) for this node's stage (weights
+        and KV at the planned context), bytes; ``weights_bytes`` where the plan gives none (a
+        static ``--plan``)."""
+        detail = getattr(plan if plan is not None else self.plan, "detail", None) or {}
         for stage in detail.get("stages") or ():
             if stage.get("node_id") == self.node_id and isinstance(stage.get("memory_bytes"), int):
                 return max(weights_bytes, stage["memory_bytes"])
@@ -94,16 +95,17 @@ class MemoryAccounting:
         unless they are dropped first."""
         layer_bytes = self.layer_bytes or ()
         weights = sum(layer_bytes[g] for g in range(start, min(end, len(layer_bytes))))
-        stage = weights
-        for s in ((getattr(plan, "detail", None) or {}).get("stages") or ()):
-            if s.get("node_id") == self.node_id and isinstance(s.get("memory_bytes"), int):
-                stage = max(weights, s["memory_bytes"])
+        stage = self.planned_stage_bytes(weights, plan) if plan is not None else weights
         held = 0
         if current is not None and not dropped:
             held = sum(layer_bytes[g] for g in range(current.start, min(current.end, len(layer_bytes)))
                        if not start <= g < end)
-        runtime = self.runtime_bytes or self.memory.get("rss_before_load_bytes", 0)
-        return int(runtime + self.kept_off_bytes() + stage + held)
+        return int(self._runtime_figure() + self.kept_off_bytes() + stage + held)
+
+    def _runtime_figure(self) -> int:
+        """The process's own memory in the footprint, bytes: the cgroup rule's runtime, else
+        the RSS before the first stage loaded."""
+        return self.runtime_bytes or self.memory.get("rss_before_load_bytes", 0)
 
     def prefix_budget_for(self, weights_bytes: int) -> int:
         """Bytes of prefix cache this node may hold beside a stage of ``weights_bytes``:
@@ -159,7 +161,7 @@ class MemoryAccounting:
         ``stage_bytes``, ``boundary_bytes``, ``work_space_bytes``, ``tokenizer_bytes``,
         ``prefix_bytes`` and their ``total_bytes``."""
         weights = stage.nbytes() if stage is not None else 0
-        parts = {"runtime_bytes": self.runtime_bytes or self.memory.get("rss_before_load_bytes", 0),
+        parts = {"runtime_bytes": self._runtime_figure(),
                  "stage_bytes": self.planned_stage_bytes(weights) if stage is not None else 0,
                  "boundary_bytes": self.boundary_budget(), "work_space_bytes": self.work_space_bytes,
                  "tokenizer_bytes": self.tokenizer_bytes,
