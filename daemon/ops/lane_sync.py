@@ -91,7 +91,7 @@ class ModelSync:
                 self.lanes.lanes.remove(lane)  # unloaded at run time
         for key, m in wanted.items():
             if self.lanes.find(key) is None:
-                self.lanes._add(m["model"], list(m.get("aliases") or []))  # loaded at run time
+                self.lanes.add(m["model"], list(m.get("aliases") or []))  # loaded at run time
 
     def save(self) -> None:
         models = [{"model": lane.model, "key": lane.key, "aliases": list(lane.aliases)} for lane in self.lanes.lanes]
@@ -107,7 +107,10 @@ class ModelSync:
         urls = {(m.get("api_url") or "").rstrip("/") for m in view.get("members") or []}
         return sorted(u for u in urls if u and u != self.own_url)
 
-    async def _tell_members(self, path: str, body: dict, headers: dict[str, str]) -> dict[str, str]:
+    async def _tell_members(self, path: str, body: dict, headers: dict[str, str],
+                            urls: list[str] | None = None) -> dict[str, str]:
+        """POST ``body`` to ``path`` on every member (``urls``, default :meth:`member_urls`);
+        returns each one's answer in words."""
         results: dict[str, str] = {}
 
         async def one(url: str) -> None:
@@ -122,7 +125,7 @@ class ModelSync:
             except httpx.HTTPError as exc:
                 results[url] = f"unreachable ({exc}); it takes the set when it answers"
 
-        await asyncio.gather(*(one(u) for u in self.member_urls()))
+        await asyncio.gather(*(one(u) for u in (self.member_urls() if urls is None else urls)))
         return results
 
     async def load(self, model: str, aliases: list[str], headers: dict[str, str], propagate: bool) -> dict:
@@ -150,13 +153,8 @@ class ModelSync:
         async with self._lock:
             lane = await self.lanes.unload(name)
             self.save()
-        members = {}
-        if propagate:
-            saved, self.member_urls = self.member_urls, lambda: urls
-            try:
-                members = await self._tell_members("/v1/models/unload", {"model": lane.key}, headers)
-            finally:
-                self.member_urls = saved
+        members = await self._tell_members("/v1/models/unload", {"model": lane.key}, headers,
+                                           urls) if propagate else {}
         return {"model": lane.key, "state": "unloaded", "version": self.lanes.version, "members": members}
 
     async def run(self) -> None:

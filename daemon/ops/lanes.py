@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -124,10 +123,12 @@ class Lanes:
         usable_bytes: what a single daemon would offer here (``share_i``'s ``usable``).
         public_api_url: the node's API (the lanes advertise it as theirs).
         supervisor_url: where the lanes reach this object's HTTP endpoints (the same API).
+        headers: headers of this node's own calls to its lanes (its API key).
     """
 
     def __init__(self, run_argv: list[str], models: list[str], aliases: dict[str, str], *, grpc_port: int,
-                 data_dir: Path, cluster: str, usable_bytes: int, public_api_url: str, supervisor_url: str):
+                 data_dir: Path, cluster: str, usable_bytes: int, public_api_url: str, supervisor_url: str,
+                 headers: dict[str, str] | None = None):
         self.run_argv = run_argv
         self.grpc_port = grpc_port
         self.data_dir = data_dir
@@ -135,6 +136,7 @@ class Lanes:
         self.usable_bytes = usable_bytes
         self.public_api_url = public_api_url
         self.supervisor_url = supervisor_url
+        self.headers = dict(headers or {})
         self.lanes: list[Lane] = []
         self.version = 0  # of the set of models, for the members' agreement (front.py)
         self._task: asyncio.Task | None = None
@@ -145,11 +147,16 @@ class Lanes:
         self.log_prefix = True  # text logs: each lane's lines start with its model's key (not JSON logs)
         self.on_event = lambda kind, message: None
         for m in models:
-            self._add(m, [a for a, target in aliases.items() if target == m])
+            self.add(m, [a for a, target in aliases.items() if target == m])
 
     # --- the set of models -----------------------------------------------------------------
 
-    def _add(self, model: str, aliases: list[str]) -> Lane:
+    def add(self, model: str, aliases: list[str]) -> Lane:
+        """Add ``model`` at the lowest priority (not started).
+
+        Raises:
+            ValueError: a model of that name is already served.
+        """
         key = lane_key(model)
         if any(lane.key == key for lane in self.lanes):
             raise ValueError(f"--model {model}: a model named {key!r} is already served")
@@ -182,7 +189,7 @@ class Lanes:
         Raises:
             ValueError: a model of that name is already served.
         """
-        lane = self._add(model, aliases)
+        lane = self.add(model, aliases)
         self.version += 1
         self.on_event("models", f"loading {model} (priority {len(self.lanes)})")
         await self._start(lane, len(self.lanes) - 1)
@@ -252,8 +259,7 @@ class Lanes:
         cluster = self.cluster if lane.primary else f"{self.cluster}/{lane.key}"
         data.mkdir(parents=True, exist_ok=True)
         if share_file is not None:
-            lane.share = self._share_of(lane)
-            share_file.write_text(str(lane.share))
+            self._write_share(lane, self._share_of(lane))
         argv = lane_argv(self.run_argv, model=lane.model, grpc_port=lane.grpc_port, api_port=lane.api_port,
                          data_dir=data, cluster=cluster, share_file=share_file,
                          supervisor_url=self.supervisor_url, public_api_url=self.public_api_url, index=index)
@@ -325,11 +331,15 @@ class Lanes:
             if lane.share is not None:
                 log.info("lane %s: offered %s (was %s): the models before it hold the rest", lane.key,
                          size_text(share), size_text(lane.share))
-            lane.share = share
-            path = self._share_file(lane)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(str(share))
-            os.replace(tmp, path)
+            self._write_share(lane, share)
+
+    def _write_share(self, lane: Lane, share: int) -> None:
+        """Offer ``share`` bytes to ``lane`` (its file, replaced whole: it reads it any time)."""
+        lane.share = share
+        path = self._share_file(lane)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(share))
+        os.replace(tmp, path)
 
     def held_after(self, lane: Lane) -> int:
         """What the lanes after ``lane`` hold on this node now, bytes."""
@@ -347,11 +357,11 @@ class Lanes:
         lane.reserved = nbytes
         self._write_shares()
         t0 = time.monotonic()
-        room = self.usable_bytes - sum(max(o.footprint, o.reserved) for o in self.lanes[:self.lanes.index(lane)])
-        while self.held_after(lane) > max(0, room - nbytes) and time.monotonic() - t0 < RESERVE_WAIT_S:
+        left = max(0, self._share_of(lane) - nbytes)  # what the lanes after it may hold beside the load
+        while self.held_after(lane) > left and time.monotonic() - t0 < RESERVE_WAIT_S:
             await asyncio.sleep(0.25)
         waited = time.monotonic() - t0
-        ok = self.held_after(lane) <= max(0, room - nbytes)
+        ok = self.held_after(lane) <= left
         if waited > 0.5 or not ok:
             message = (f"{lane.key} loads {size_text(nbytes)}: the models after it "
                        f"{'gave back their memory' if ok else 'still hold ' + size_text(self.held_after(lane))} "
@@ -365,13 +375,13 @@ class Lanes:
     async def _watch(self) -> None:
         while not self._stopping:
             await asyncio.sleep(POLL_S)
-            for i, lane in enumerate(list(self.lanes)):
+            for lane in list(self.lanes):
                 with contextlib.suppress(Exception):
-                    await self._poll(lane, i)
+                    await self._poll(lane)
             with contextlib.suppress(OSError):
                 self._write_shares()
 
-    async def _poll(self, lane: Lane, index: int) -> None:
+    async def _poll(self, lane: Lane) -> None:
         proc = lane.proc
         if proc is None or lane.state in ("stopping", "stopped"):
             return
@@ -399,7 +409,7 @@ class Lanes:
                 await self._start(lane, self.lanes.index(lane))
             return
         try:
-            r = await self._client.get(f"{lane.url}/v1/cluster", headers=self.own_headers())
+            r = await self._client.get(f"{lane.url}/v1/cluster", headers=self.headers)
             view = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             view = None
@@ -414,10 +424,6 @@ class Lanes:
         plan = view.get("plan")
         lane.state = "serving" if plan else ("left out" if view.get("infeasible") else "planning")
 
-    def own_headers(self) -> dict[str, str]:
-        """Headers of this node's own calls to its lanes (set by the runner: an API key)."""
-        return getattr(self, "_headers", {})
-
 
 def _port_free(port: int) -> bool:
     import socket
@@ -430,10 +436,3 @@ def _port_free(port: int) -> bool:
             return False
     return True
 
-
-def read_models_file(path: Path) -> dict | None:
-    """The set of models this node last served (``<data dir>/models.json``), or ``None``."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

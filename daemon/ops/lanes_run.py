@@ -65,6 +65,7 @@ async def serve_lanes(args, run_argv: list[str]) -> int:
     import uvicorn
 
     from ringlet.daemon.api.front import create_front_app
+    from ringlet.daemon.ops.client import auth_headers
     from ringlet.daemon.ops.draining import DrainingServer
     from ringlet.daemon.ops.lane_sync import ModelSync
     from ringlet.daemon.ops.lanes import Lanes
@@ -82,11 +83,10 @@ async def serve_lanes(args, run_argv: list[str]) -> int:
         public_host = "127.0.0.1"
     key_file = getattr(args, "api_key_file", None)
     key = client_api_key(key_file) if key_file else None
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = auth_headers(key)
     lanes = Lanes(run_argv, models, aliases, grpc_port=args.port, data_dir=data_dir, cluster=args.cluster,
                   usable_bytes=_usable_bytes(args), public_api_url=f"http://{public_host}:{args.api_port}",
-                  supervisor_url=f"http://{local}:{args.api_port}")
-    lanes._headers = headers
+                  supervisor_url=f"http://{local}:{args.api_port}", headers=headers)
     sync = ModelSync(lanes, data_dir / "models.json", f"http://{public_host}:{args.api_port}", headers)
     sync.restore()
     from ringlet.daemon.ops.secret import api_limits

@@ -21,7 +21,7 @@ def keys(lanes) -> list[str]:
 
 def test_a_restart_serves_what_was_loaded_and_unloaded_at_run_time(tmp_path):
     lanes, sync = node(tmp_path, ["a", "b"])
-    lanes._add("x", ["fast"])  # `models load x --alias fast`
+    lanes.add("x", ["fast"])  # `models load x --alias fast`
     lanes.lanes.remove(lanes.find("b"))  # `models unload b`
     lanes.version = 2
     sync.save()
@@ -32,7 +32,7 @@ def test_a_restart_serves_what_was_loaded_and_unloaded_at_run_time(tmp_path):
 
 def test_a_changed_command_line_wins_and_the_first_model_stays(tmp_path):
     lanes, sync = node(tmp_path, ["a", "b"])
-    lanes._add("x", [])
+    lanes.add("x", [])
     lanes.version = 3
     sync.save()
     lanes, _ = node(tmp_path, ["c", "a"])
