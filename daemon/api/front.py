@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ringlet.daemon.api.error_body import error_response
-from ringlet.daemon.wire.auth import check_api_key
+from ringlet.daemon.wire.limits import scope_authorized
 
 log = logging.getLogger("ringlet.daemon.api.front")
 
@@ -36,12 +36,6 @@ __all__ = ["HOP_HEADERS", "create_front_app"]
 #: Headers never passed through a proxy (RFC 9110 7.6.1) or that the proxy sets itself.
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
-
-
-def _presented_key(request: Request) -> str | None:
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    key = key.strip() if scheme.lower() == "bearer" else ""
-    return key or request.headers.get("x-api-key") or None
 
 
 def create_front_app(lanes, key_digests: tuple[bytes, ...], sync, max_body_bytes: int | None = None) -> FastAPI:
@@ -72,7 +66,7 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync, max_body_bytes
         return b"".join(chunks)
 
     def authorized(request: Request) -> bool:
-        return not key_digests or check_api_key(_presented_key(request), key_digests)
+        return not key_digests or scope_authorized(request.scope, key_digests)
 
     def denied(request: Request) -> JSONResponse:
         return error_response(401, "a valid API key is needed (Authorization: Bearer KEY, or x-api-key)",

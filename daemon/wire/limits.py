@@ -220,6 +220,20 @@ def error_body(status: int, message: str, code: str | None = None, kind: str | N
 
 
 Scope = dict[str, Any]
+
+
+def scope_authorized(scope: Scope, digests: tuple[bytes, ...]) -> bool:
+    """Whether an HTTP request (its ASGI ``scope``) presents one of the API keys
+    (``digests``): ``Authorization: Bearer KEY``, else Anthropic's ``x-api-key``."""
+    headers = dict(scope.get("headers", ()))
+    if b"authorization" in headers:
+        scheme, _, token = headers[b"authorization"].decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and check_api_key(token.strip(), digests)
+    if b"x-api-key" in headers:  # Anthropic's header, as its clients send it
+        return check_api_key(headers[b"x-api-key"].decode("latin-1").strip(), digests)
+    return False
+
+
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -267,13 +281,7 @@ class ApiGuard:
         await self._with_body_limit(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        headers = dict(scope.get("headers", ()))
-        if b"authorization" in headers:
-            scheme, _, token = headers[b"authorization"].decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and check_api_key(token.strip(), self.limits.api_key_digests)
-        if b"x-api-key" in headers:  # Anthropic's header, as its clients send it
-            return check_api_key(headers[b"x-api-key"].decode("latin-1").strip(), self.limits.api_key_digests)
-        return False
+        return scope_authorized(scope, self.limits.api_key_digests)
 
     async def _with_body_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.limits.max_body_bytes
