@@ -53,11 +53,10 @@ def parse_aliases(values: list[str] | None, models: list[str]) -> dict[str, str]
 def _usable_bytes(args) -> int:
     """What a single daemon would offer here: the memory probe's figure, or
     ``--memory-limit`` where lower."""
+    from ringlet.daemon.ops.memory_follow import offered_memory
     from ringlet.daemon.probes.memory import probe_memory
 
-    usable = probe_memory().usable_memory_bytes
-    flag = parse_size(getattr(args, "memory_limit", None))
-    return min(usable, flag) if flag else usable
+    return offered_memory(probe_memory(), parse_size(getattr(args, "memory_limit", None)))[0]
 
 
 async def serve_lanes(args, run_argv: list[str]) -> int:
