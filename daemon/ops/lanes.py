@@ -48,7 +48,7 @@ import httpx
 
 from ringlet.daemon.ops.lane_args import lane_argv, lane_key
 from ringlet.daemon.probes.memory import size_text
-from ringlet.daemon.wire.ports import free_ports
+from ringlet.daemon.wire.ports import claim_port, free_ports
 
 log = logging.getLogger("ringlet.daemon.lanes")
 
@@ -247,7 +247,7 @@ class Lanes:
         if self._stopping:
             return
         wanted = self.grpc_port + index
-        lane.grpc_port = wanted if _port_free(wanted) else free_ports(1)[0]
+        lane.grpc_port = wanted if claim_port(wanted) else free_ports(1)[0]
         if lane.grpc_port != wanted:
             log.warning("lane %s: gRPC port %d is taken, using %d (peers given by --peers expect %d)",
                         lane.key, wanted, lane.grpc_port, wanted)
@@ -423,16 +423,3 @@ class Lanes:
             lane.reserved = 0  # the load it reserved for is committed: the plan's figure holds it
         plan = view.get("plan")
         lane.state = "serving" if plan else ("left out" if view.get("infeasible") else "planning")
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME-WAIT is free
-        try:
-            s.bind(("0.0.0.0", port))  # noqa: S104 - a probe, closed at once
-        except OSError:
-            return False
-    return True
-
