@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from ringlet.daemon.wire.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,9 +48,9 @@ exit 0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port outside the ephemeral range, held from other test workers (the daemon binds it
+    seconds later: a port the kernel picks could meanwhile be taken by a client connection)."""
+    return free_ports(1)[0]
 
 
 def fake_manager(tmp_path: Path) -> str:

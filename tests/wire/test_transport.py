@@ -9,18 +9,16 @@ waited 30 s for a token, when a test's node drew a port another test's daemon he
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
+from ringlet.daemon.wire.ports import free_ports
 from ringlet.daemon.wire.transport import TransportConfig, make_server
 
 
 def test_a_second_server_on_a_port_in_use_is_refused_naming_the_address():
     async def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{s.getsockname()[1]}"
+        address = f"127.0.0.1:{free_ports(1)[0]}"
         first = make_server(TransportConfig(), address)
         await first.start()
         try:
