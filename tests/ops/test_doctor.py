@@ -78,6 +78,15 @@ def test_a_missing_model_fails_with_exit_1(tmp_path):
     assert re.search(r"^FAIL\s+model\s+", r.stdout, flags=re.M)
 
 
+def test_a_missing_second_model_fails_naming_it(tmp_path):
+    """A node of several models (``--model`` repeated, as ``ringlet run`` takes it) is checked
+    model by model: the first is found, the second is not, and the FAIL names the second."""
+    missing = tmp_path / "no-such-second-model"
+    r = run_doctor("--model", "smollm2-135m", "--model", str(missing), "--json", home=tmp_path)
+    model = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "model")
+    assert r.returncode == 1 and model["status"] == FAIL and str(missing) in model["summary"], model
+
+
 @pytest.mark.parametrize("args", [["--port", "0"], ["--api-port", "x"]])
 def test_bad_input_is_one_error_line(args, tmp_path):
     r = run_doctor(*args, home=tmp_path)

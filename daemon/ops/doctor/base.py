@@ -27,7 +27,8 @@ class Context:
     """What the checks look at (from the options, else the service configuration)."""
 
     platform: str
-    model: str | None = None
+    model: str | None = None  # the first of ``models`` (what a single-model check looks at)
+    models: list[str] = field(default_factory=list)  # every model the node serves, the first first
     interfaces: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 7100

@@ -56,7 +56,8 @@ def add_doctor_parser(subparsers) -> None:
                               description="Checks MLX, the model, memory, disk, network, firewall, Thunderbolt, "
                                           "secret and service. Options default to the service configuration. "
                                           "Exit status 1 when a check FAILs.")
-    d.add_argument("--model", help="model to check (default: the service's, else the default model)")
+    d.add_argument("--model", action="append", metavar="MODEL",
+                   help="model to check, repeatable (default: the service's models, else the default model)")
     d.add_argument("--interface", action="append", metavar="NAME", help="discovery interface (repeatable)")
     d.add_argument("--host", help="gRPC bind address (default 127.0.0.1)")
     d.add_argument("--port", help="gRPC port (default 7100)")
@@ -82,7 +83,7 @@ def _port_arg(value, default: int, what: str) -> int:
 
 def make_context(args: argparse.Namespace) -> Context:
     from ringlet.daemon.errors import RingletError
-    from ringlet.daemon.ops.service.config import ServiceConfig, load_config
+    from ringlet.daemon.ops.service.config import ServiceConfig, config_models, load_config
     from ringlet.daemon.ops.service.paths import config_path
 
     try:
@@ -92,9 +93,11 @@ def make_context(args: argparse.Namespace) -> Context:
     cfg = cfg or ServiceConfig()
     source = str(config_path()) if config_path().exists() else None
     data_dir = args.data_dir or cfg.data_dir
+    models = [m for m in (args.model or []) if m] or config_models(cfg)
     return Context(
         platform=sys.platform,
-        model=args.model or cfg.model,
+        model=models[0] if models else None,
+        models=models,
         interfaces=list(args.interface or cfg.interfaces or []),
         host=args.host or cfg.host or "127.0.0.1",
         port=_port_arg(args.port if args.port is not None else cfg.port, 7100, "--port"),

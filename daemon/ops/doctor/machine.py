@@ -61,18 +61,37 @@ def _model_bytes(location) -> int:
 
 
 def check_model(ctx: Context) -> Check:
+    """Every model the node serves (``ctx.models``, else ``ctx.model``, else the default) is
+    found and its metadata read; FAIL names the first that is not. ``ctx.model_bytes`` becomes
+    their weights' total, which the memory check compares with this machine's."""
+    names = ctx.models or [ctx.model]
+    found = [_one_model(name) for name in names]
+    bad = next((c for c in found if isinstance(c, Check)), None)
+    if bad is not None:
+        return bad
+    ctx.model_bytes = sum(b for _, b, _ in found)
+    if len(found) == 1:
+        summary, _, details = found[0]
+        return Check("model", OK, summary, details=details)
+    return Check("model", OK, f"{len(found)} models, {_fmt(ctx.model_bytes)} in all: "
+                 + "; ".join(summary for summary, _, _ in found),
+                 details={"models": [d for _, _, d in found], "bytes": ctx.model_bytes})
+
+
+def _one_model(model: str | None) -> Check | tuple[str, int, dict]:
+    """``(summary, weight bytes, details)`` of one model, or its FAIL."""
     from ringlet.daemon.engine.hub import locate
     from ringlet.daemon.engine.sources import DEFAULT_MODEL
     from ringlet.daemon.errors import RingletError
 
-    name = ctx.model or DEFAULT_MODEL
+    name = model or DEFAULT_MODEL
     try:
-        loc = locate(ctx.model)
+        loc = locate(model)
     except RingletError as exc:
         return Check("model", FAIL, str(exc),
                      "give --model a model directory (config.json + *.safetensors), a .gguf file or a Hub name "
                      "(ORG/NAME[@REVISION])")
-    ctx.model_bytes = _model_bytes(loc)
+    nbytes = _model_bytes(loc)
     depth = ""
     try:
         from ringlet.daemon.engine.model_info import model_info
@@ -81,8 +100,8 @@ def check_model(ctx: Context) -> Check:
     except Exception as exc:  # unreadable metadata is a FAIL: the daemon would stop on it
         return Check("model", FAIL, f"{name}: {loc.path}: cannot read its metadata: {exc}",
                      "check the files are complete (re-download or re-convert the model)")
-    return Check("model", OK, f"{name}: {loc.path} ({loc.kind}{depth}, {_fmt(ctx.model_bytes)})",
-                 details={"path": str(loc.path), "bytes": ctx.model_bytes})
+    return (f"{name}: {loc.path} ({loc.kind}{depth}, {_fmt(nbytes)})", nbytes,
+            {"path": str(loc.path), "bytes": nbytes})
 
 
 def check_memory(ctx: Context) -> Check:
@@ -90,15 +109,16 @@ def check_memory(ctx: Context) -> Check:
     from ringlet.daemon.probes.memory import probe_memory
 
     cluster = read_cluster(ctx.api_port) if _ringlet_on(ctx.api_port) is not None else None
-    return memory_verdict(probe_memory(ctx.platform), ctx.model_bytes, cluster)
+    return memory_verdict(probe_memory(ctx.platform), ctx.model_bytes, cluster, models=max(1, len(ctx.models)))
 
 
-def memory_verdict(mem, model_bytes: int | None, cluster: dict | str | None) -> Check:
+def memory_verdict(mem, model_bytes: int | None, cluster: dict | str | None, models: int = 1) -> Check:
     """The memory check (pure): this machine's usable memory and the rule that set it (host
     RAM, GPU wired limit / Metal working set, this process's cgroup), and, when a daemon runs
     (``cluster``: its ``/v1/cluster``), what it offers the planner and why: the daemon may run
     in another cgroup than ``ringlet doctor`` (a systemd service, a container), and only its
-    own figure is what the plans use. ``mem``: a :class:`~ringlet.daemon.probes.memory.MemoryInfo`."""
+    own figure is what the plans use. ``mem``: a :class:`~ringlet.daemon.probes.memory.MemoryInfo`;
+    ``model_bytes``: the weights of the ``models`` the node serves, in all."""
     summary = (f"total {_fmt(mem.total_bytes)}, usable {_fmt(mem.usable_memory_bytes)} "
                f"({mem.usable_source or mem.usable_rule}), available now {_fmt(mem.available_bytes)}")
     details = {"total_bytes": mem.total_bytes, "usable_bytes": mem.usable_memory_bytes,
@@ -112,8 +132,10 @@ def memory_verdict(mem, model_bytes: int | None, cluster: dict | str | None) -> 
         details["daemon_usable_source"] = own.get("memory_usable_source")
     if model_bytes and model_bytes > mem.usable_memory_bytes:
         need = -(-model_bytes // max(1, mem.usable_memory_bytes))
-        return Check("memory", OK, f"{summary}; the model ({_fmt(model_bytes)}) needs about {need} nodes "
-                     "like this one (the cluster splits it)", details=details)
+        what = "the model" if models == 1 else f"the {models} models"
+        return Check("memory", OK, f"{summary}; {what} ({_fmt(model_bytes)}) need{'s' if models == 1 else ''} "
+                     f"about {need} nodes like this one (the cluster splits {'it' if models == 1 else 'them'})",
+                     details=details)
     return Check("memory", OK, summary, details=details)
 
 

@@ -23,7 +23,9 @@ def add_service_parser(subparsers) -> None:
                                           f"({'~/.config/ringlet/' + CONFIG_NAME}); give an empty value to unset one.")
     inst.add_argument("--cluster", help="cluster name")
     inst.add_argument("--secret-file", help="cluster secret file (ringlet secret new FILE)")
-    inst.add_argument("--model", help="model directory, .gguf file or short name")
+    inst.add_argument("--model", action="append", metavar="MODEL",
+                      help="model directory, .gguf file, Hub name or short name; repeat it to serve several "
+                           "models, the first first (replaces the configured ones)")
     inst.add_argument("--dtype", help="float16 | bfloat16 | float32")
     inst.add_argument("--interface", action="append", metavar="NAME", help="discovery interface (repeatable)")
     inst.add_argument("--peers", metavar="HOST:PORT,...", help="peers to dial when multicast is blocked")

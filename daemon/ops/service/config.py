@@ -31,7 +31,7 @@ class ServiceConfig:
 
     cluster: str | None = None
     secret_file: str | None = None
-    model: str | None = None
+    model: str | list[str] | None = None
     dtype: str | None = None
     interfaces: list[str] = field(default_factory=list)
     peers: list[str] = field(default_factory=list)
@@ -74,19 +74,32 @@ class ServiceConfig:
         for key, value in data.items():
             if key not in known:
                 raise RingletError(f"{where}: unknown key {key!r} (known: {', '.join(known)})")
-            kind = _KINDS[key]
-            ok = (isinstance(value, list) and all(isinstance(v, str) for v in value)) if kind is list else (
-                isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
-            if not ok:
-                raise RingletError(f"{where}: {key} must be {_KIND_NAMES[kind]}, not {value!r}")
+            kinds = _KINDS[key] if isinstance(_KINDS[key], tuple) else (_KINDS[key],)
+            if not any(_fits(value, kind) for kind in kinds):
+                raise RingletError(f"{where}: {key} must be {' or '.join(_KIND_NAMES[k] for k in kinds)}, "
+                                   f"not {value!r}")
             kwargs[key] = value
         return cls(**kwargs)
+
+
+def _fits(value, kind: type) -> bool:
+    if kind is list:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def config_models(config: ServiceConfig) -> list[str]:
+    """The models the service serves, in priority order (``model``: one name or a list)."""
+    if config.model is None:
+        return []
+    return [config.model] if isinstance(config.model, str) else list(config.model)
 
 
 FIELD_DOCS = {
     "cluster": "cluster name: nodes join only a cluster of the same name (ringlet run --cluster)",
     "secret_file": "cluster secret, mode 0600 (ringlet secret new FILE; ringlet run --secret-file)",
-    "model": "model directory, .gguf file or short name (ringlet run --model)",
+    "model": "model directory, .gguf file, Hub name or short name; a list serves several models, "
+             "the first first (ringlet run --model, repeated)",
     "dtype": "float16 | bfloat16 | float32 (ringlet run --dtype)",
     "interfaces": "network interfaces for discovery, e.g. Thunderbolt Bridge (ringlet run --interface)",
     "peers": "host:port of peers when multicast is blocked (ringlet run --peers)",
@@ -112,7 +125,8 @@ EXAMPLES = {
     "policy": "balanced", "plan": "",
     "log_json": True, "debug": True, "extra_args": [],
 }
-_KINDS = {"cluster": str, "secret_file": str, "model": str, "dtype": str, "interfaces": list, "peers": list,
+_KINDS: dict[str, type | tuple[type, ...]] = {
+          "cluster": str, "secret_file": str, "model": (str, list), "dtype": str, "interfaces": list, "peers": list,
           "host": str, "advertise_host": str, "port": int, "api_host": str, "api_port": int,
           "api_key_file": str, "data_dir": str, "memory_limit": str, "policy": str, "plan": str,
           "log_json": bool, "debug": bool, "extra_args": list}
@@ -149,7 +163,7 @@ def run_arguments(config: ServiceConfig) -> list[str]:
         value = getattr(config, name)
         if value is None or value == []:
             continue
-        if name == "interfaces":
+        if name in ("interfaces", "model") and isinstance(value, list):
             for v in value:
                 args += [flag, v]
         elif name == "peers":

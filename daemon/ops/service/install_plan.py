@@ -20,6 +20,7 @@ from ringlet.daemon.errors import RingletError
 from ringlet.daemon.ops.service.config import (
     ServiceConfig,
     check_run_arguments,
+    config_models,
     load_config,
     ringlet_executable,
     run_arguments,
@@ -56,7 +57,7 @@ def _abs_path(value: str) -> str:
 def merge_options(base: ServiceConfig, args: argparse.Namespace) -> ServiceConfig:
     """``base`` with the options given on the command line applied."""
     cfg = ServiceConfig(**{f.name: getattr(base, f.name) for f in fields(base)})
-    for name in ("cluster", "secret_file", "model", "dtype", "host", "advertise_host", "api_host", "api_key_file",
+    for name in ("cluster", "secret_file", "dtype", "host", "advertise_host", "api_host", "api_key_file",
                  "data_dir", "memory_limit", "policy", "plan"):
         value = getattr(args, name, None)
         if value is not None:
@@ -71,6 +72,10 @@ def merge_options(base: ServiceConfig, args: argparse.Namespace) -> ServiceConfi
             if not 1 <= port <= 65535:
                 raise RingletError(f"--{name.replace('_', '-')} {port}: give a port in 1..65535")
             setattr(cfg, name, port)
+    given = getattr(args, "model", None)
+    if given is not None:  # every --model given replaces the configured list; --model "" unsets
+        models = [m for m in ([given] if isinstance(given, str) else given) if m]
+        cfg.model = None if not models else models[0] if len(models) == 1 else models
     if getattr(args, "interface", None):
         cfg.interfaces = [i for i in dict.fromkeys(args.interface) if i]  # --interface "" unsets
     if getattr(args, "peers", None) is not None:
@@ -104,16 +109,12 @@ def validate(cfg: ServiceConfig, check_model: bool = True) -> list[str]:
             raise RingletError(f"API key file {cfg.api_key_file} does not exist")
     if cfg.data_dir:
         cfg.data_dir = _abs_path(cfg.data_dir)
-    if cfg.model:
-        from ringlet.daemon.engine.hub import parse_ref
-        from ringlet.daemon.engine.sources import KNOWN_MODELS, resolve
-
-        if parse_ref(cfg.model) is not None:  # a Hub name: the service resolves it (and downloads) when it runs
-            pass
-        elif cfg.model.lower() not in KNOWN_MODELS:
-            cfg.model = _abs_path(cfg.model)
-        if check_model and parse_ref(cfg.model) is None:
-            resolve(cfg.model)  # raises ModelNotFound with where it looked
+    models = [_model_ref(m, check_model) for m in config_models(cfg)]
+    twice = sorted({m for m in models if models.count(m) > 1})
+    if twice:
+        raise RingletError(f"model {twice[0]} is given twice; give each model once, the first first")
+    if models:
+        cfg.model = models[0] if len(models) == 1 else models
     for name in ("port", "api_port"):
         v = getattr(cfg, name)
         if v is not None and not 1 <= v <= 65535:
@@ -133,6 +134,22 @@ def validate(cfg: ServiceConfig, check_model: bool = True) -> list[str]:
         warnings.append("no secret file: the node runs open to anyone on the network "
                         "(ringlet secret new FILE, then --secret-file FILE)")
     return warnings
+
+
+def _model_ref(model: str, check_model: bool) -> str:
+    """``model`` as the service keeps it: a Hub name or a short name as given, a path made
+    absolute; checked to exist here when ``check_model`` (raises ModelNotFound naming where
+    it looked)."""
+    from ringlet.daemon.engine.hub import parse_ref
+    from ringlet.daemon.engine.sources import KNOWN_MODELS, resolve
+
+    if parse_ref(model) is not None:  # a Hub name: the service resolves it (and downloads) when it runs
+        return model
+    if model.lower() not in KNOWN_MODELS:
+        model = _abs_path(model)
+    if check_model:
+        resolve(model)
+    return model
 
 
 def plan_install(args: argparse.Namespace, target: str) -> Planned:
