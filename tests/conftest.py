@@ -129,7 +129,8 @@ SLOW_FIRST = ("node/test_resharding.py", "agents/test_agents.py", "engine/test_p
               "node/test_hub_cluster.py", "node/test_node_loss.py", "node/test_rolling_upgrade.py",
               "cluster/test_several_models.py",
               "node/test_cache_kinds_cluster.py", "api/test_openai_agents.py", "api/test_long_prefill.py",
-              "ops/test_service_upgrade.py", "node/test_cluster.py", "cluster/test_heal_netns.py",
+              "ops/test_service_upgrade.py", "ops/test_service_models.py", "node/test_cluster.py",
+              "cluster/test_heal_netns.py",
               "api/test_tool_streaming.py", "cluster/test_incompatible_version.py", "agents/test_agents_models.py",
               "probes/test_cgroup_cluster.py")
 
