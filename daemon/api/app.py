@@ -113,8 +113,9 @@ def create_app(node: Node, tokenizer: LazyTokenizer, model_name: str, context_to
     @app.post("/v1/models/load")
     @app.post("/v1/models/unload")
     async def models_change(request: Request):
-        return _error(400, f"this node serves one model ({model_name}): start it with several --model (or a "
-                           "--model-alias) to load and unload models while it runs", path=request.url.path)
+        return _error(400, f"this node serves one model ({model_name}): to load and unload models while it "
+                           "runs, start it with several --model, or with a --model-alias (as a service: "
+                           f"ringlet service install --model {model_name} --model OTHER)", path=request.url.path)
 
     def cluster_view() -> dict:
         admission = app.state.admission

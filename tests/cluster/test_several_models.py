@@ -291,3 +291,9 @@ def test_a_node_restarted_with_a_second_model_stays_in_the_first_models_ring(tmp
             assert complete(url, "smollm2-135m", big_prompt, len(want_big)) == want_big
         assert complete(c.api_urls[1], "tiny-llama", SMALL_PROMPT, SMALL_TOKENS) == whole_model_greedy(
             small, SMALL_PROMPT, SMALL_TOKENS)
+        # node 0, not yet restarted, serves one model: a load there is one 400 saying how to start
+        # a node that can (the "clear error naming the problem and the fix")
+        r = httpx.post(f"{c.api_urls[0]}/v1/models/load", json={"model": str(small)}, timeout=30)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "serves one model (smollm2-135m)" in message and "service install --model" in message, message
