@@ -114,7 +114,10 @@ def create_front_app(lanes, key_digests: tuple[bytes, ...], sync, max_body_bytes
                            "plan": (lane.view or {}).get("plan"), "infeasible": (lane.view or {}).get("infeasible"),
                            "layer_range": (lane.view or {}).get("layer_range"),
                            "requests_in_flight": (lane.view or {}).get("requests_in_flight"),
-                           "num_layers": (lane.view or {}).get("num_layers")}
+                           "num_layers": (lane.view or {}).get("num_layers"),
+                           # the context its KV is planned for (--model-context, else --context)
+                           "context_tokens": (((lane.view or {}).get("plan_detail") or {}).get("model")
+                                              or {}).get("context_tokens")}
                           for i, lane in enumerate(lanes.lanes)]
         return view
 

@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
 
             if several_models(args):
                 return asyncio.run(serve_lanes(args, list(sys.argv[1:] if argv is None else argv)))
+            if args.model_context:  # one model: its --model-context is its --context
+                from ringlet.daemon.engine.sources import DEFAULT_MODEL
+                from ringlet.daemon.ops.lanes_run import parse_model_contexts
+
+                served = args.model or DEFAULT_MODEL
+                args.context = parse_model_contexts(args.model_context, [served])[served]
             from ringlet.daemon.ops.runner import serve
 
             return asyncio.run(serve(args))

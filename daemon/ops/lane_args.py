@@ -16,8 +16,8 @@ from pathlib import Path
 __all__ = ["LANE_OPTIONS", "lane_argv", "lane_key", "option_values", "shifted_peers", "strip_options"]
 
 #: ``run`` options the parent sets per lane (each takes a value).
-LANE_OPTIONS = ("--model", "--model-alias", "--port", "--api-port", "--api-host", "--data-dir", "--cluster",
-                "--lane-share-file", "--lane-supervisor", "--public-api-url", "--peers")
+LANE_OPTIONS = ("--model", "--model-alias", "--model-context", "--port", "--api-port", "--api-host", "--data-dir",
+                "--cluster", "--lane-share-file", "--lane-supervisor", "--public-api-url", "--peers")
 #: ``run`` options a lane never gets (flags without a value).
 LANE_FLAGS = ("--no-dashboard",)
 
@@ -77,11 +77,13 @@ def shifted_peers(spec: str, index: int) -> str:
 
 
 def lane_argv(run_argv: list[str], *, model: str, grpc_port: int, api_port: int, data_dir: Path, cluster: str,
-              share_file: Path | None, supervisor_url: str, public_api_url: str, index: int = 0) -> list[str]:
+              share_file: Path | None, supervisor_url: str, public_api_url: str, index: int = 0,
+              context: int | None = None) -> list[str]:
     """The child's full command: ``python -m ringlet.daemon.ops.cli`` + the parent's global
     options and ``run`` options (``run_argv``: everything after the program name) with the
-    lane's own model, ports (API on 127.0.0.1), data directory, cluster name and ``--peers``
-    (each peer's port + ``index``, the lane's priority)."""
+    lane's own model, ports (API on 127.0.0.1), data directory, cluster name, ``--peers``
+    (each peer's port + ``index``, the lane's priority) and, when given, its ``--context``
+    (the model's ``--model-context``: the last ``--context`` is the one ``run`` takes)."""
     peers = option_values(run_argv, "--peers")
     args = strip_options(run_argv, LANE_OPTIONS, LANE_FLAGS)
     lane = ["--model", model, "--port", str(grpc_port), "--api-host", "127.0.0.1", "--api-port", str(api_port),
@@ -91,4 +93,6 @@ def lane_argv(run_argv: list[str], *, model: str, grpc_port: int, api_port: int,
         lane += ["--lane-share-file", str(share_file)]
     if peers:
         lane += ["--peers", shifted_peers(peers[-1], index)]
+    if context is not None:
+        lane += ["--context", str(context)]
     return [sys.executable, "-m", "ringlet.daemon.ops.cli", *args, *lane]

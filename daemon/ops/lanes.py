@@ -128,8 +128,9 @@ class Lanes:
 
     def __init__(self, run_argv: list[str], models: list[str], aliases: dict[str, str], *, grpc_port: int,
                  data_dir: Path, cluster: str, usable_bytes: int, public_api_url: str, supervisor_url: str,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, contexts: dict[str, int] | None = None):
         self.run_argv = run_argv
+        self.contexts = dict(contexts or {})  # --model value -> its --model-context (the others: --context)
         self.grpc_port = grpc_port
         self.data_dir = data_dir
         self.cluster = cluster
@@ -262,7 +263,8 @@ class Lanes:
             self._write_share(lane, self._share_of(lane))
         argv = lane_argv(self.run_argv, model=lane.model, grpc_port=lane.grpc_port, api_port=lane.api_port,
                          data_dir=data, cluster=cluster, share_file=share_file,
-                         supervisor_url=self.supervisor_url, public_api_url=self.public_api_url, index=index)
+                         supervisor_url=self.supervisor_url, public_api_url=self.public_api_url, index=index,
+                         context=self.contexts.get(lane.model))
         lane.state, lane.started_at, lane.view = "starting", time.monotonic(), None
         env = dict(os.environ, RINGLET_LANE=lane.key)  # cluster/peer_browser.py: sibling models' adverts are quiet
         lane.proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, env=env,

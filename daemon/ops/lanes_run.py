@@ -20,7 +20,7 @@ from ringlet.daemon.ops.terminal import drawn, own_dashboard
 
 log = logging.getLogger("ringlet.daemon.lanes")
 
-__all__ = ["parse_aliases", "several_models", "serve_lanes"]
+__all__ = ["parse_aliases", "parse_model_contexts", "several_models", "serve_lanes"]
 
 
 def several_models(args) -> bool:
@@ -35,19 +35,46 @@ def parse_aliases(values: list[str] | None, models: list[str]) -> dict[str, str]
     Raises:
         RingletError: a value without ``=``, or a MODEL that is not served.
     """
-    from ringlet.daemon.ops.lane_args import lane_key
-
     out: dict[str, str] = {}
     for value in values or []:
         name, sep, target = value.partition("=")
         if not sep or not name.strip() or not target.strip():
             raise RingletError(f"--model-alias {value!r}: write NAME=MODEL, e.g. claude-haiku=smollm2-135m")
-        match = [m for m in models if target.strip() in (m, lane_key(m))]
-        if not match:
-            raise RingletError(f"--model-alias {value!r}: {target!r} is not one of the --model values "
-                               f"({', '.join(models)})")
-        out[name.strip()] = match[0]
+        out[name.strip()] = _served(target.strip(), models, f"--model-alias {value!r}")
     return out
+
+
+def parse_model_contexts(values: list[str] | None, models: list[str]) -> dict[str, int]:
+    """``--model-context MODEL=TOKENS`` values -> ``{--model value: context tokens}``; MODEL
+    is a ``--model`` value or its short key, TOKENS a positive integer.
+
+    Raises:
+        RingletError: a value without ``=``, TOKENS not a positive integer, or a MODEL that
+            is not served.
+    """
+    out: dict[str, int] = {}
+    for value in values or []:
+        target, sep, tokens = value.rpartition("=")
+        if not sep or not target.strip():
+            raise RingletError(f"--model-context {value!r}: write MODEL=TOKENS, e.g. smollm2-135m=8192")
+        try:
+            n = int(tokens)
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise RingletError(f"--model-context {value!r}: {tokens!r} is not a positive number of tokens")
+        out[_served(target.strip(), models, f"--model-context {value!r}")] = n
+    return out
+
+
+def _served(name: str, models: list[str], what: str) -> str:
+    """The ``--model`` value ``name`` means (the value itself or its short key)."""
+    from ringlet.daemon.ops.lane_args import lane_key
+
+    match = [m for m in models if name in (m, lane_key(m))]
+    if not match:
+        raise RingletError(f"{what}: {name!r} is not one of the --model values ({', '.join(models)})")
+    return match[0]
 
 
 def _usable_bytes(args) -> int:
@@ -75,6 +102,7 @@ async def serve_lanes(args, run_argv: list[str]) -> int:
         raise RingletError("--plan serves one model; several --model need negotiated plans (drop --plan)")
     models = list(args.models or [])
     aliases = parse_aliases(getattr(args, "model_alias", None), models)
+    contexts = parse_model_contexts(getattr(args, "model_context", None), models)
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     local = "127.0.0.1" if args.api_host in ("0.0.0.0", "", "127.0.0.1") else args.api_host  # noqa: S104
     public_host = local if local != "127.0.0.1" else (args.advertise_host or args.host or "127.0.0.1")
@@ -85,7 +113,7 @@ async def serve_lanes(args, run_argv: list[str]) -> int:
     headers = auth_headers(key)
     lanes = Lanes(run_argv, models, aliases, grpc_port=args.port, data_dir=data_dir, cluster=args.cluster,
                   usable_bytes=_usable_bytes(args), public_api_url=f"http://{public_host}:{args.api_port}",
-                  supervisor_url=f"http://{local}:{args.api_port}", headers=headers)
+                  supervisor_url=f"http://{local}:{args.api_port}", headers=headers, contexts=contexts)
     sync = ModelSync(lanes, data_dir / "models.json", f"http://{public_host}:{args.api_port}", headers)
     sync.restore()
     from ringlet.daemon.ops.secret import api_limits

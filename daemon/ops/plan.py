@@ -212,6 +212,21 @@ def _hub_model_spec(model: str, context: int | None, name: str | None):
     return model_spec_from_model(lazy, context_tokens=ctx, name=name or location.name, config=config)
 
 
+def _model_contexts(args: argparse.Namespace) -> dict[str, int]:
+    """``--model-context`` by ``--model`` value (:func:`~.lanes_run.parse_model_contexts`).
+
+    Raises:
+        InputError: a malformed value or a model not given.
+    """
+    from ringlet.daemon.errors import RingletError
+    from ringlet.daemon.ops.lanes_run import parse_model_contexts
+
+    try:
+        return parse_model_contexts(getattr(args, "model_context", None), args.model)
+    except RingletError as exc:
+        raise InputError(str(exc)) from None
+
+
 def _model_spec(model: str, context: int | None, name: str | None):
     from ringlet.daemon.engine.hub import parse_ref
     from ringlet.daemon.engine.model_config import ModelSpecError
@@ -242,6 +257,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICY_NAMES, default=None, help="planning policy (default: balanced)")
     p.add_argument("--context", type=int, default=None,
                    help="KV-cache length in tokens to plan for (default: the model's max_position_embeddings)")
+    p.add_argument("--model-context", action="append", default=None, metavar="MODEL=TOKENS",
+                   help="one model's KV-cache length (MODEL: a --model value or its short key; repeatable; "
+                        "the others take --context), as ringlet run takes it")
     p.add_argument("--tolerance", type=float, default=None,
                    help="with --previous: accept plans this fraction worse to move fewer bytes (default 0.01)")
     p.add_argument("--prefill-share", type=float, default=None,
@@ -313,12 +331,13 @@ def _run(args: argparse.Namespace) -> int:
     if len(names) != len(args.model):
         raise InputError(f"give one --name per --model ({len(names)} names, {len(args.model)} models)")
     overhead = int(parse_bytes(args.model_overhead, "--model-overhead")) if args.model_overhead else 0
+    contexts = _model_contexts(args)
     if len(args.model) > 1:
-        specs = [_model_spec(m, args.context, n) for m, n in zip(args.model, names, strict=True)]
+        specs = [_model_spec(m, contexts.get(m, args.context), n) for m, n in zip(args.model, names, strict=True)]
         return _run_models(args, nodes, links, specs, policy, overhead)
     if overhead:
         nodes = [replace(n, memory_bytes=max(0, n.memory_bytes - overhead)) for n in nodes]
-    model = _model_spec(args.model[0], args.context, names[0])
+    model = _model_spec(args.model[0], contexts.get(args.model[0], args.context), names[0])
     try:
         plan = make_plan(nodes, links, model, previous=previous, policy=policy)
     except Infeasible as exc:

@@ -98,6 +98,9 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     run.add_argument("--model-alias", action="append", default=None, metavar="NAME=MODEL",
                      help="another name requests may give for one of the --model values, e.g. "
                           "claude-haiku=smollm2-135m (repeatable)")
+    run.add_argument("--model-context", action="append", default=None, metavar="MODEL=TOKENS",
+                     help="context tokens to size one model's KV caches for, e.g. Qwen3-4B=32768 (MODEL: a "
+                          "--model value or its short key; repeatable; the others take --context)")
     run.add_argument("--host", default="127.0.0.1", help="gRPC address to bind and advertise (default 127.0.0.1)")
     run.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port")
     run.add_argument("--api-host", default="127.0.0.1", help="HTTP API bind address")

@@ -84,3 +84,10 @@ def test_model_dir_without_weights(tmp_path):
     shutil.move(path / "model.safetensors", tmp_path / "elsewhere.safetensors")
     proc = ringlet("generate", "--model", str(path), "hi")
     assert_clean_error(proc, "no *.safetensors")
+
+
+@pytest.mark.parametrize(("value", "needle"), [("other=300", "'other' is not one of the --model values (smollm2-135m)"),
+                                               ("smollm2-135m=-1", "not a positive number of tokens")])
+def test_a_model_context_for_no_served_model_is_refused_before_loading(value, needle):
+    proc = ringlet("run", "--no-mdns", "--no-dashboard", "--port", "0", "--model-context", value)
+    assert_clean_error(proc, "--model-context", needle)

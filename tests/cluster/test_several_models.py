@@ -91,13 +91,15 @@ def test_three_daemons_serve_two_models_through_every_node_at_once(tmp_path, ref
     ref = reference[0]  # "Once upon a time", 40 tokens, transformers fp32
     big_prompt, want_big = ref["prompt_ids"], list(ref["completion_ids"])[:16]
     args = ["--model", "smollm2-135m", "--model", str(small), "--model-alias", "claude-haiku=tiny-llama",
-            "--context", "512"]
+            "--context", "512", "--model-context", "tiny-llama=192"]
     with LocalCluster(3, dtype="float32", dynamic=True, extra_args=args) as c:
         views = wait_models(c, [0, 1, 2], {"smollm2-135m": "serving", "tiny-llama": "serving"},
                             {"smollm2-135m": 3, "tiny-llama": 3})
         for v in views:  # each model its own ring over the three machines, in priority order
             assert [m["key"] for m in v["models"]] == ["smollm2-135m", "tiny-llama"]
             assert [m["priority"] for m in v["models"]] == [0, 1]
+            # each model's KV planned at its own context: --model-context for one, --context for the other
+            assert [m["context_tokens"] for m in v["models"]] == [512, 192]
         for url in c.api_urls:
             ids = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
             assert set(ids) == {"smollm2-135m", "tiny-llama", "claude-haiku"}

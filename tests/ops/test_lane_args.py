@@ -9,7 +9,7 @@ import pytest
 
 from ringlet.daemon.errors import RingletError
 from ringlet.daemon.ops.lane_args import lane_argv, lane_key, strip_options
-from ringlet.daemon.ops.lanes_run import parse_aliases
+from ringlet.daemon.ops.lanes_run import parse_aliases, parse_model_contexts
 
 
 def test_lane_keys_are_the_same_on_every_machine():
@@ -57,3 +57,30 @@ def test_aliases_name_a_model_by_value_or_key():
         parse_aliases(["claude-haiku"], models)
     with pytest.raises(RingletError, match="not one of the --model values"):
         parse_aliases(["x=gpt-4"], models)
+
+
+def test_a_models_own_context_is_its_lanes_last_context(tmp_path):
+    """``--model-context`` goes to its model's lane as that lane's ``--context``, after the
+    node's (``run`` takes the last); the other lanes keep the node's ``--context``."""
+    argv = ["run", "--model", "big", "--model", "/m/small", "--context", "32768", "--model-context", "small=4096",
+            "--port", "9000"]
+    models = ["big", "/m/small"]
+    contexts = parse_model_contexts(["small=4096"], models)
+    assert contexts == {"/m/small": 4096}
+    small = lane_argv(argv, model="/m/small", grpc_port=9001, api_port=41000, data_dir=tmp_path, cluster="c/small",
+                      share_file=None, supervisor_url="http://127.0.0.1:8000", public_api_url="http://h:8000",
+                      index=1, context=contexts.get("/m/small"))
+    big = lane_argv(argv, model="big", grpc_port=9000, api_port=41001, data_dir=tmp_path, cluster="c",
+                    share_file=None, supervisor_url="http://127.0.0.1:8000", public_api_url="http://h:8000",
+                    context=contexts.get("big"))
+    assert "--model-context" not in small + big
+    assert small[-2:] == ["--context", "4096"] and small.count("--context") == 2
+    assert big.count("--context") == 1 and big[big.index("--context") + 1] == "32768"
+
+
+@pytest.mark.parametrize(("value", "needle"), [("small", "MODEL=TOKENS"), ("small=0", "not a positive number"),
+                                               ("small=lots", "not a positive number"),
+                                               ("gpt-4=8192", "not one of the --model values")])
+def test_a_bad_model_context_is_one_error_naming_it(value, needle):
+    with pytest.raises(RingletError, match=needle):
+        parse_model_contexts([value], ["big", "/m/small"])

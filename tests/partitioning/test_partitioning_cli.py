@@ -224,3 +224,30 @@ def test_several_models_bad_names(files, capsys):
                                             "--model", files / "m", "--name", "x")
     assert "same name" in _bad(capsys, "--nodes", files / "nodes.json", "--model", files / "m",
                                "--model", files / "m")
+
+
+def test_one_models_context_changes_its_kv_alone(capsys):
+    """``--model-context`` plans one model's KV at its own context; the others keep theirs.
+    DeepSeek V3 caches MLA's compressed latent: (kv_lora_rank 512 + qk_rope_head_dim 64)
+    bf16 values, 2 bytes each, per token and layer, over 61 layers (its config.json). Going
+    from its full 163,840 tokens to 32,768 frees (163,840 - 32,768) x 61 x 576 x 2 bytes,
+    worked out by hand: 9,210,691,584 bytes over the cluster."""
+    models = EXAMPLES / "models"
+    argv = ["--nodes", str(EXAMPLES / "seed_cluster.json"), "--json",
+            "--model", str(models / "deepseek-v3-671b-4bit"), "--model", str(models / "llama-3.2-3b-4bit")]
+
+    def placed(*more: str) -> dict:
+        assert plan_cli.main([*argv, *more]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    full, short = placed(), placed("--model-context", "deepseek-v3-671b-4bit=32768")
+    assert short["plans"]["deepseek-v3-671b-4bit"]["model"]["context_tokens"] == 32768
+    assert full["plans"]["deepseek-v3-671b-4bit"]["model"]["context_tokens"] == 163840
+    def llama(placement: dict) -> tuple:  # its context, ranges and memory (its capacity is what deepseek leaves)
+        plan = placement["plans"]["llama-3.2-3b-4bit"]
+        return plan["model"], [(s["node_id"], s["start"], s["end"], s["memory_bytes"]) for s in plan["stages"]]
+
+    assert llama(short) == llama(full)
+    assert sum(short["memory_left"].values()) - sum(full["memory_left"].values()) == 9_210_691_584
+    assert "'gpt-4' is not one of the --model values" in _bad(capsys, *argv, "--model-context", "gpt-4=8192")
+    assert "not a positive number of tokens" in _bad(capsys, *argv, "--model-context", "llama-3.2-3b-4bit=0")
