@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not on macOS or Linux: no registry, as before
@@ -66,7 +68,7 @@ def _held() -> Iterator[dict[int, tuple[float, int]]]:
         now = time.time()
         try:
             holds = {int(k): (float(v[0]), int(v[1])) for k, v in json.loads(f.read() or "{}").items()
-                     if float(v[0]) > now and _alive(int(v[1]))}
+                     if float(v[0]) > now and psutil.pid_exists(int(v[1]))}
         except (ValueError, TypeError, AttributeError):
             holds = {}  # a torn or foreign file: start over
         yield holds
@@ -74,16 +76,6 @@ def _held() -> Iterator[dict[int, tuple[float, int]]]:
         f.truncate()
         f.write(json.dumps({str(k): v for k, v in holds.items() if v[0] > now}))
         f.flush()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: alive
-    return True
 
 
 def claim_port(port: int, host: str = "0.0.0.0") -> bool:  # noqa: S104 - a probe, closed at once
@@ -96,7 +88,8 @@ def claim_port(port: int, host: str = "0.0.0.0") -> bool:  # noqa: S104 - a prob
         host: the address to probe (default every IPv4 address).
     """
     with _held() as holds:
-        if holds.get(port, (0.0, os.getpid()))[1] != os.getpid() or not _bindable(host, port, reuse=True):
+        held = holds.get(port)
+        if (held is not None and held[1] != os.getpid()) or not _bindable(host, port, reuse=True):
             return False
         holds[port] = (time.time() + HOLD_S, os.getpid())
         return True
@@ -121,14 +114,15 @@ def _candidates(n: int) -> range:
     return range(last + 1, 65536 - n + 1)
 
 
-def _kernel_block(n: int, host: str) -> int:
+def _kernel_block(n: int, host: str, holds: dict[int, tuple[float, int]]) -> int:
     """A block of ``n`` ports around one the kernel picks (inside the ephemeral range:
-    the fallback when nothing lies outside it)."""
+    the fallback when nothing lies outside it), none of them in ``holds``."""
     for _ in range(50):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             base = s.getsockname()[1]
-        if base + n <= 65536 and all(_bindable(host, p) for p in range(base, base + n)):
+        if base + n <= 65536 and not any(p in holds for p in range(base, base + n)) and all(
+                _bindable(host, p) for p in range(base, base + n)):
             return base
     raise OSError(f"no block of {n} free TCP ports on {host}")
 
@@ -154,12 +148,14 @@ def free_port_block(n: int, host: str = "127.0.0.1", tries: int = 200) -> int:
     """
     pool = _candidates(n)
     with _held() as holds:
-        base = _kernel_block(n, host) if not pool else _draw(pool, n, host, tries, holds)
+        base = _kernel_block(n, host, holds) if not pool else _draw(pool, n, host, tries, holds)
         holds.update(dict.fromkeys(range(base, base + n), (time.time() + HOLD_S, os.getpid())))
         return base
 
 
-def _draw(pool: range, n: int, host: str, tries: int, holds: dict[int, float]) -> int:
+def _draw(pool: range, n: int, host: str, tries: int, holds: dict[int, tuple[float, int]]) -> int:
+    """A block of ``n`` ports drawn at random from ``pool``, all bindable at once and none in
+    ``holds``; raises OSError after ``tries`` draws."""
     for _ in range(tries):
         base = pool[secrets.randbelow(len(pool))]
         if any(p in holds for p in range(base, base + n)):
